@@ -1,0 +1,965 @@
+"""kit_runtime: the Runtime that plays runs and records them in the log.
+
+Owns: playing runs (sequencing their events, group-committing them to the event store, handing
+them live to streams), session claims (through the store), conversation-memory sessions, the
+openai-agents adapter, and the asyncio engine thread that lets the engines run under trio.
+
+Must never: speak HTTP or read argv; print, log or persist the application context.
+
+Theory of operation
+-------------------
+There are two sides. The *kit side* is the event loop that opened the deck (asyncio or trio): it
+owns the store, the writer and the streams. The *engine side* is where SDK objects live: the same
+loop under asyncio; under trio, one asyncio loop in a daemon thread (``EngineThread``), because
+openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9).
+
+A run's events are created on the engine side by ``_Run.emit``, in the engine's own order: the
+tapped model emits ``text.delta`` as the model produces each chunk, hooks emit tool events. The
+event gets its ``seq`` there and goes to the kit side: directly under asyncio; under trio through
+the engine thread's mailbox, whose consumer is woken once per batch, never once per event
+(coalesced wake-ups, PERF.md section 5). The kit side puts it in the writer's buffer and, when
+someone streams the run, in the run's live buffer.
+
+The writer group-commits: one ``store.append`` per batch (``FLUSH_MAX`` events, or ``FLUSH_DELAY``
+after the first), never one commit per token (PERF.md section 3). ``run.started`` is committed
+with the run's claim before the engine starts; ``tool.started`` and every terminal event are
+durable before the engine goes on (``_Run.durable``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import json
+import os
+import socket
+import sqlite3
+import threading
+import typing
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import agents as sdk
+import anyio
+import sniffio
+from agents.agent_output import AgentOutputSchema
+from agents.function_schema import function_schema
+from agents.memory import SessionABC
+
+import kit
+from kit import (
+    AudioBlock, Claim, ConfigError, Context, ContentError, DataBlock, DeckStateError, Event,
+    ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock, RunCancelled,
+    RunCompleted, RunFailed, RunStarted, TextBlock, TextDelta, ToolCompleted, ToolStarted,
+    TurnResult, Usage,
+)
+from kit_store import store_from_url
+
+__all__ = ("Runtime", "EngineThread", "compile_agent", "run_headless", "store_from_url")
+
+#: A batch is committed when this many events wait, or FLUSH_DELAY after the first one arrived:
+#: a slow stream is visible to other processes within FLUSH_DELAY, a fast one pays one commit
+#: per FLUSH_MAX events (~5 us/event instead of ~31 us with one commit each, PERF.md section 3).
+FLUSH_MAX = 256
+FLUSH_DELAY = 0.02
+#: A stream's live buffer. A consumer that falls this far behind is not allowed to grow memory:
+#: its buffer is dropped and it catches up from the log (which has every event) instead.
+LIVE_MAX = 10_000
+#: Under trio, ordinary events wait up to this long before waking the kit side, so one wake-up
+#: carries many events (PERF.md section 5, strategy D); durable events wake it at once.
+TRIO_WAKE_DELAY = 0.002
+#: A live run's lease; renewed every third of it. A process that dies stops renewing, and after
+#: this long its runs are recorded as abandoned and their sessions freed (DESIGN 4.5).
+DEFAULT_LEASE_SECONDS = 30.0
+#: How long closing the deck waits for cancelled runs to record their end.
+CLOSE_TIMEOUT = 10.0
+#: Error messages recorded in run.failed are cut to this length.
+MAX_ERROR_CHARS = 2000
+
+
+# ==================================================================== engine thread (trio) ====
+
+class EngineThread:
+    """One asyncio loop in a daemon thread, hosting every SDK object when the deck runs on trio.
+
+    ``call`` runs a coroutine function there and waits for it from trio; cancelling the trio
+    caller cancels the asyncio task and waits (bounded) for it to unwind. ``post`` hands items
+    from the engine thread to the trio side through a mailbox drained by ``pump``.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name="kit-engine", daemon=True)
+        self._mail: deque[Any] = deque()
+        self._lock = threading.Lock()
+        self._armed = 0  # 0: no wake-up pending, 1: a delayed one, 2: an immediate one
+        self._token: Any = None
+        self._wake: anyio.Event | None = None
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def start(self) -> None:
+        import trio
+        self._token = trio.lowlevel.current_trio_token()
+        self._wake = anyio.Event()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            await anyio.to_thread.run_sync(self._thread.join)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        done, token, box = anyio.Event(), self._token, {}
+        task: list[asyncio.Task[Any]] = []
+
+        async def play() -> None:
+            try:
+                box["result"] = await fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - carried to the trio side
+                box["error"] = exc
+            finally:
+                token.run_sync_soon(done.set)
+
+        # A fresh context: the task must not inherit the trio thread's context variables
+        # (sniffio's among them would make anyio believe the engine loop is trio).
+        self.loop.call_soon_threadsafe(lambda: task.append(self.loop.create_task(play())),
+                                       context=contextvars.Context())
+        try:
+            await done.wait()
+        except BaseException:
+            self.loop.call_soon_threadsafe(lambda: task[0].cancel())
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+                await done.wait()  # the engine side records how the run ended before we go on
+            raise
+        if "error" in box:
+            if isinstance(box["error"], asyncio.CancelledError):
+                raise DeckStateError("CLOSED", "finish the run") from None
+            raise box["error"]
+        return box["result"]
+
+    def post(self, item: Any, urgent: bool) -> None:
+        """Engine side: queue ``item`` for ``pump``; wake the trio side at most once per batch."""
+        with self._lock:
+            self._mail.append(item)
+            armed, self._armed = self._armed, max(self._armed, 2 if urgent else 1)
+        if urgent and armed < 2:
+            self._token.run_sync_soon(self._set)
+        elif not armed:
+            self.loop.call_later(TRIO_WAKE_DELAY, self._token.run_sync_soon, self._set)
+
+    def _set(self) -> None:
+        self._wake.set()  # type: ignore[union-attr]
+
+    def take(self) -> list[Any]:
+        with self._lock:
+            items = list(self._mail)
+            self._mail.clear()
+            self._armed = 0
+            self._wake = anyio.Event()
+        return items
+
+    async def pump(self, handle: Callable[[Any], Any]) -> None:
+        while True:
+            await self._wake.wait()  # type: ignore[union-attr]
+            for item in self.take():
+                await handle(item)
+
+
+# ===================================================================================== writer ====
+
+class _Writer:
+    """Group commit: events wait in one buffer and reach the store in batches.
+
+    ``put`` never awaits. ``flush`` commits everything buffered. A batch that fails is retried
+    run by run so one run's failure (a fencing conflict) never loses another run's events; the
+    failing run's error is kept for its next durable write to raise.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._buf: list[Event] = []
+        self._lock = anyio.Lock()
+        self._wake = anyio.Event()
+        self.failed: dict[str, BaseException] = {}
+
+    def put(self, event: Event) -> None:
+        self._buf.append(event)
+        if len(self._buf) == 1 or len(self._buf) >= FLUSH_MAX:
+            self._wake.set()
+
+    async def flush(self) -> None:
+        async with self._lock:
+            batch, self._buf = self._buf, []
+            if not batch:
+                return
+            try:
+                await self.store.append(batch)
+            except Exception:
+                by_run: dict[str, list[Event]] = {}
+                for ev in batch:
+                    by_run.setdefault(ev.run_id, []).append(ev)
+                for run_id, evs in by_run.items():
+                    try:
+                        await self.store.append(evs)
+                    except Exception as exc:
+                        self.failed[run_id] = exc
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            if len(self._buf) < FLUSH_MAX:
+                await anyio.sleep(FLUSH_DELAY)  # let a batch gather
+            await self.flush()
+
+
+# ======================================================================================= runs ====
+
+class _Run:
+    """One run being played: sequences its events and carries them to the kit side.
+
+    ``emit`` and ``durable`` are called on the engine side; ``feed`` and ``events`` on the kit
+    side. ``data`` is the caller's context object: handed to callables, never written anywhere.
+    """
+
+    def __init__(self, runtime: Runtime, spec: InvocableSpec, run_id: str, data: Any,
+                 session_id: str | None, namespace: str | None, streaming: bool) -> None:
+        self.runtime, self.spec, self.run_id, self.data = runtime, spec, run_id, data
+        self.session_id, self.namespace, self.streaming = session_id, namespace, streaming
+        self.origin = spec.name
+        self.seq = 0
+        self.tool_errors: set[str] = set()
+        self.input_tokens = self.output_tokens = 0
+        self.usd: float | None = 0.0
+        self.live: deque[Event] | None = deque() if streaming else None
+        self.wake = anyio.Event()
+        self.lagged = False
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+        self.scope = anyio.CancelScope()
+        self.closing = False
+
+    def _event(self, payload: Any, origin: str | None, message_id: str | None) -> Event:
+        self.seq += 1
+        return Event(self.run_id, self.seq, payload, origin or self.origin, message_id)
+
+    def emit(self, payload: Any, *, origin: str | None = None, message_id: str | None = None) -> Event:
+        event = self._event(payload, origin, message_id)
+        self.runtime._deliver(self, event)
+        return event
+
+    async def durable(self, payload: Any, *, origin: str | None = None) -> Event:
+        event = self._event(payload, origin, None)
+        await self.runtime._deliver_durable(self, event)
+        return event
+
+    def add_usage(self, input_tokens: int, output_tokens: int, usd: float | None) -> None:
+        self.input_tokens += input_tokens
+        self.output_tokens += output_tokens
+        self.usd = None if usd is None or self.usd is None else self.usd + usd
+
+    def usage(self) -> Usage:
+        return Usage(self.input_tokens, self.output_tokens,
+                     None if self.usd is None else round(self.usd, 10))
+
+    # kit side ---------------------------------------------------------------------------
+    def feed(self, event: Event) -> None:
+        if self.live is None:
+            return
+        if len(self.live) >= LIVE_MAX:  # the consumer stalled: it will catch up from the log
+            self.live.clear()
+            self.lagged = True
+        self.live.append(event)
+        self.wake.set()
+
+    async def events(self, after: int) -> AsyncIterator[Event]:
+        """Kit side: this run's events after ``after``, live, until a terminal/parking one."""
+        last = after
+        while True:
+            if self.lagged:
+                self.lagged = False
+                await self.runtime.writer.flush()
+                backlog = await self.runtime.store.read(self.run_id, after=last)
+            else:
+                if not self.live:
+                    if self.done.is_set():
+                        return
+                    self.wake = anyio.Event()
+                    if not self.live and not self.done.is_set():
+                        await self.wake.wait()
+                    continue
+                backlog = list(self.live)
+                self.live.clear()
+            for ev in backlog:
+                if ev.seq <= last:
+                    continue
+                last = ev.seq
+                yield ev
+                if ev.payload.ends:
+                    return
+
+
+# ============================================================================ agents adapter ====
+
+#: The run a model call belongs to (set around Runner.run; the SDK's tasks inherit it).
+_CURRENT_RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("kit_run", default=None)
+_UNPRICED: set[str] = set()
+
+
+def _price(model: str, input_tokens: int, output_tokens: int) -> float | None:
+    """Estimated USD from genai-prices' bundled data (offline); None for an unknown model."""
+    if model in _UNPRICED:
+        return None
+    from genai_prices import Usage as PriceUsage, calc_price
+    try:
+        price = calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens),
+                           model_ref=model, provider_id="openai")
+    except LookupError:
+        _UNPRICED.add(model)
+        return None
+    return float(price.total_price)
+
+
+def _message_text(item: Any) -> str:
+    return "".join(getattr(part, "text", "") or "" for part in getattr(item, "content", ()) or ())
+
+
+class _TapModel(sdk.Model):
+    """Wraps an agent's model so its output is recorded as it is produced.
+
+    Deck runs use the non-streamed ``Runner.run`` for both ``run`` and ``stream``: when the run
+    streams, ``get_response`` consumes the inner model's ``stream_response`` itself, emitting a
+    ``text.delta`` per chunk in the engine's own order, and returns the same ``ModelResponse``
+    the runner would have built. That skips the SDK's stream-event machinery (a queue hop and two
+    wrapper objects per token) while keeping text, tools and usage exactly as the SDK sees them.
+    """
+
+    def __init__(self, agent: str, model: str | sdk.Model | None) -> None:
+        self.agent = agent
+        self._model = model
+        self._inner: sdk.Model | None = model if isinstance(model, sdk.Model) else None
+
+    def inner(self) -> sdk.Model:
+        if self._inner is None:  # resolved on first use: building the client needs settings
+            self._inner = sdk.MultiProvider().get_model(self._model)  # type: ignore[arg-type]
+        return self._inner
+
+    def model_name(self) -> str:
+        inner = self.inner()
+        return str(getattr(inner, "model", None) or self._model or type(inner).__name__)
+
+    async def get_response(self, system_instructions, input, model_settings, tools, output_schema,
+                           handoffs, tracing, *, previous_response_id=None, conversation_id=None,
+                           prompt=None) -> Any:
+        run: _Run | None = _CURRENT_RUN.get()
+        inner = self.inner()
+        args = (system_instructions, input, model_settings, tools, output_schema, handoffs, tracing)
+        kw = dict(previous_response_id=previous_response_id, conversation_id=conversation_id,
+                  prompt=prompt)
+        if run is None:
+            return await inner.get_response(*args, **kw)
+        ids: dict[int, str] = {}
+        if run.streaming:
+            response = await self._stream(run, inner.stream_response(*args, **kw), ids)
+        else:
+            response = await inner.get_response(*args, **kw)
+            for i, item in enumerate(response.output):
+                if getattr(item, "type", None) == "message":
+                    ids[i] = uuid.uuid4().hex
+                    run.emit(TextDelta(_message_text(item)), origin=self._origin(run),
+                             message_id=ids[i])
+        self._record(run, response, output_schema, ids)
+        return response
+
+    async def _stream(self, run: _Run, stream: AsyncIterator[Any], ids: dict[int, str]) -> Any:
+        origin, final, done_items = self._origin(run), None, []
+        async for ev in stream:
+            kind = getattr(ev, "type", None)
+            if kind == "response.output_text.delta":
+                mid = ids.get(ev.output_index)
+                if mid is None:
+                    mid = ids[ev.output_index] = uuid.uuid4().hex
+                run.emit(TextDelta(ev.delta), origin=origin, message_id=mid)
+            elif kind == "response.output_item.done":
+                done_items.append(ev.item)
+            elif kind == "response.completed":
+                final = ev.response
+            elif kind in ("response.failed", "response.incomplete", "error", "response.error"):
+                raise sdk.ModelBehaviorError(f"the model stream ended with {kind}")
+        if final is None:
+            raise sdk.ModelBehaviorError("Model did not produce a final response!")
+        output = final.output or done_items  # some backends leave the final output empty
+        u = final.usage
+        usage = sdk.Usage(requests=1, input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+                          total_tokens=u.total_tokens, input_tokens_details=u.input_tokens_details,
+                          output_tokens_details=u.output_tokens_details) if u else sdk.Usage()
+        return sdk.ModelResponse(output=output, usage=usage, response_id=final.id)
+
+    def _origin(self, run: _Run) -> str:
+        return run.origin if self.agent == run.origin else f"{run.origin}/{self.agent}"
+
+    def _record(self, run: _Run, response: Any, output_schema: Any, ids: dict[int, str]) -> None:
+        origin = self._origin(run)
+        calls_tools = any(getattr(i, "type", None) == "function_call" for i in response.output)
+        for i, item in enumerate(response.output):
+            if getattr(item, "type", None) != "message":
+                continue
+            text, output = _message_text(item), None
+            if output_schema is not None and not output_schema.is_plain_text() and not calls_tools:
+                try:
+                    output = kit._jsonable(output_schema.validate_json(text))
+                except Exception:  # the runner reports invalid output itself
+                    output = None
+            run.emit(MessageCompleted(text, output, self.agent), origin=origin,
+                     message_id=ids.get(i))
+        model = self.model_name()
+        u = response.usage
+        usd = _price(model, u.input_tokens, u.output_tokens)
+        run.add_usage(u.input_tokens, u.output_tokens, usd)
+        run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd), origin=origin)
+
+    async def stream_response(self, *args: Any, **kw: Any) -> AsyncIterator[Any]:
+        async for ev in self.inner().stream_response(*args, **kw):
+            yield ev
+
+
+class _KitHooks(sdk.RunHooks):
+    """Records tool calls: ``tool.started`` durable before the tool runs, then ``tool.completed``."""
+
+    async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
+        run = context.context
+        if isinstance(run, _Run):
+            call_id = getattr(context, "tool_call_id", None) or uuid.uuid4().hex
+            await run.durable(ToolStarted(call_id, tool.name, getattr(context, "tool_arguments", "") or ""),
+                              origin=_tool_origin(run, agent, tool))
+
+    async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
+        run = context.context
+        if isinstance(run, _Run):
+            call_id = getattr(context, "tool_call_id", None) or ""
+            run.emit(ToolCompleted(call_id, tool.name, kit._jsonable(result), call_id in run.tool_errors),
+                     origin=_tool_origin(run, agent, tool))
+
+
+def _tool_origin(run: _Run, agent: Any, tool: Any) -> str:
+    base = run.origin if agent.name == run.origin else f"{run.origin}/{agent.name}"
+    return f"{base}/{tool.name}"
+
+
+_HOOKS = _KitHooks()
+
+
+def _data(wrapper: Any) -> Any:
+    """The caller's context object for an SDK context wrapper (None on headless runs)."""
+    run = getattr(wrapper, "context", None)
+    return run.data if isinstance(run, _Run) else None
+
+
+def _is_context(annotation: Any) -> bool:
+    if isinstance(annotation, str):  # postponed annotations: `from __future__ import annotations`
+        return annotation == "Context" or annotation.startswith(("Context[", "kit.Context"))
+    return annotation is Context or typing.get_origin(annotation) is Context
+
+
+def _compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
+    """A plain function as an SDK ``FunctionTool``; ``Context[...]`` parameters are injected.
+
+    The schema is the SDK's own (``function_schema``, docstring descriptions included) built
+    over the function's signature without its context parameters, so the model never sees them.
+    The tool's exception goes back to the model as an error string, not a failed run.
+    """
+    sig = inspect.signature(fn)
+    ctx_names = [p.name for p in sig.parameters.values() if _is_context(p.annotation)]
+    if ctx_names and any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+        raise ConfigError(f"agent {agent!r}: tool {fn.__name__} takes *args and a Context parameter")
+    visible = [p for p in sig.parameters.values() if p.name not in ctx_names]
+
+    def proxy(*a: Any, **k: Any) -> Any:  # only its signature and docs are read
+        raise AssertionError
+
+    proxy.__name__, proxy.__qualname__, proxy.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    proxy.__module__ = fn.__module__
+    proxy.__signature__ = sig.replace(parameters=visible)  # type: ignore[attr-defined]
+    proxy.__annotations__ = {k: v for k, v in getattr(fn, "__annotations__", {}).items()
+                             if k not in ctx_names}
+    try:
+        schema = function_schema(proxy)
+    except Exception as exc:
+        raise ConfigError(f"agent {agent!r}: cannot build a schema for tool {fn.__name__}: {exc}") from None
+    names = [p.name for p in visible]
+    is_async = inspect.iscoroutinefunction(fn)
+
+    async def invoke(tool_ctx: Any, args_json: str) -> Any:
+        run = tool_ctx.context
+        if ctx_names and not isinstance(run, _Run):
+            raise ConfigError(f"tool {fn.__name__} requires a kit run context, but the run carries "
+                              f"{type(run).__name__} rather than a run context (headless Agent.run?)")
+        try:
+            parsed = schema.params_pydantic_model(**json.loads(args_json or "{}"))
+            args, kwargs = schema.to_call_args(parsed)
+            call = dict(zip(names, args)) if ctx_names else None
+            if call is not None:
+                call.update(kwargs)
+                call.update({n: Context(run.data) for n in ctx_names})
+                args, kwargs = (), call
+            if is_async:
+                return await fn(*args, **kwargs)
+            out = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+            return await out if inspect.isawaitable(out) else out
+        except Exception as exc:
+            if isinstance(run, _Run):
+                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+            return f"error: {type(exc).__name__}: {exc}"
+
+    return sdk.FunctionTool(name=schema.name, description=schema.description or "",
+                            params_json_schema=schema.params_json_schema, on_invoke_tool=invoke,
+                            strict_json_schema=schema.strict_json_schema)
+
+
+def _instructions(agent: kit.Agent) -> Any:
+    fn = agent.instructions
+    if fn is None or isinstance(fn, str):
+        return fn
+
+    async def instructions(wrapper: Any, sdk_agent: Any) -> str:
+        out = fn(Context(_data(wrapper)), sdk_agent)
+        return await out if inspect.isawaitable(out) else out
+
+    return instructions
+
+
+_HOOK_METHODS = ("on_start", "on_end", "on_handoff", "on_tool_start", "on_tool_end",
+                 "on_llm_start", "on_llm_end")
+
+
+class _UserHooks(sdk.AgentHooks):
+    """The agent's own hooks object, called with a ``Context`` in place of the SDK's context."""
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+
+    async def _call(self, name: str, wrapper: Any, *args: Any) -> None:
+        method = getattr(self.user, name, None)
+        if method is not None:
+            out = method(Context(_data(wrapper)), *args)
+            if inspect.isawaitable(out):
+                await out
+
+
+def _hook_method(name: str) -> Callable[..., Any]:
+    async def method(self: _UserHooks, context: Any, *args: Any) -> None:
+        await self._call(name, context, *args)
+    method.__name__ = name
+    return method
+
+
+for _name in _HOOK_METHODS:
+    setattr(_UserHooks, _name, _hook_method(_name))
+
+
+class _AgentEngine:
+    """What ``compile_agent`` produces: the SDK agent and how to turn blocks into its input."""
+
+    def __init__(self, sdk_agent: sdk.Agent, chat: bool) -> None:
+        self.sdk_agent, self.chat = sdk_agent, chat
+
+    def to_input(self, blocks: Sequence[Any]) -> str | list[dict[str, Any]]:
+        return _model_input(blocks, self.chat)
+
+
+def _wants_chat(model: Any) -> bool:
+    if isinstance(model, sdk.Model):
+        return isinstance(model, sdk.OpenAIChatCompletionsModel)
+    return os.environ.get("KIT_OPENAI_API", "responses") == "chat_completions"
+
+
+def _model_input(blocks: Sequence[Any], chat: bool) -> str | list[dict[str, Any]]:
+    """Content blocks as one user message of the Responses input format.
+
+    Resource and data blocks are recorded in the log but not sent (SPEC 8). Raises
+    ``ConfigError`` naming a block this engine path cannot express (audio off the
+    chat-completions path), ``ContentError`` when nothing is left to send.
+    """
+    if len(blocks) == 1 and isinstance(blocks[0], TextBlock):
+        return blocks[0].text
+    parts: list[dict[str, Any]] = []
+    for b in blocks:
+        if isinstance(b, TextBlock):
+            parts.append({"type": "input_text", "text": b.text})
+        elif isinstance(b, ImageBlock):
+            parts.append({"type": "input_image", "detail": "auto",
+                          "image_url": f"data:{b.media_type};base64,{b.data_b64}"})
+        elif isinstance(b, AudioBlock):
+            if not chat:
+                raise ConfigError("AudioBlock cannot be sent on the Responses API path: set "
+                                  "KIT_OPENAI_API=chat_completions or give the agent an "
+                                  "OpenAIChatCompletionsModel")
+            fmt = b.media_type.split("/", 1)[1].removeprefix("x-")
+            parts.append({"type": "input_audio", "input_audio": {
+                "data": b.data_b64, "format": {"mpeg": "mp3"}.get(fmt, fmt)}})
+        elif not isinstance(b, (ResourceBlock, DataBlock)):
+            raise ConfigError(f"the agents engine cannot express a {type(b).__name__}")
+    if not parts:
+        raise ContentError("nothing to send to the model: resource and data blocks are recorded "
+                           "but not sent; add a TextBlock")
+    return [{"role": "user", "content": parts}]
+
+
+def _sdk_agent(agent: kit.Agent, model: Any) -> sdk.Agent:
+    return sdk.Agent(
+        name=agent.name, instructions=_instructions(agent),
+        tools=[t if isinstance(t, kit._SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools],
+        hooks=_UserHooks(agent.hooks) if agent.hooks is not None else None, model=model,
+        model_settings=agent.model_settings or sdk.ModelSettings(), output_type=agent.output_type)
+
+
+def compile_agent(agent: kit.Agent) -> InvocableSpec:
+    """Compile an ``Agent`` for Deck runs (its model tapped so its output reaches the log)."""
+    model = agent.model or os.environ.get("KIT_MODEL") or None
+    return InvocableSpec(agent.name, "agent", agent,
+                         _AgentEngine(_sdk_agent(agent, _TapModel(agent.name, model)), _wants_chat(model)))
+
+
+async def run_headless(agent: kit.Agent, input: Any, *, session: Any = None,
+                       max_turns: int | None = None) -> Any:
+    """``Agent.run``: the SDK's own run of the agent, no log, no deck; returns its RunResult."""
+    if agent._headless is None:
+        model = agent.model or os.environ.get("KIT_MODEL") or None
+        agent._headless = _AgentEngine(_sdk_agent(agent, model), _wants_chat(model))
+    engine = agent._headless
+    items = engine.to_input(kit.as_blocks(input))
+    kw: dict[str, Any] = {"session": session}
+    if max_turns is not None:
+        kw["max_turns"] = max_turns
+
+    async def play() -> Any:
+        return await sdk.Runner.run(engine.sdk_agent, items, **kw)
+
+    if sniffio.current_async_library() == "asyncio":
+        return await play()
+    thread = EngineThread()
+    thread.start()
+    try:
+        return await thread.call(play)
+    finally:
+        await thread.stop()
+
+
+async def _play_agent(run: _Run, items: Any, session: Any, run_config: Any) -> Event:
+    """Engine side: play an agent turn, ending the run with its terminal event."""
+    token = _CURRENT_RUN.set(run)
+    try:
+        result = await sdk.Runner.run(run.spec.engine.sdk_agent, items, context=run, hooks=_HOOKS,
+                                      run_config=run_config, session=session)
+    except anyio.get_cancelled_exc_class():
+        run.emit(RunCancelled("the deck closed" if run.closing else "the caller was cancelled"))
+        raise
+    except Exception as exc:
+        run.error = exc  # a stream's consumer raises it after run.failed
+        await run.durable(RunFailed(type(exc).__name__, str(exc)[:MAX_ERROR_CHARS]))
+        raise
+    finally:
+        _CURRENT_RUN.reset(token)
+    return await run.durable(RunCompleted(kit._jsonable(result.final_output), run.usage()))
+
+
+# =================================================================================== sessions ====
+
+class _MemorySessions:
+    """Every conversation-memory session of the process in ONE in-memory SQLite database.
+
+    The SDK's ``SQLiteSession(":memory:")`` costs ~64 KiB per session (a private database each,
+    PERF.md section 1); here a session is a key into one shared table. Lost on process exit.
+    """
+
+    def __init__(self) -> None:
+        self.db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+        self.db.execute("CREATE TABLE items(id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                        "session TEXT NOT NULL, data TEXT NOT NULL)")
+        self.db.execute("CREATE INDEX items_session ON items(session, id)")
+        self.lock = threading.Lock()  # the engine thread and the kit side may both call in
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class MemorySession(SessionABC):
+    """An ``agents.memory.Session`` over the shared in-memory database."""
+
+    def __init__(self, store: _MemorySessions, session_id: str) -> None:
+        self.session_id, self.session_settings, self._s = session_id, None, store
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        with self._s.lock:
+            if limit is None:
+                rows = self._s.db.execute("SELECT data FROM items WHERE session=? ORDER BY id",
+                                          (self.session_id,)).fetchall()
+            else:
+                rows = self._s.db.execute(
+                    "SELECT data FROM (SELECT id, data FROM items WHERE session=? ORDER BY id DESC "
+                    "LIMIT ?) ORDER BY id", (self.session_id, limit)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    async def add_items(self, items: list[Any]) -> None:
+        rows = [(self.session_id, json.dumps(i, default=str)) for i in items]
+        with self._s.lock:
+            self._s.db.executemany("INSERT INTO items(session, data) VALUES (?, ?)", rows)
+
+    async def pop_item(self) -> Any:
+        with self._s.lock:
+            row = self._s.db.execute("SELECT id, data FROM items WHERE session=? ORDER BY id DESC "
+                                     "LIMIT 1", (self.session_id,)).fetchone()
+            if row is None:
+                return None
+            self._s.db.execute("DELETE FROM items WHERE id=?", (row[0],))
+        return json.loads(row[1])
+
+    async def clear_session(self) -> None:
+        with self._s.lock:
+            self._s.db.execute("DELETE FROM items WHERE session=?", (self.session_id,))
+
+
+# ==================================================================================== runtime ====
+
+class Runtime:
+    """Plays the deck's runs on one event store; created and opened by ``Deck``.
+
+    Settings are read at ``open()``: ``KIT_STORE`` (when no store is passed in), ``KIT_SESSION``,
+    ``KIT_OPENAI_API``, ``KIT_LEASE_SECONDS``.
+    """
+
+    def __init__(self, specs: dict[str, InvocableSpec], *, store: Any = None,
+                 session_factory: Callable[[str], Any] | None = None) -> None:
+        self.specs, self.store = specs, store
+        self._own_store = store is None
+        self._session_factory = session_factory
+        self._sessions: dict[str, Any] = {}
+        self._memory: _MemorySessions | None = None
+        self._redis: Any = None
+        self.engine: EngineThread | None = None
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.active: dict[str, _Run] = {}
+        self._tg: Any = None
+        self._run_config = sdk.RunConfig(tracing_disabled=True)
+
+    # ------------------------------------------------------------------------ lifecycle --
+    async def open(self) -> None:
+        env = os.environ
+        api = env.get("KIT_OPENAI_API")
+        if api is not None and api not in ("responses", "chat_completions"):
+            raise ConfigError(f"KIT_OPENAI_API must be 'responses' or 'chat_completions', got {api!r}")
+        try:
+            self.lease = float(env.get("KIT_LEASE_SECONDS", DEFAULT_LEASE_SECONDS))
+        except ValueError:
+            raise ConfigError(f"KIT_LEASE_SECONDS must be a number, got {env['KIT_LEASE_SECONDS']!r}") from None
+        if not self.lease > 0:
+            raise ConfigError(f"KIT_LEASE_SECONDS must be positive, got {self.lease}")
+        session_url = env.get("KIT_SESSION")
+        if session_url and not session_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"KIT_SESSION must be a redis:// URL, got {session_url!r}")
+        if self._own_store:
+            self.store = store_from_url(env.get("KIT_STORE", "memory"))
+            await self.store.__aenter__()
+        elif not getattr(self.store, "opened", True):
+            raise ConfigError("the store passed to Deck(store=...) is not open: open it with "
+                              "`async with store:` around the deck (the deck never closes it)")
+        try:
+            if api is not None:
+                sdk.set_default_openai_api(api)  # type: ignore[arg-type]
+            if session_url:
+                import redis.asyncio
+                self._redis = redis.asyncio.from_url(session_url)
+            elif self._session_factory is None:
+                self._memory = _MemorySessions()
+            self.writer = _Writer(self.store)
+            await self.store.reap()
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+            if sniffio.current_async_library() == "trio":
+                self.engine = EngineThread()
+                self.engine.start()
+                self._tg.start_soon(self.engine.pump, self._on_mail)
+            self._tg.start_soon(self.writer.run)
+            self._tg.start_soon(self._keep_leases)
+        except BaseException:
+            await self._teardown()
+            raise
+
+    async def close(self) -> None:
+        """Cancel the runs still playing (they record ``run.cancelled``), flush, release all."""
+        with anyio.CancelScope(shield=True):
+            for run in list(self.active.values()):
+                run.closing = True
+                run.scope.cancel()
+            with anyio.move_on_after(CLOSE_TIMEOUT):
+                for run in list(self.active.values()):
+                    await run.done.wait()
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        # The task group must be left from the scope it was entered in, so before any shield.
+        if self._tg is not None:
+            tg, self._tg = self._tg, None
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
+            if self.engine is not None:
+                for item in self.engine.take():
+                    await self._on_mail(item)
+            if getattr(self, "writer", None) is not None:
+                await self.writer.flush()
+            for run in self.active.values():
+                run.done.set()
+                run.wake.set()
+            if self._redis is not None:
+                await self._on_engine(self._redis.aclose)
+            if self.engine is not None:
+                await self.engine.stop()
+            if self._memory is not None:
+                self._memory.close()
+            if self._own_store and self.store is not None:
+                await self.store.aclose()
+
+    async def _on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await (self.engine.call(fn, *args) if self.engine else fn(*args))
+
+    async def _keep_leases(self) -> None:
+        while True:
+            await anyio.sleep(self.lease / 3)
+            await self.store.renew(self.owner, self.lease)
+            await self.store.reap()
+
+    # ----------------------------------------------------------------- event delivery --
+    def _deliver(self, run: _Run, event: Event) -> None:
+        """Engine side: hand an ordinary event to the kit side (no wait)."""
+        if self.engine is None:
+            self.writer.put(event)
+            run.feed(event)
+        else:
+            self.engine.post((run, event, None), urgent=False)
+
+    async def _deliver_durable(self, run: _Run, event: Event) -> None:
+        """Engine side: hand an event over and wait until it is committed."""
+        if self.engine is None:
+            await self._commit(run, event)
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            self.engine.post((run, event, fut), urgent=True)
+            await fut
+
+    async def _commit(self, run: _Run, event: Event) -> None:
+        self.writer.put(event)
+        await self.writer.flush()
+        error = self.writer.failed.pop(run.run_id, None)
+        if error is not None:
+            raise error
+        run.feed(event)
+
+    async def _on_mail(self, item: tuple[_Run, Event, Any]) -> None:
+        """Kit side (trio): one item from the engine thread's mailbox."""
+        run, event, fut = item
+        if fut is None:
+            self.writer.put(event)
+            run.feed(event)
+            return
+        try:
+            await self._commit(run, event)
+        except Exception as exc:
+            self.engine.loop.call_soon_threadsafe(_settle, fut, exc)  # type: ignore[union-attr]
+        else:
+            self.engine.loop.call_soon_threadsafe(_settle, fut, None)  # type: ignore[union-attr]
+
+    # --------------------------------------------------------------------------- turns --
+    async def _begin(self, spec: InvocableSpec, input: Any, context: Any, session_id: str | None,
+                     namespace: str | None, run_id: str | None, streaming: bool) -> tuple[_Run, Any, Event]:
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ConfigError(f"session_id must be a non-empty str, got {session_id!r}")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise ConfigError(f"run_id must be a non-empty str, got {run_id!r}")
+        blocks = kit.as_blocks(input)
+        items = spec.engine.to_input(blocks)  # refuses what the engine cannot express: nothing written yet
+        run = _Run(self, spec, run_id or uuid.uuid4().hex, context, session_id, namespace, streaming)
+        started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks),
+                        spec.name)
+        await self.store.append([started], claim=Claim(run.run_id, self.owner, self.lease,
+                                                       session_id, namespace))
+        self.active[run.run_id] = run
+        return run, items, started
+
+    async def _play(self, run: _Run, items: Any) -> Event:
+        session = self.session_for(run.session_id, run.namespace) if run.session_id else None
+        try:
+            with run.scope:
+                if self.engine is None:
+                    return await _play_agent(run, items, session, self._run_config)
+                return await self.engine.call(_play_agent, run, items, session, self._run_config)
+            raise DeckStateError("CLOSED", "finish the run")  # the deck's close cancelled it
+        finally:
+            self.active.pop(run.run_id, None)
+            run.done.set()
+            run.wake.set()
+
+    async def run(self, spec: InvocableSpec, input: Any, *, context: Any = None,
+                  session_id: str | None = None, namespace: str | None = None,
+                  run_id: str | None = None) -> TurnResult:
+        run, items, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False)
+        end = await self._play(run, items)
+        payload = end.payload
+        return TurnResult(payload.output, payload.usage, run.run_id, session_id)
+
+    async def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
+                     session_id: str | None = None, namespace: str | None = None,
+                     run_id: str | None = None) -> AsyncIterator[Event]:
+        run, items, started = await self._begin(spec, input, context, session_id, namespace, run_id, True)
+        self._tg.start_soon(self._play_in_background, run, items)
+        yield started
+        async for event in run.events(after=0):
+            yield event
+        await run.done.wait()
+        if run.error is not None:
+            raise run.error
+
+    async def _play_in_background(self, run: _Run, items: Any) -> None:
+        try:
+            await self._play(run, items)
+        except Exception:  # a failure reaches the stream's consumer (run.error), never the deck
+            pass
+
+    async def status(self, run_id: str) -> kit.RunStatus | None:
+        info = await self.store.run_info(run_id)
+        return info.status if info is not None else None
+
+    def session_for(self, session_id: str, namespace: str | None = None) -> Any:
+        key = session_id if namespace is None else f"{namespace}:{session_id}"
+        session = self._sessions.get(key)
+        if session is None:
+            if self._session_factory is not None:
+                session = self._session_factory(key)
+            elif self._redis is not None:
+                from agents.extensions.memory.redis_session import RedisSession
+                session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
+            else:
+                session = MemorySession(self._memory, key)  # type: ignore[arg-type]
+            self._sessions[key] = session
+        return session
+
+
+def _settle(fut: asyncio.Future[Any], exc: BaseException | None) -> None:
+    if not fut.done():
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)

@@ -1,0 +1,522 @@
+"""kit_store: the event-store implementations of ``kit.EventStorePort`` (DESIGN 4.4, 4.5).
+
+Owns: ``SQLiteStore`` (one file, shared by every process that opens it), ``MemoryStore`` (one
+process, no persistence) and ``store_from_url``. Both keep the same three things: the log (events
+keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same transaction)
+and the claims (``leases``: one row per live or parked run, unique per ``(namespace, session_id)``).
+
+Must never: run engine code, read the environment at import, or do I/O at import. Files are opened
+by ``async with store:`` only.
+
+Theory of operation: ``append`` is the only writer of events and does everything a batch implies in
+one transaction (claim, events, run index, leases), so a reader never sees a half-applied batch.
+SQLite calls run inline on the event loop thread: an inline commit costs ~30 us where a thread hop
+costs 80-190 us, and the Runtime group-commits, so ``append`` receives batches. ``follow`` waits on
+an ``anyio.Event`` that every local write sets; writers in other processes cannot set it, so the
+SQLite store also re-reads every ``poll_interval`` seconds (the one poll kit allows).
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import operator
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any, Self
+
+import anyio
+import anyio.lowlevel
+
+from kit import (Claim, ConfigError, Event, KitError, LogConflictError, RunFailed, RunInfo,
+                 RunStarted, RunStatus, SessionBusyError, fold_status)
+
+__all__ = ("SQLiteStore", "MemoryStore", "store_from_url")
+
+_NOT_OPEN = "event store is not open: use `async with store:`"
+#: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
+#: for it rides out any burst, while a genuinely stuck file still fails instead of hanging.
+_BUSY_TIMEOUT_MS = 5000
+_ABANDONED = "the process playing this run stopped renewing its lease"
+_seq = operator.attrgetter("seq")
+
+
+def _abandoned(run_id: str, seq: int, name: str) -> Event:
+    """The ``run.failed`` event that records a run whose owner stopped renewing its lease."""
+    return Event(run_id, seq, RunFailed(error="RunAbandoned", message=_ABANDONED), origin=name)
+
+
+def _check_unique(events: Sequence[Event]) -> None:
+    """Raise ``LogConflictError`` at the first ``(run_id, seq)`` or ``run.started`` a batch repeats."""
+    seen: set[tuple[str, int]] = set()
+    for e in events:
+        # -1 is no seq: it stands for the run's run.started, which a run has at most once.
+        keys = ((e.run_id, e.seq), (e.run_id, -1)) if e.kind == "run.started" else ((e.run_id, e.seq),)
+        if not seen.isdisjoint(keys):
+            raise LogConflictError(e.run_id, e.seq)
+        seen.update(keys)
+
+
+def _by_run(events: Sequence[Event]) -> dict[str, list[Event]]:
+    out: dict[str, list[Event]] = {}
+    for e in events:
+        out.setdefault(e.run_id, []).append(e)
+    return out
+
+
+class _Store:
+    """The shared surface: lifecycle, checks, wake-ups and ``follow``; subclasses do storage."""
+
+    #: Seconds between re-reads while following; None when every writer is in this process.
+    _poll: float | None = None
+
+    def __init__(self) -> None:
+        # Set by every local write and then replaced. Created by ``__aenter__`` (it needs the
+        # running backend), so one store object can be opened under asyncio and later under trio.
+        self._wake: anyio.Event | None = None
+
+    @property
+    def opened(self) -> bool:
+        """True between ``async with store:`` (or ``__aenter__``) and ``aclose``."""
+        return self._wake is not None
+
+    async def __aenter__(self) -> Self:
+        """Open the store; raises ``KitError`` if it is open already."""
+        if self._wake is not None:
+            raise KitError("event store is already open")
+        self._open()
+        self._wake = anyio.Event()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the store (idempotent). Followers waiting on it wake and raise ``KitError``."""
+        if self._wake is None:
+            return
+        wake, self._wake = self._wake, None
+        self._close()
+        wake.set()
+
+    def _check(self) -> anyio.Event:
+        if self._wake is None:
+            raise KitError(_NOT_OPEN)
+        return self._wake
+
+    async def _ready(self) -> None:
+        await anyio.lowlevel.checkpoint()  # a cancellation lands here, never inside a write
+        self._check()
+
+    def _notify(self) -> None:
+        wake, self._wake = self._check(), anyio.Event()
+        wake.set()
+
+    async def append(self, events: Sequence[Event], *, claim: Claim | None = None) -> None:
+        """Append a batch atomically; durable when this returns.
+
+        With ``claim``, also take the run's lease in the same transaction: re-taking the run's own
+        lease renews it; a session held by another run whose lease has lapsed is taken over (that
+        run gets ``run.failed`` RunAbandoned). A ``run.started`` event indexes the run; a terminal
+        event frees the claim; a parking event keeps it with no lease to lapse.
+
+        Raises ``SessionBusyError`` when a live or parked run holds ``claim``'s session and
+        ``LogConflictError`` for the first event whose ``(run_id, seq)`` is taken (or whose
+        ``run.started`` reuses a run id); either way nothing is written. Raises ``KitError`` if
+        the store is not open (so do all the methods below).
+        """
+        await self._ready()
+        events = list(events)
+        _check_unique(events)
+        if events or claim is not None:
+            self._append(events, claim, time.time())
+            self._notify()
+
+    async def read(self, run_id: str, after: int = -1) -> list[Event]:
+        """The run's committed events with ``seq > after``, in seq order ([] for an unknown run)."""
+        await self._ready()
+        return self._read(run_id, after)
+
+    async def follow(self, run_id: str, after: int = -1) -> AsyncIterator[Event]:
+        """Yield the run's events with ``seq > after``: replay, then live, in seq order.
+
+        Returns right after yielding a terminal or parking event. An unknown run is waited for
+        like a live one (a follower may start before the run). Raises ``KitError`` if the store
+        is not open or is closed while following.
+        """
+        while True:
+            wake = self._check()  # taken before reading, so no write can slip between the two
+            batch = await self.read(run_id, after)
+            for event in batch:
+                yield event
+                after = event.seq
+                if event.payload.ends in ("terminal", "parking"):
+                    return
+            if not batch:
+                with anyio.move_on_after(self._poll):
+                    await wake.wait()
+
+    async def runs(self, *, status: RunStatus | None = None, name: str | None = None,
+                   session_id: str | None = None) -> list[RunInfo]:
+        """The run index, filtered (filters combine with AND), ordered by ``started_at``, run id."""
+        await self._ready()
+        return self._runs(None if status is None else RunStatus(status), name, session_id)
+
+    async def run_info(self, run_id: str) -> RunInfo | None:
+        """The run's index row, or None for an unknown run."""
+        await self._ready()
+        return self._run_info(run_id)
+
+    async def renew(self, owner: str, lease_seconds: float) -> None:
+        """Extend every lease of ``owner`` to ``now + lease_seconds`` (parked claims stay parked)."""
+        await self._ready()
+        self._renew(owner, time.time() + lease_seconds)
+
+    async def reap(self) -> list[str]:
+        """Abandon every run whose lease has lapsed; return their run ids (each reaped once).
+
+        Each gets ``run.failed`` (error ``RunAbandoned``) at its next seq and status FAILED, and
+        its claim is freed.
+        """
+        await self._ready()
+        reaped = self._reap(time.time())
+        if reaped:
+            self._notify()
+        return reaped
+
+    async def session_holder(self, session_id: str, namespace: str | None = None) -> str | None:
+        """The run id holding ``(namespace, session_id)``, or None.
+
+        A lapsed lease still holds until it is reaped or overtaken.
+        """
+        await self._ready()
+        return self._holder(session_id, namespace or "")
+
+    # Storage hooks: synchronous, so nothing can interleave with a transaction.
+    def _open(self) -> None: ...
+    def _close(self) -> None: ...
+    def _append(self, events: list[Event], claim: Claim | None, now: float) -> None: ...
+    def _read(self, run_id: str, after: int) -> list[Event]: ...
+    def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None) -> list[RunInfo]: ...
+    def _run_info(self, run_id: str) -> RunInfo | None: ...
+    def _renew(self, owner: str, until: float) -> None: ...
+    def _reap(self, now: float) -> list[str]: ...
+    def _holder(self, session_id: str, namespace: str) -> str | None: ...
+
+
+# ===================================================================================== SQLite ====
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS events(run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
+    "kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY(run_id, seq)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS runs(run_id TEXT PRIMARY KEY, name TEXT NOT NULL, "
+    "invocable TEXT NOT NULL, session_id TEXT, namespace TEXT, parent_run_id TEXT, "
+    "status TEXT NOT NULL, started_at TEXT NOT NULL, last_seq INTEGER NOT NULL)",
+    # lease_until NULL = parked: the claim holds with no lease to lapse. namespace None is ''
+    # here, because NULLs never collide in a unique index.
+    "CREATE TABLE IF NOT EXISTS leases(run_id TEXT PRIMARY KEY, namespace TEXT NOT NULL, "
+    "session_id TEXT, owner TEXT NOT NULL, lease_until REAL)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS leases_session ON leases(namespace, session_id) "
+    "WHERE session_id IS NOT NULL",
+    "CREATE INDEX IF NOT EXISTS runs_status ON runs(status)",
+    "CREATE INDEX IF NOT EXISTS runs_session ON runs(session_id)",
+    "CREATE INDEX IF NOT EXISTS runs_name ON runs(name)",
+)
+_RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
+
+
+def _row(e: Event) -> tuple[str, int, str, str]:
+    return e.run_id, e.seq, e.kind, json.dumps(e.to_json(), separators=(",", ":"))
+
+
+def _run_row(r: tuple[Any, ...]) -> RunInfo:
+    return RunInfo(r[0], r[1], r[2], r[3], r[4], RunStatus(r[5]), datetime.fromisoformat(r[6]), r[7])
+
+
+class SQLiteStore(_Store):
+    """The log in one SQLite file (WAL), shared by every process that opens the same path.
+
+    ``poll_interval`` bounds how late a follower sees events written by another process; events
+    written through this object wake followers at once. Raises ``ConfigError`` for a
+    non-positive ``poll_interval``; opening raises ``sqlite3.Error`` if the file cannot be opened.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, poll_interval: float = 0.05) -> None:
+        super().__init__()
+        if not poll_interval > 0:
+            raise ConfigError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
+        self.path, self._poll = os.fspath(path), poll_interval
+        self._db: sqlite3.Connection | None = None
+
+    def __repr__(self) -> str:
+        return f"SQLiteStore({self.path!r})"
+
+    @property
+    def _con(self) -> sqlite3.Connection:
+        assert self._db is not None  # the public methods checked that the store is open
+        return self._db
+
+    def _open(self) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        # isolation_level=None: no implicit transactions; every write says BEGIN IMMEDIATE itself.
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")  # first: the next two may wait
+            db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them
+            db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes of the process
+            self._db = db
+            with self._tx():
+                for statement in _SCHEMA:
+                    db.execute(statement)
+        except BaseException:
+            self._db = None
+            db.close()
+            raise
+
+    def _close(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        # IMMEDIATE takes the write lock up front: a deferred transaction that reads first and
+        # upgrades later can fail with "database is locked" without ever calling the busy handler.
+        db = self._con
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:  # some errors (SQLITE_FULL, IOERR) have rolled back already
+                db.execute("ROLLBACK")
+            raise
+
+    def _append(self, events: list[Event], claim: Claim | None, now: float) -> None:
+        rows = [_row(e) for e in events]  # serialised before the write lock is taken
+        try:
+            with self._tx() as db:
+                if claim is not None:
+                    self._claim(db, claim, now)
+                db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
+                for e in events:
+                    if isinstance(p := e.payload, RunStarted):
+                        db.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                   (e.run_id, p.name, p.invocable, p.session_id, p.namespace,
+                                    p.parent_run_id, RunStatus.RUNNING.value, e.at.isoformat(), e.seq))
+                for run_id, run_events in _by_run(events).items():
+                    status = fold_status(e.kind for e in run_events)
+                    db.execute("UPDATE runs SET last_seq = MAX(last_seq, ?), "
+                               "status = COALESCE(?, status) WHERE run_id = ?",
+                               (max(map(_seq, run_events)), status.value if status else None, run_id))
+                for e in events:
+                    if e.payload.ends == "terminal":
+                        db.execute("DELETE FROM leases WHERE run_id = ?", (e.run_id,))
+                    elif e.payload.ends == "parking":
+                        db.execute("UPDATE leases SET lease_until = NULL WHERE run_id = ?", (e.run_id,))
+        except sqlite3.IntegrityError:
+            # Rolled back by now, so the table shows exactly what was there before this batch.
+            raise self._conflict(events) from None
+
+    def _claim(self, db: sqlite3.Connection, claim: Claim, now: float) -> None:
+        until = now + claim.lease_seconds
+        if db.execute("UPDATE leases SET owner = ?, lease_until = ? WHERE run_id = ?",
+                      (claim.owner, until, claim.run_id)).rowcount:
+            return  # a resumer re-taking its own run
+        namespace = claim.namespace or ""
+        if claim.session_id is not None:
+            held = db.execute("SELECT run_id, lease_until FROM leases WHERE namespace = ? AND "
+                              "session_id = ?", (namespace, claim.session_id)).fetchone()
+            if held is not None:
+                if held[1] is None or held[1] >= now:
+                    raise SessionBusyError(claim.session_id, held[0], claim.namespace)
+                self._abandon(db, held[0])
+        db.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?)",
+                   (claim.run_id, namespace, claim.session_id, claim.owner, until))
+
+    def _abandon(self, db: sqlite3.Connection, run_id: str) -> None:
+        name, last = db.execute("SELECT (SELECT name FROM runs WHERE run_id = ?), "
+                                "(SELECT MAX(seq) FROM events WHERE run_id = ?)",
+                                (run_id, run_id)).fetchone()
+        event = _abandoned(run_id, 0 if last is None else last + 1, name or "")
+        db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", _row(event))
+        db.execute("UPDATE runs SET status = ?, last_seq = ? WHERE run_id = ?",
+                   (RunStatus.FAILED.value, event.seq, run_id))
+        db.execute("DELETE FROM leases WHERE run_id = ?", (run_id,))
+
+    def _conflict(self, events: list[Event]) -> LogConflictError:
+        db = self._con
+        for e in events:
+            if db.execute("SELECT 1 FROM events WHERE run_id = ? AND seq = ?",
+                          (e.run_id, e.seq)).fetchone():
+                return LogConflictError(e.run_id, e.seq)
+        for e in events:  # no taken seq: a run.started reused a run id
+            if e.kind == "run.started" and db.execute(
+                    "SELECT 1 FROM runs WHERE run_id = ?", (e.run_id,)).fetchone():
+                return LogConflictError(e.run_id, e.seq)
+        return LogConflictError(events[0].run_id, events[0].seq)
+
+    def _read(self, run_id: str, after: int) -> list[Event]:
+        # fetchall: an unfinished cursor would hold a read transaction open between polls.
+        rows = self._con.execute("SELECT body FROM events WHERE run_id = ? AND seq > ? ORDER BY seq",
+                                (run_id, after)).fetchall()
+        return [Event.from_json(json.loads(body)) for (body,) in rows]
+
+    def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None) -> list[RunInfo]:
+        where = [(c, v) for c, v in (("status", status.value if status else None), ("name", name),
+                                     ("session_id", session_id)) if v is not None]
+        sql = f"SELECT {_RUN_COLUMNS} FROM runs"
+        if where:
+            sql += " WHERE " + " AND ".join(f"{c} = ?" for c, _ in where)
+        rows = self._con.execute(sql + " ORDER BY started_at, run_id", [v for _, v in where])
+        return [_run_row(r) for r in rows.fetchall()]
+
+    def _run_info(self, run_id: str) -> RunInfo | None:
+        row = self._con.execute(f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?",
+                                (run_id,)).fetchone()
+        return None if row is None else _run_row(row)
+
+    def _renew(self, owner: str, until: float) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE leases SET lease_until = ? WHERE owner = ? AND lease_until IS NOT NULL",
+                       (until, owner))
+
+    def _reap(self, now: float) -> list[str]:
+        # Selected inside the write transaction: a concurrent reaper in another process has
+        # either committed (and deleted the lease) or waits for us, so no run fails twice.
+        with self._tx() as db:
+            lapsed = [r for (r,) in db.execute(
+                "SELECT run_id FROM leases WHERE lease_until IS NOT NULL AND lease_until < ? "
+                "ORDER BY run_id", (now,)).fetchall()]
+            for run_id in lapsed:
+                self._abandon(db, run_id)
+        return lapsed
+
+    def _holder(self, session_id: str, namespace: str) -> str | None:
+        row = self._con.execute("SELECT run_id FROM leases WHERE namespace = ? AND session_id = ?",
+                                (namespace, session_id)).fetchone()
+        return None if row is None else row[0]
+
+
+# ===================================================================================== memory ====
+
+@dataclass(slots=True)
+class _Lease:
+    namespace: str  # '' for None, as in SQLite
+    session_id: str | None
+    owner: str
+    until: float | None  # None = parked
+
+
+class MemoryStore(_Store):
+    """The log in this process's memory: same semantics as ``SQLiteStore``, nothing persisted.
+
+    Data survives ``aclose`` and reopening the same object, and nothing else.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._logs: dict[str, list[Event]] = {}  # each sorted by seq
+        self._keys: set[tuple[str, int]] = set()
+        self._index: dict[str, RunInfo] = {}
+        self._leases: dict[str, _Lease] = {}
+
+    def _append(self, events: list[Event], claim: Claim | None, now: float) -> None:
+        # Check everything before changing anything: a refused batch writes nothing.
+        for e in events:
+            if (e.run_id, e.seq) in self._keys or (e.kind == "run.started" and e.run_id in self._index):
+                raise LogConflictError(e.run_id, e.seq)
+        overtaken = None
+        if claim is not None and claim.run_id not in self._leases and claim.session_id is not None:
+            overtaken = self._holder(claim.session_id, claim.namespace or "")
+            if overtaken is not None:
+                until = self._leases[overtaken].until
+                if until is None or until >= now:
+                    raise SessionBusyError(claim.session_id, overtaken, claim.namespace)
+        if overtaken is not None:
+            self._abandon(overtaken)
+        if claim is not None:
+            until = now + claim.lease_seconds
+            if (lease := self._leases.get(claim.run_id)) is not None:
+                lease.owner, lease.until = claim.owner, until
+            else:
+                self._leases[claim.run_id] = _Lease(claim.namespace or "", claim.session_id,
+                                                    claim.owner, until)
+        for e in events:
+            self._insert(e)
+            if isinstance(p := e.payload, RunStarted):
+                self._index[e.run_id] = RunInfo(e.run_id, p.name, p.invocable, p.session_id,
+                                                p.namespace, RunStatus.RUNNING, e.at, p.parent_run_id)
+        for run_id, run_events in _by_run(events).items():
+            status, info = fold_status(e.kind for e in run_events), self._index.get(run_id)
+            if status is not None and info is not None:
+                self._index[run_id] = replace(info, status=status)
+        for e in events:
+            if e.payload.ends == "terminal":
+                self._leases.pop(e.run_id, None)
+            elif e.payload.ends == "parking" and (lease := self._leases.get(e.run_id)):
+                lease.until = None
+
+    def _insert(self, event: Event) -> None:
+        log = self._logs.setdefault(event.run_id, [])
+        if not log or log[-1].seq < event.seq:
+            log.append(event)  # the usual case: a run's events arrive in order
+        else:
+            bisect.insort(log, event, key=_seq)
+        self._keys.add((event.run_id, event.seq))
+
+    def _abandon(self, run_id: str) -> None:
+        log, info = self._logs.get(run_id), self._index.get(run_id)
+        self._insert(_abandoned(run_id, log[-1].seq + 1 if log else 0, info.name if info else ""))
+        if info is not None:
+            self._index[run_id] = replace(info, status=RunStatus.FAILED)
+        del self._leases[run_id]
+
+    def _read(self, run_id: str, after: int) -> list[Event]:
+        log = self._logs.get(run_id, [])
+        return log[bisect.bisect_right(log, after, key=_seq):]
+
+    def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None) -> list[RunInfo]:
+        found = [i for i in self._index.values()
+                 if (status is None or i.status == status) and (name is None or i.name == name)
+                 and (session_id is None or i.session_id == session_id)]
+        return sorted(found, key=lambda i: (i.started_at, i.run_id))
+
+    def _run_info(self, run_id: str) -> RunInfo | None:
+        return self._index.get(run_id)
+
+    def _renew(self, owner: str, until: float) -> None:
+        for lease in self._leases.values():
+            if lease.owner == owner and lease.until is not None:
+                lease.until = until
+
+    def _reap(self, now: float) -> list[str]:
+        lapsed = sorted(r for r, lease in self._leases.items()
+                        if lease.until is not None and lease.until < now)
+        for run_id in lapsed:
+            self._abandon(run_id)
+        return lapsed
+
+    def _holder(self, session_id: str, namespace: str) -> str | None:
+        return next((r for r, lease in self._leases.items()
+                     if lease.session_id == session_id and lease.namespace == namespace), None)
+
+
+# ==================================================================================== factory ====
+
+def store_from_url(url: str) -> SQLiteStore | MemoryStore:
+    """Build (not open) the store a ``KIT_STORE``-style URL names.
+
+    ``memory``, ``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``. Raises
+    ``ConfigError`` naming the URL for anything else (``postgresql://`` is not supported yet).
+    """
+    if url == "memory":
+        return MemoryStore()
+    if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
+        return SQLiteStore(url[len("sqlite:///"):])
+    raise ConfigError(f"unsupported store URL {url!r}: use 'memory', 'sqlite:///relative/path.db' "
+                      "or 'sqlite:////absolute/path.db' (postgresql:// is not supported yet)")

@@ -1,0 +1,565 @@
+"""Tests of kit's public surface, the Deck lifecycle and agent turns on the log (asyncio and trio)."""
+from __future__ import annotations
+
+import base64
+import inspect
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import agents
+import anyio
+import pydantic
+import pytest
+
+import kit
+from kit import (
+    Agent, AudioBlock, ConfigError, ContentError, Context, DataBlock, Deck, DeckStateError, Event,
+    ImageBlock, ResourceBlock, RunStatus, ScriptedModel, SessionBusyError, TextBlock,
+)
+from kit_store import MemoryStore, SQLiteStore
+
+pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 32).decode()
+
+
+def kinds(events):
+    return [e.kind for e in events]
+
+
+@pytest.fixture
+async def store(tmp_path):
+    async with SQLiteStore(tmp_path / "kit.db") as s:
+        yield s
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+# ------------------------------------------------------------------------------- surface ----
+
+def test_all_is_a_tuple_naming_exactly_what_kit_defines():
+    assert isinstance(kit.__all__, tuple)
+    assert len(set(kit.__all__)) == len(kit.__all__)
+    defined = {n for n, v in vars(kit).items() if not n.startswith("_")
+               and (getattr(v, "__module__", None) == "kit" or n.isupper() or n == "ContentBlock")
+               and not inspect.ismodule(v)}
+    assert defined == set(kit.__all__)
+    for name in kit.__all__:
+        assert hasattr(kit, name)
+
+
+def test_core_import_paths():
+    from kit.core import DataBlock as D, TextBlock as T
+    from kit.core.ports import EventSinkPort, EventStorePort
+    assert T is TextBlock and D is DataBlock
+    assert EventSinkPort is kit.EventSinkPort and EventStorePort is kit.EventStorePort
+
+
+def test_error_hierarchy_and_facts():
+    assert issubclass(kit.ContextTypeError, ConfigError) and issubclass(ConfigError, kit.KitError)
+    e = SessionBusyError("s1", "run9", "tenant")
+    assert (e.session_id, e.run_id, e.namespace) == ("s1", "run9", "tenant")
+    assert "s1" in str(e) and "run9" in str(e) and "tenant" in str(e)
+    assert "CLOSED" in str(DeckStateError("CLOSED", "run")) and "new Deck" in str(DeckStateError("CLOSED", "run"))
+
+
+# ------------------------------------------------------------------------------- content ----
+
+@pytest.mark.parametrize("bad", ["aGk= ", "!!!!", "aGk", "aGk===", "aG k="])
+def test_base64_is_validated_strictly(bad):
+    with pytest.raises(ContentError, match="base64"):
+        ImageBlock("image/png", bad)
+
+
+def test_inline_blocks_are_capped_at_construction():
+    big = base64.b64encode(b"\0" * (kit.MAX_INLINE_BYTES + 1)).decode()
+    with pytest.raises(ContentError, match="ResourceBlock"):
+        AudioBlock("audio/wav", big)
+    AudioBlock("audio/wav", base64.b64encode(b"\0" * kit.MAX_INLINE_BYTES).decode())
+    with pytest.raises(ContentError, match="bytes of JSON"):
+        DataBlock({"x": "a" * kit.MAX_INLINE_BYTES})
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ImageBlock("audio/wav", PNG), "image/"),
+    (lambda: AudioBlock("image/png", PNG), "audio/"),
+    (lambda: ImageBlock("png", PNG), "type/subtype"),
+    (lambda: ResourceBlock("", "text/plain"), "uri"),
+    (lambda: DataBlock({1: object()}), "JSON"),
+    (lambda: DataBlock(float("nan")), "JSON"),
+    (lambda: TextBlock(b"bytes"), "str"),
+])
+def test_malformed_blocks_name_what_is_wrong(make, match):
+    with pytest.raises(ContentError, match=match):
+        make()
+
+
+def test_block_json_round_trip_and_input_coercion():
+    blocks = (TextBlock("hi"), ImageBlock("image/png", PNG), AudioBlock("audio/wav", PNG),
+              ResourceBlock("s3://b/k", "application/pdf"), DataBlock({"a": [1, 2]}))
+    for b in blocks:
+        assert kit.block_from_json(json.loads(json.dumps(kit.block_to_json(b)))) == b
+    assert kit.as_blocks("hi") == (TextBlock("hi"),)
+    with pytest.raises(ContentError, match="unknown content block type"):
+        kit.block_from_json({"type": "video"})
+    with pytest.raises(ContentError, match="missing"):
+        kit.block_from_json({"type": "image", "media_type": "image/png"})
+    with pytest.raises(ContentError, match="not a content block"):
+        kit.as_blocks(["hi"])
+    with pytest.raises(ContentError, match="empty"):
+        kit.as_blocks([])
+
+
+# -------------------------------------------------------------------------------- events ----
+
+SAMPLES = [
+    kit.RunStarted("a", "agent", "s", "ns", (TextBlock("x"), DataBlock({"k": 1})), "parent"),
+    kit.TextDelta("tok"), kit.MessageCompleted("hi", {"k": 1}, "a"),
+    kit.ModelCompleted("gpt-4o", 3, 4, 0.5), kit.ToolStarted("c1", "add", '{"a":1}'),
+    kit.ToolCompleted("c1", "add", 3, False), kit.SkillLoaded("s", "ab" * 32),
+    kit.NodeUpdated("n", {"x": 1}), kit.ControlRequested("pause", "why", "cli"),
+    kit.RunInterrupted("i1", {"q": 1}, "t1"), kit.RunSleeping("2026-01-01T00:00:00+00:00", "t1"),
+    kit.RunPaused("r"), kit.RunResumed("answer"), kit.RunCompleted("out", kit.Usage(1, 2, 0.25)),
+    kit.RunFailed("ValueError", "m"), kit.RunCancelled("r"),
+]
+
+
+def test_every_kind_has_a_sample():
+    assert {p.kind for p in SAMPLES} == set(kit._KINDS)
+
+
+@pytest.mark.parametrize("payload", SAMPLES, ids=lambda p: p.kind)
+def test_event_json_round_trip(payload):
+    ev = Event("run1", 3, payload, "root/tool", "m1")
+    wire = json.loads(json.dumps(ev.to_json()))
+    assert set(wire) == {"run_id", "seq", "kind", "at", "origin", "message_id", "payload"}
+    back = Event.from_json(wire)
+    assert type(back) is Event and back == ev and back.kind == payload.kind
+
+
+def test_unknown_kind_parses_instead_of_raising():
+    ev = Event.from_json({"run_id": "r", "seq": 0, "kind": "future.thing", "payload": {"z": 1}})
+    assert type(ev) is Event and ev.kind == "future.thing"
+    assert isinstance(ev.payload, kit.UnknownEvent) and ev.payload.data == {"z": 1}
+    assert Event.from_json(ev.to_json()).payload == ev.payload
+
+
+def test_status_folds_from_kinds():
+    assert kit.fold_status(["run.started", "text.delta"]) is RunStatus.RUNNING
+    assert kit.fold_status(["run.started", "run.interrupted"]) is RunStatus.WAITING_HUMAN
+    assert kit.fold_status(["run.started", "run.interrupted", "run.resumed", "run.completed"]) is RunStatus.COMPLETED
+    assert kit.fold_status(["text.delta"]) is None
+
+
+# ------------------------------------------------------------------------------ lifecycle ----
+
+async def test_lifecycle_rules():
+    deck = Deck([Agent("a", model=ScriptedModel(["hi"]))])
+    with pytest.raises(DeckStateError, match="NEW"):
+        await deck.run("a", "x")
+    assert deck.build() is deck and deck.build() is deck  # idempotent
+    with pytest.raises(DeckStateError, match="BUILT"):
+        await deck.run("a", "x")
+    with pytest.raises(TypeError):
+        deck.agents["b"] = Agent("b")  # type: ignore[index]
+    assert list(deck.agents) == ["a"] and dict(deck.workflows) == {}
+    async with deck:
+        with pytest.raises(DeckStateError, match="OPEN"):
+            async with deck:
+                pass
+        with pytest.raises(kit.UnknownNameError, match="known: a"):
+            await deck.run("nope", "x")
+    with pytest.raises(DeckStateError, match="CLOSED"):
+        async with deck:
+            pass
+    with pytest.raises(DeckStateError, match="CLOSED"):
+        await deck.run("a", "x")
+    with pytest.raises(DeckStateError):
+        deck.stream("a", "x")
+    await deck.aclose()  # idempotent
+
+
+async def test_one_live_deck_per_process_naming_both():
+    first = Deck()
+    with pytest.raises(ConfigError) as err:
+        Deck()
+    assert str(err.value).count("test_kit.py:") == 2  # both projects named
+    await first.aclose()
+    second = Deck()  # sequential decks are fine
+    await second.aclose()
+
+
+def test_build_refuses_unknown_names_and_instances():
+    for kw, what in (({"skills": ["s"]}, "skill"), ({"mcp_servers": ["m"]}, "MCP server"),
+                     ({"workflows": ["w"]}, "workflow")):
+        deck = Deck([Agent("a", **kw)])
+        with pytest.raises(ConfigError, match=f"unknown {what}"):
+            deck.build()
+        anyio.run(deck.aclose)
+    deck = Deck([Agent("a"), Agent("a")])
+    with pytest.raises(ConfigError, match="unique"):
+        deck.build()
+    anyio.run(deck.aclose)
+    with pytest.raises(ConfigError, match="not an instance|type, not an instance"):
+        Deck(context=object())
+    Deck(context=dict).build()
+    with pytest.raises(ConfigError, match="name"):
+        Agent("has space")
+    with pytest.raises(ConfigError, match="neither"):
+        Agent("a", tools=[42])
+    with pytest.raises(ConfigError, match="model"):
+        Agent("a", model=3)
+
+
+# --------------------------------------------------------------------------------- turns ----
+
+async def test_turn_records_events_in_order_and_result_comes_from_the_log(store, tmp_path):
+    seen = {}
+
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        # tool.started is durable before the tool runs: another connection sees it now.
+        db = sqlite3.connect(tmp_path / "kit.db")
+        seen["kinds"] = [r[0] for r in db.execute("SELECT kind FROM events ORDER BY seq")]
+        db.close()
+        return f"value-of-{key}"
+
+    model = ScriptedModel([{"tool": "lookup", "args": {"key": "k"}}, "The value is value-of-k"])
+    async with Deck([Agent("a", "Use tools.", tools=[lookup], model=model)], store=store) as deck:
+        result = await deck.run("a", "find k")
+        log = await store.read(result.run_id)
+        assert kinds(log) == ["run.started", "model.completed", "tool.started", "tool.completed",
+                              "text.delta", "message.completed", "model.completed", "run.completed"]
+        assert [e.seq for e in log] == list(range(8))
+        assert "tool.started" in seen["kinds"]
+        assert log[2].payload == kit.ToolStarted("call_1_0", "lookup", '{"key": "k"}')
+        assert log[3].payload.output == "value-of-k" and log[3].payload.is_error is False
+        assert log[2].origin == "a/lookup" and log[0].origin == "a"
+        assert log[4].message_id is not None and log[4].message_id == log[5].message_id
+        done = log[-1].payload
+        assert result == kit.TurnResult(done.output, done.usage, result.run_id, None)
+        assert result.output == "The value is value-of-k"
+        calls = [e.payload for e in log if e.kind == "model.completed"]
+        assert result.usage.input_tokens == sum(c.input_tokens for c in calls) > 0
+        assert result.usage.output_tokens == sum(c.output_tokens for c in calls) > 0
+        assert result.usage.usd is None  # "scripted" has no known price
+        assert await deck.status(result.run_id) is RunStatus.COMPLETED
+        assert await deck.status("no-such-run") is None
+        # the tool's output reached the model
+        assert any(i.get("type") == "function_call_output" and i["output"] == "value-of-k"
+                   for i in model.calls[-1]["input"])
+
+
+async def test_stream_yields_deltas_live_then_terminal_last(store):
+    model = ScriptedModel(["one two three four"])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        with anyio.fail_after(10):
+            events = [e async for e in deck.stream("a", "go")]
+        assert kinds(events) == ["run.started"] + ["text.delta"] * 4 + [
+            "message.completed", "model.completed", "run.completed"]
+        assert "".join(e.payload.text for e in events if e.kind == "text.delta") == "one two three four"
+        assert events == await store.read(events[0].run_id)  # the stream is the log
+
+
+async def test_a_failed_run_is_in_the_log_and_reaches_the_caller(store):
+    model = ScriptedModel([RuntimeError("model down"), RuntimeError("again")])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        with pytest.raises(RuntimeError, match="model down"):
+            await deck.run("a", "x")
+        [info] = await store.runs()
+        log = await store.read(info.run_id)
+        assert kinds(log) == ["run.started", "run.failed"]
+        assert log[-1].payload == kit.RunFailed("RuntimeError", "model down")
+        assert await deck.status(info.run_id) is RunStatus.FAILED
+        seen = []
+        with pytest.raises(RuntimeError, match="again"):
+            async for e in deck.stream("a", "x"):
+                seen.append(e.kind)
+        assert seen == ["run.started", "run.failed"]
+
+
+async def test_a_tool_error_goes_back_to_the_model(store):
+    def boom(x: int) -> int:
+        raise ValueError("bad x")
+
+    model = ScriptedModel([{"tool": "boom", "args": {"x": 1}}, "sorry"])
+    async with Deck([Agent("a", tools=[boom], model=model)], store=store) as deck:
+        result = await deck.run("a", "x")
+        [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert done.payload.is_error is True and "ValueError: bad x" in done.payload.output
+        assert result.output == "sorry"
+
+
+class Answer(pydantic.BaseModel):
+    city: str
+    temp: int
+
+
+async def test_structured_output(store):
+    model = ScriptedModel([{"json": {"city": "Oslo", "temp": 3}}])
+    async with Deck([Agent("a", model=model, output_type=Answer)], store=store) as deck:
+        result = await deck.run("a", "weather?")
+        assert result.output == {"city": "Oslo", "temp": 3}
+        [msg] = [e for e in await store.read(result.run_id) if e.kind == "message.completed"]
+        assert msg.payload.output == {"city": "Oslo", "temp": 3}
+
+
+async def test_context_reaches_instructions_hooks_and_tools_by_reference(store):
+    deps, got = {"user": "ana"}, []
+
+    async def instructions(ctx: Context, agent) -> str:
+        got.append(("instructions", ctx.data))
+        return f"Help {ctx.data['user']}."
+
+    def whoami(ctx: Context[dict], shout: bool) -> str:
+        got.append(("tool", ctx.data))
+        return ctx.data["user"].upper() if shout else ctx.data["user"]
+
+    class Hooks:
+        async def on_start(self, ctx, agent):
+            got.append(("hook", ctx.data))
+
+    model = ScriptedModel([{"tool": "whoami", "args": {"shout": True}}, "ANA"])
+    agent = Agent("a", instructions, tools=[whoami], hooks=Hooks(), model=model)
+    async with Deck([agent], store=store, context=dict) as deck:
+        await deck.run("a", "who?", context=deps)
+    assert [k for k, _ in got] == ["hook", "instructions", "tool", "instructions"]
+    assert all(d is deps for _, d in got)
+    assert model.calls[0]["instructions"] == "Help ana."
+    [schema_tools] = [c["tools"] for c in list(model.calls)[:1]]
+    assert schema_tools == ["whoami"]
+    compiled = deck._specs["a"].engine.sdk_agent.tools[0]
+    assert set(compiled.params_json_schema["properties"]) == {"shout"}  # ctx hidden
+
+
+async def test_sdk_tool_objects_pass_through(store):
+    @agents.function_tool
+    def double(x: int) -> int:
+        """Double x."""
+        return 2 * x
+
+    model = ScriptedModel([{"tool": "double", "args": {"x": 21}}, "42"])
+    async with Deck([Agent("a", tools=[double], model=model)], store=store) as deck:
+        result = await deck.run("a", "x")
+        [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert done.payload.output == 42
+
+
+async def test_blocks_map_to_model_input_and_unsendable_ones_are_recorded(store):
+    model = ScriptedModel(["ok", "ok"])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        blocks = [TextBlock("look"), ImageBlock("image/png", PNG), DataBlock({"k": 1}),
+                  ResourceBlock("file:///x.pdf", "application/pdf")]
+        result = await deck.run("a", blocks)
+        [msg] = model.calls[-1]["input"]
+        assert msg["content"] == [{"type": "input_text", "text": "look"}, {
+            "type": "input_image", "detail": "auto", "image_url": f"data:image/png;base64,{PNG}"}]
+        started = (await store.read(result.run_id))[0].payload
+        assert started.input == tuple(blocks)
+        with pytest.raises(ConfigError, match="AudioBlock"):
+            await deck.run("a", [TextBlock("hear"), AudioBlock("audio/wav", PNG)])
+        with pytest.raises(ContentError, match="nothing to send"):
+            await deck.run("a", [DataBlock({"k": 1})])
+        assert len(await store.runs()) == 1  # refused runs wrote nothing
+
+
+async def test_usd_from_genai_prices(store):
+    model = ScriptedModel(["hello world"], name="gpt-4o")
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        result = await deck.run("a", "hi")
+        [call] = [e.payload for e in await store.read(result.run_id) if e.kind == "model.completed"]
+        assert call.model == "gpt-4o" and call.usd is not None and call.usd > 0
+        assert result.usage.usd == pytest.approx(call.usd)
+
+
+# ------------------------------------------------------------------------------ sessions ----
+
+async def test_session_keeps_history_across_turns(store):
+    model = ScriptedModel(["Nice to meet you, Ana.", "You are Ana."])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        first = await deck.run("a", "I am Ana", session_id="s1")
+        second = await deck.run("a", "Who am I?", session_id="s1")
+        assert first.session_id == second.session_id == "s1"
+        sent = json.dumps(model.calls[-1]["input"])
+        assert "I am Ana" in sent and "Nice to meet you, Ana." in sent
+        items = await deck.session_for("s1").get_items()
+        assert [i.get("role") for i in items] == ["user", "assistant", "user", "assistant"]
+        assert (await deck.session_for("s1").get_items(limit=1))[0]["role"] == "assistant"
+
+
+async def test_second_concurrent_turn_on_a_session_is_refused(store):
+    release = threading.Event()  # tools play on the engine side: under trio, another thread
+
+    def wait() -> str:
+        release.wait(10)
+        return "done"
+
+    model = ScriptedModel([{"tool": "wait", "args": {}}, "finished", "again"])
+    async with Deck([Agent("a", tools=[wait], model=model)], store=store) as deck:
+        async with anyio.create_task_group() as tg:
+            results = []
+
+            async def first():
+                results.append(await deck.run("a", "go", session_id="s"))
+
+            tg.start_soon(first)
+            with anyio.fail_after(10):
+                while not await store.runs():
+                    await anyio.sleep(0.01)
+            [holder] = await store.runs()
+            with pytest.raises(SessionBusyError) as busy:
+                await deck.run("a", "me too", session_id="s")
+            assert (busy.value.session_id, busy.value.run_id) == ("s", holder.run_id)
+            release.set()
+        assert len(await store.runs()) == 1
+        again = await deck.run("a", "now", session_id="s")  # freed at the end of the first run
+        assert again.output == "again"
+
+
+async def test_namespaces_separate_sessions_and_factory_overrides(store):
+    made = []
+
+    def factory(session_id: str):
+        made.append(session_id)
+        return agents.SQLiteSession(session_id)
+
+    model = ScriptedModel(["a", "b"])
+    async with Deck([Agent("a", model=model)], store=store, session_factory=factory) as deck:
+        await deck.run("a", "x", session_id="s", namespace="t1")
+        await deck.run("a", "y", session_id="s", namespace="t2")
+        assert made == ["t1:s", "t2:s"]
+        assert "x" not in json.dumps(model.calls[-1]["input"])
+
+
+async def test_redis_session(monkeypatch, store, redis_url):
+    import redis
+    r = redis.Redis.from_url(redis_url)
+    for key in r.scan_iter("kit:session:*"):
+        r.delete(key)
+    monkeypatch.setenv("KIT_SESSION", redis_url)
+    model = ScriptedModel(["Hi Ana.", "You are Ana."])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        await deck.run("a", "I am Ana", session_id="conv-1")
+        await deck.run("a", "Who am I?", session_id="conv-1")
+        assert type(deck.session_for("conv-1")).__name__ == "RedisSession"
+        assert "I am Ana" in json.dumps(model.calls[-1]["input"])
+    stored = [json.loads(x) for x in r.lrange("kit:session:conv-1:messages", 0, -1)]
+    assert [i.get("role") for i in stored] == ["user", "assistant", "user", "assistant"]
+    r.close()
+
+
+# --------------------------------------------------------------------------- run endings ----
+
+async def test_leaving_a_stream_early_never_ends_the_run(store):
+    async with Deck([Agent("a", model=ScriptedModel(["w " * 50]))], store=store) as deck:
+        stream = deck.stream("a", "go")
+        first = await stream.__anext__()
+        await stream.aclose()
+        with anyio.fail_after(10):
+            while await deck.status(first.run_id) is RunStatus.RUNNING:
+                await anyio.sleep(0.01)
+        assert kinds(await store.read(first.run_id))[-1] == "run.completed"
+
+
+async def test_closing_the_deck_cancels_running_turns(store):
+    started = threading.Event()
+
+    async def forever() -> str:
+        started.set()
+        await anyio.sleep_forever()
+
+    deck = Deck([Agent("a", tools=[forever], model=ScriptedModel([{"tool": "forever"}]))], store=store)
+    async with deck:
+        stream = deck.stream("a", "go")
+        run_id = (await stream.__anext__()).run_id
+        assert await anyio.to_thread.run_sync(started.wait, 10)
+    with anyio.fail_after(10):
+        rest = [e.kind async for e in stream]
+    assert rest[-1] == "run.cancelled"
+    log = await store.read(run_id)
+    assert log[-1].payload == kit.RunCancelled("the deck closed")
+
+
+async def test_a_cancelled_caller_cancels_its_run(store):
+    async def slow() -> str:
+        await anyio.sleep(30)
+        return "late"
+
+    async with Deck([Agent("a", tools=[slow], model=ScriptedModel([{"tool": "slow"}]))],
+                    store=store) as deck:
+        with anyio.move_on_after(0.5):
+            await deck.run("a", "go", run_id="r-cancel")
+        with anyio.fail_after(10):
+            while await deck.status("r-cancel") is RunStatus.RUNNING:
+                await anyio.sleep(0.01)
+        assert (await store.read("r-cancel"))[-1].payload == kit.RunCancelled("the caller was cancelled")
+
+
+async def test_a_reused_run_id_is_refused(store):
+    async with Deck([Agent("a", model=ScriptedModel(["x", "y"]))], store=store) as deck:
+        await deck.run("a", "go", run_id="same")
+        with pytest.raises(kit.LogConflictError):
+            await deck.run("a", "go", run_id="same")
+        assert kinds(await store.read("same")) == ["run.started", "text.delta", "message.completed",
+                                                   "model.completed", "run.completed"]
+
+
+async def test_settings_store_is_built_and_closed_by_the_deck(tmp_path, monkeypatch):
+    db = tmp_path / "from-settings.db"
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{db}")
+    async with Deck([Agent("a", model=ScriptedModel(["hi"]))]) as deck:
+        result = await deck.run("a", "x")
+    script = ("import anyio, sys; from kit_store import SQLiteStore\n"
+              "async def main():\n"
+              f"    async with SQLiteStore({str(db)!r}) as s:\n"
+              f"        print(' '.join(str(e.seq) + ':' + e.kind for e in await s.read({result.run_id!r})))\n"
+              "anyio.run(main)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["0:run.started", "1:text.delta", "2:message.completed", "3:model.completed",
+                   "4:run.completed"]
+
+
+async def test_bad_settings_are_config_errors(monkeypatch):
+    monkeypatch.setenv("KIT_STORE", "mysql://x")
+    with pytest.raises(ConfigError, match="mysql"):
+        async with Deck():
+            pass
+    monkeypatch.setenv("KIT_STORE", "memory")
+    monkeypatch.setenv("KIT_OPENAI_API", "grpc")
+    with pytest.raises(ConfigError, match="KIT_OPENAI_API"):
+        async with Deck():
+            pass
+
+
+async def test_memory_store_is_the_default(monkeypatch):
+    monkeypatch.delenv("KIT_STORE", raising=False)
+    async with Deck([Agent("a", model=ScriptedModel(["hi"]))]) as deck:
+        result = await deck.run("a", "x")
+        assert isinstance(deck._runtime.store, MemoryStore)
+        assert await deck.status(result.run_id) is RunStatus.COMPLETED
+
+
+# ------------------------------------------------------------------------------ headless ----
+
+async def test_headless_agent_run_returns_the_sdk_result():
+    agent = Agent("a", tools=[add], model=ScriptedModel([{"tool": "add", "args": {"a": 1, "b": 2}}, "3"]))
+    result = await agent.run("1+2?")
+    assert isinstance(result, agents.RunResult) and result.final_output == "3"
+
+
+async def test_headless_context_tool_refuses():
+    def needs(ctx: Context[dict]) -> str:
+        return "never"
+
+    agent = Agent("a", tools=[needs], model=ScriptedModel([{"tool": "needs"}, "x"]))
+    with pytest.raises(Exception, match="NoneType rather than a run context"):
+        await agent.run("go")

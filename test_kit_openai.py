@@ -1,0 +1,321 @@
+"""kit with the REAL agents.OpenAIResponsesModel / OpenAIChatCompletionsModel, offline.
+
+A loopback stub of the OpenAI API (stdlib http.server in a daemon thread) pops one scripted turn
+per POST and records every request; the SDK's own models talk to it through a real AsyncOpenAI
+client, on asyncio and on trio (where kit plays the SDK on its asyncio engine thread).
+Wire formats: notes/ENGINES.md section 2, notes/engines/openai_stub.py.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import agents
+import anyio
+import openai
+import pytest
+
+import kit
+from kit_store import SQLiteStore
+
+pytestmark = pytest.mark.anyio
+
+MODELS = [pytest.param(agents.OpenAIResponsesModel, id="responses"),
+          pytest.param(agents.OpenAIChatCompletionsModel, id="chat")]
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(16)).decode()
+WAV = base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(16)).decode()
+
+
+# ================================================================================ the stub ====
+
+def text(*deltas: str, usage: tuple[int, int] = (11, 7)) -> dict:
+    """A text reply, streamed as these deltas."""
+    return {"text": list(deltas), "usage": usage}
+
+
+def call(name: str, args: dict, usage: tuple[int, int] = (5, 3)) -> dict:
+    """One function call."""
+    return {"tool": name, "args": args, "usage": usage}
+
+
+FAIL = {"status": 500}
+
+
+def _resp_item(turn: dict, n: int) -> dict:
+    if "text" in turn:
+        return {"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "".join(turn["text"]), "annotations": []}]}
+    return {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "status": "completed",
+            "name": turn["tool"], "arguments": json.dumps(turn["args"])}
+
+
+def _response(turn: dict, n: int, items: list, status: str = "completed") -> dict:
+    i, o = turn["usage"]
+    usage = {"input_tokens": i, "output_tokens": o, "total_tokens": i + o,
+             "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": f"resp_{n}", "object": "response", "created_at": int(time.time()), "model": "stub",
+            "status": status, "output": items, "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "usage": usage if status == "completed" else None}
+
+
+def responses_body(turn: dict, n: int, stream: bool) -> list[dict] | dict:
+    item = _resp_item(turn, n)
+    if not stream:
+        return _response(turn, n, [item])
+    ev = [{"type": "response.created", "response": _response(turn, n, [], "in_progress")}]
+    if "text" in turn:
+        ev.append({"type": "response.output_item.added", "output_index": 0,
+                   "item": {**item, "content": [], "status": "in_progress"}})
+        ev += [{"type": "response.output_text.delta", "item_id": item["id"], "output_index": 0,
+                "content_index": 0, "delta": d, "logprobs": []} for d in turn["text"]]
+    else:
+        ev.append({"type": "response.output_item.added", "output_index": 0,
+                   "item": {**item, "arguments": ""}})
+        ev.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                   "output_index": 0, "delta": item["arguments"]})
+    ev.append({"type": "response.output_item.done", "output_index": 0, "item": item})
+    ev.append({"type": "response.completed", "response": _response(turn, n, [item])})
+    return [{**e, "sequence_number": k} for k, e in enumerate(ev)]
+
+
+def chat_body(turn: dict, n: int, stream: bool, include_usage: bool) -> list[dict] | dict:
+    i, o = turn["usage"]
+    usage = {"prompt_tokens": i, "completion_tokens": o, "total_tokens": i + o}
+    base = {"id": f"chatcmpl-{n}", "created": int(time.time()), "model": "stub"}
+    call_ = None if "text" in turn else {"id": f"call_{n}", "type": "function", "function": {
+        "name": turn["tool"], "arguments": json.dumps(turn["args"])}}
+    finish = "stop" if call_ is None else "tool_calls"
+    if not stream:
+        msg = ({"role": "assistant", "content": "".join(turn["text"])} if call_ is None else
+               {"role": "assistant", "content": None, "tool_calls": [call_]})
+        return {**base, "object": "chat.completion", "usage": usage,
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish}]}
+    if call_ is None:
+        deltas = [{"role": "assistant", "content": d} if k == 0 else {"content": d}
+                  for k, d in enumerate(turn["text"])]
+    else:
+        deltas = [{"role": "assistant", "tool_calls": [
+            {"index": 0, **call_, "function": {"name": turn["tool"], "arguments": ""}}]},
+            {"tool_calls": [{"index": 0, "function": {"arguments": call_["function"]["arguments"]}}]}]
+    chunk = {**base, "object": "chat.completion.chunk"}
+    out = [{**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    out.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    if include_usage:  # sent only when the request asked for it, as the real API does
+        out.append({**chunk, "choices": [], "usage": usage})
+    return out
+
+
+class Stub:
+    """Serves POST /v1/responses and /v1/chat/completions, one scripted turn per request."""
+
+    def __init__(self) -> None:
+        self.script: list[dict] = []
+        self.requests: list[tuple[str, dict]] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.requests.append((self.path, body))
+                n, turn = len(stub.requests), stub.script.pop(0)
+                stream = bool(body.get("stream"))
+                if "status" in turn:
+                    self._send(turn["status"], False,
+                               {"error": {"message": "stub failure", "type": "server_error"}})
+                elif self.path == "/v1/responses":
+                    self._send(200, stream, responses_body(turn, n, stream))
+                elif self.path == "/v1/chat/completions":
+                    inc = bool((body.get("stream_options") or {}).get("include_usage"))
+                    self._send(200, stream, chat_body(turn, n, stream, inc), done=True)
+                else:
+                    self._send(404, False, {"error": {"message": self.path}})
+
+            def _send(self, status: int, stream: bool, payload: Any, done: bool = False) -> None:
+                if stream:  # SSE: one `data:` line per event; the chat API ends with [DONE]
+                    sse = "".join(f"data: {json.dumps(e)}\n\n" for e in payload)
+                    data = (sse + ("data: [DONE]\n\n" if done else "")).encode()
+                else:
+                    data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                # No keep-alive: a pooled connection would stay bound to the loop that opened
+                # it, kit's engine loop under trio, which is gone when the test closes the client.
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True)
+        self.thread.start()
+
+    def bodies(self) -> list[dict]:
+        return [body for _, body in self.requests]
+
+
+@pytest.fixture
+def stub():
+    s = Stub()
+    yield s
+    s.server.shutdown()
+    s.server.server_close()
+    s.thread.join(5)
+
+
+@pytest.fixture
+async def store(tmp_path, anyio_backend):
+    async with SQLiteStore(tmp_path / "kit.db") as s:
+        yield s
+
+
+@contextlib.asynccontextmanager
+async def open_deck(stub: Stub, model_cls: type, store: SQLiteStore, tools=()):
+    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
+    chat = model_cls is agents.OpenAIChatCompletionsModel
+    agent = kit.Agent("bot", "Be brief.", tools=tools, model=model_cls("gpt-4o", client),
+                      model_settings=agents.ModelSettings(include_usage=True) if chat else None)
+    try:
+        async with kit.Deck([agent], store=store) as deck:
+            yield deck
+    finally:
+        await client.close()
+
+
+def kinds(events) -> list[str]:
+    return [e.kind for e in events]
+
+
+# =================================================================================== tests ====
+
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_run_with_tool_call_then_text(stub, store, model_cls):
+    seen = []
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        seen.append((a, b))
+        return a + b
+
+    stub.script += [call("add", {"a": 2, "b": 3}, usage=(5, 3)), text("The sum ", "is 5.", usage=(13, 6))]
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store, tools=[add]) as deck:
+            result = await deck.run("bot", "What is 2 + 3?")
+    assert seen == [(2, 3)]
+    assert result.output == "The sum is 5."
+    assert (result.usage.input_tokens, result.usage.output_tokens) == (5 + 13, 3 + 6)
+    log = await store.read(result.run_id)
+    assert kinds(log) == ["run.started", "model.completed", "tool.started", "tool.completed",
+                          "text.delta", "message.completed", "model.completed", "run.completed"]
+    assert [e.seq for e in log] == list(range(len(log)))
+    assert log[2].payload.tool == "add" and json.loads(log[2].payload.arguments) == {"a": 2, "b": 3}
+    assert log[3].payload.output == 5 and log[4].payload.text == "The sum is 5."
+    assert [(e.payload.input_tokens, e.payload.output_tokens) for e in log
+            if e.kind == "model.completed"] == [(5, 3), (13, 6)]
+    assert len(stub.requests) == 2 and not any(b.get("stream") for b in stub.bodies())
+    second = stub.bodies()[1]
+    if model_cls is agents.OpenAIResponsesModel:
+        assert stub.requests[1][0] == "/v1/responses"
+        outputs = [i for i in second["input"] if i.get("type") == "function_call_output"]
+        assert outputs == [{"type": "function_call_output", "call_id": "call_1", "output": "5"}]
+    else:
+        assert stub.requests[1][0] == "/v1/chat/completions"
+        tool_msgs = [m for m in second["messages"] if m["role"] == "tool"]
+        assert tool_msgs == [{"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+
+
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_stream_text_deltas_and_usage(stub, store, model_cls):
+    deltas = ["Hel", "lo, ", "wor", "ld!"]
+    stub.script.append(text(*deltas, usage=(17, 4)))
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store) as deck:
+            events = [e async for e in deck.stream("bot", "Say hello")]
+    assert [e.payload.text for e in events if e.kind == "text.delta"] == deltas
+    assert events[0].kind == "run.started" and events[-1].kind == "run.completed"
+    done = events[-1].payload
+    assert done.output == "Hello, world!"
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (17, 4)
+    assert stub.bodies()[0]["stream"] is True
+    assert kinds(await store.read(events[0].run_id)) == kinds(events)
+
+
+def shout(word: str) -> str:
+    """Shout a word."""
+    return word.upper()
+
+
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_usd_is_priced_and_sums_model_calls(stub, store, model_cls):
+    stub.script += [call("shout", {"word": "hi"}, usage=(1200, 40)), text("HI", usage=(1500, 300))]
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store, tools=[shout]) as deck:
+            events = [e async for e in deck.stream("bot", "Shout hi")]
+    usage = events[-1].payload.usage
+    costs = [e.payload.usd for e in events if e.kind == "model.completed"]
+    assert len(costs) == 2 and all(isinstance(c, float) and c > 0 for c in costs)
+    assert isinstance(usage.usd, float) and usage.usd > 0
+    assert usage.usd == pytest.approx(sum(costs), rel=1e-9)
+    assert (usage.input_tokens, usage.output_tokens) == (2700, 340)
+
+
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_image_block_reaches_the_api(stub, store, model_cls):
+    stub.script.append(text("A tiny image."))
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store) as deck:
+            result = await deck.run("bot", [kit.TextBlock("What is this?"),
+                                            kit.ImageBlock("image/png", PNG)])
+    assert result.output == "A tiny image."
+    url = f"data:image/png;base64,{PNG}"
+    body = stub.bodies()[0]
+    if model_cls is agents.OpenAIResponsesModel:
+        parts = body["input"][0]["content"]
+        assert {"type": "input_text", "text": "What is this?"} in parts
+        assert [p["image_url"] for p in parts if p["type"] == "input_image"] == [url]
+    else:
+        user = [m for m in body["messages"] if m["role"] == "user"]
+        parts = user[0]["content"]
+        assert [p["image_url"]["url"] for p in parts if p["type"] == "image_url"] == [url]
+
+
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_audio_block_chat_only(stub, store, model_cls):
+    stub.script.append(text("Sounds like silence."))
+    blocks = [kit.TextBlock("Transcribe"), kit.AudioBlock("audio/wav", WAV)]
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store) as deck:
+            if model_cls is agents.OpenAIResponsesModel:
+                with pytest.raises(kit.ConfigError, match="AudioBlock"):
+                    await deck.run("bot", blocks)
+                assert await store.runs() == [] and stub.requests == []
+                return
+            result = await deck.run("bot", blocks)
+    assert result.output == "Sounds like silence."
+    user = [m for m in stub.bodies()[0]["messages"] if m["role"] == "user"]
+    audio = [p for p in user[0]["content"] if p["type"] == "input_audio"]
+    assert audio == [{"type": "input_audio", "input_audio": {"data": WAV, "format": "wav"}}]
+
+
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_http_500_fails_the_run(stub, store, model_cls):
+    stub.script.append(FAIL)
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store) as deck:
+            with pytest.raises(openai.InternalServerError):
+                await deck.run("bot", "hi", run_id="run-500")
+    log = await store.read("run-500")
+    assert kinds(log) == ["run.started", "run.failed"]
+    assert log[-1].payload.error == "InternalServerError"
+    assert len(stub.requests) == 1  # max_retries=0: no retry

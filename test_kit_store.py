@@ -1,0 +1,424 @@
+"""Tests for kit_store: the log, the run index and the claims, on both stores and both backends.
+
+Real SQLite files and real child processes; no mocks.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import anyio
+import pytest
+
+import kit
+import kit_store
+from kit import Claim, Event, RunStatus
+from kit_store import MemoryStore, SQLiteStore, store_from_url
+
+pytestmark = pytest.mark.anyio
+
+HERE = Path(__file__).resolve().parent
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def ev(run_id: str, seq: int, payload: kit.Payload, at: int = 0) -> Event:
+    return Event(run_id, seq, payload, origin="bot", at=T0 + timedelta(seconds=at, microseconds=seq))
+
+
+def started(run_id: str, *, name: str = "bot", session_id: str | None = None,
+            namespace: str | None = None, at: int = 0) -> Event:
+    return ev(run_id, 0, kit.RunStarted(name, "agent", session_id, namespace,
+                                        (kit.TextBlock("hi"),)), at)
+
+
+def kinds(events: list[Event]) -> list[str]:
+    return [e.kind for e in events]
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request, tmp_path, anyio_backend):
+    s = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "kit.db")
+    async with s:
+        yield s
+
+
+# ==================================================================================== the log ====
+
+async def test_append_read_round_trip_in_order(store):
+    events = [started("r1"), ev("r1", 1, kit.TextDelta("He")), ev("r1", 2, kit.TextDelta("llo")),
+              ev("r1", 3, kit.MessageCompleted("Hello", {"k": [1, 2]}, "bot")),
+              ev("r1", 4, kit.RunCompleted("Hello", kit.Usage(3, 5, 0.25)))]
+    await store.append(events[:2])
+    await store.append(events[2:])
+    assert await store.read("r1") == events
+    assert await store.read("r1", after=2) == events[3:]
+    assert await store.read("r1", after=4) == []
+    assert await store.read("unknown") == []
+
+
+async def test_duplicate_seq_raises_and_the_whole_batch_is_absent(store):
+    await store.append([started("r1"), ev("r1", 1, kit.TextDelta("a"))])
+    with pytest.raises(kit.LogConflictError) as info:
+        await store.append([started("r2", session_id="s"), ev("r1", 2, kit.TextDelta("b")),
+                            ev("r1", 1, kit.TextDelta("dup"))],
+                           claim=Claim("r2", "me", 30, session_id="s"))
+    assert (info.value.run_id, info.value.seq) == ("r1", 1)
+    assert kinds(await store.read("r1")) == ["run.started", "text.delta"]
+    assert await store.read("r2") == [] and await store.run_info("r2") is None
+    assert await store.session_holder("s") is None  # the claim rolled back too
+
+    with pytest.raises(kit.LogConflictError) as info:  # a repeat inside one batch
+        await store.append([ev("r3", 0, kit.TextDelta("x")), ev("r3", 0, kit.TextDelta("y"))])
+    assert (info.value.run_id, info.value.seq) == ("r3", 0)
+    assert await store.read("r3") == []
+
+    with pytest.raises(kit.LogConflictError) as info:  # a run id reused by a second run.started
+        await store.append([ev("r1", 7, kit.RunStarted("other", "agent"))])
+    assert (info.value.run_id, info.value.seq) == ("r1", 7)
+    with pytest.raises(kit.LogConflictError) as info:  # ... or twice in one batch
+        await store.append([started("r4"), ev("r4", 1, kit.RunStarted("other", "agent"))])
+    assert (info.value.run_id, info.value.seq) == ("r4", 1)
+    assert await store.read("r4") == [] and await store.run_info("r4") is None
+    assert len(await store.read("r1")) == 2
+
+
+async def test_runs_listing_filters_and_status_folding(store):
+    ends = {"done": kit.RunCompleted("ok"), "asked": kit.RunInterrupted("i1", {"q": 1}, "t1"),
+            "asleep": kit.RunSleeping("2030-01-01T00:00:00+00:00"), "held": kit.RunPaused("safe"),
+            "broke": kit.RunFailed("ValueError", "bad"), "stopped": kit.RunCancelled("user")}
+    for i, (rid, payload) in enumerate(ends.items()):
+        await store.append([started(rid, name="a" if i % 2 else "b", session_id=f"s{i % 2}", at=i)])
+        assert (await store.run_info(rid)).status is RunStatus.RUNNING
+        await store.append([ev(rid, 1, kit.TextDelta("x")), ev(rid, 2, payload)])
+    await store.append([started("live", name="a", at=10), ev("live", 1, kit.TextDelta("x"))])
+
+    status = {r.run_id: r.status for r in await store.runs()}
+    assert status == {"done": RunStatus.COMPLETED, "asked": RunStatus.WAITING_HUMAN,
+                      "asleep": RunStatus.SLEEPING, "held": RunStatus.PAUSED,
+                      "broke": RunStatus.FAILED, "stopped": RunStatus.CANCELLED,
+                      "live": RunStatus.RUNNING}
+    assert [r.run_id for r in await store.runs()] == [*ends, "live"]  # by started_at
+    assert [r.run_id for r in await store.runs(name="a")] == ["asked", "held", "stopped", "live"]
+    assert [r.run_id for r in await store.runs(session_id="s0")] == ["done", "asleep", "broke"]
+    assert [r.run_id for r in await store.runs(name="a", session_id="s1",
+                                               status=RunStatus.PAUSED)] == ["held"]
+    assert await store.runs(name="b", status=RunStatus.PAUSED) == []
+
+    await store.append([ev("asked", 3, kit.RunResumed("answer"))])
+    assert (await store.run_info("asked")).status is RunStatus.RUNNING
+    info = await store.run_info("done")
+    assert info == kit.RunInfo("done", "b", "agent", "s0", None, RunStatus.COMPLETED,
+                               T0 + timedelta(seconds=0), None)
+    assert await store.run_info("nope") is None
+
+
+async def test_closed_store_raises_kit_error(tmp_path):
+    for s in (MemoryStore(), SQLiteStore(tmp_path / "deep" / "dir" / "kit.db")):
+        assert not s.opened
+        with pytest.raises(kit.KitError, match="not open"):
+            await s.append([started("r1")])
+        async with s:
+            assert s.opened
+            await s.append([started("r1")])
+        assert not s.opened
+        with pytest.raises(kit.KitError, match="not open"):
+            await s.read("r1")
+        async with s:  # a store can be reopened; memory keeps its data for the object's life
+            assert kinds(await s.read("r1")) == ["run.started"]
+
+
+# ================================================================================== claims ====
+
+async def test_second_claim_on_a_session_is_busy_and_writes_nothing(store):
+    await store.append([started("r1", session_id="s", namespace="ns")],
+                       claim=Claim("r1", "me", 30, session_id="s", namespace="ns"))
+    with pytest.raises(kit.SessionBusyError) as info:
+        await store.append([started("r2", session_id="s", namespace="ns")],
+                           claim=Claim("r2", "you", 30, session_id="s", namespace="ns"))
+    assert (info.value.session_id, info.value.run_id, info.value.namespace) == ("s", "r1", "ns")
+    assert await store.read("r2") == [] and await store.run_info("r2") is None
+    assert await store.session_holder("s", "ns") == "r1"
+    # Same session id elsewhere is a different session.
+    await store.append([started("r3", session_id="s")], claim=Claim("r3", "you", 30, session_id="s"))
+    assert await store.session_holder("s") == "r3"
+
+
+async def test_terminal_frees_the_session(store):
+    await store.append([started("r1", session_id="s")], claim=Claim("r1", "me", 30, session_id="s"))
+    await store.append([ev("r1", 1, kit.RunCompleted("ok"))])
+    assert await store.session_holder("s") is None
+    await store.append([started("r2", session_id="s")], claim=Claim("r2", "me", 30, session_id="s"))
+    assert await store.session_holder("s") == "r2"
+
+
+async def test_parking_keeps_the_session_without_a_lease_to_lapse(store):
+    await store.append([started("r1", session_id="s")], claim=Claim("r1", "me", 0.05, session_id="s"))
+    await store.append([ev("r1", 1, kit.RunInterrupted("i1", None, "t"))])
+    await store.renew("me", 0.05)  # must not give the parked claim a lease again
+    await anyio.sleep(0.1)
+    assert await store.reap() == []
+    with pytest.raises(kit.SessionBusyError):
+        await store.append([started("r2", session_id="s")], claim=Claim("r2", "you", 30, session_id="s"))
+    # A resumer re-takes its own run's claim, then ends it.
+    await store.append([ev("r1", 2, kit.RunResumed("answer"))],
+                       claim=Claim("r1", "other", 30, session_id="s"))
+    assert await store.session_holder("s") == "r1"
+    await store.append([ev("r1", 3, kit.RunCompleted("ok"))])
+    assert await store.session_holder("s") is None
+    assert (await store.run_info("r1")).status is RunStatus.COMPLETED
+
+
+async def test_lapsed_lease_is_taken_over_and_the_old_run_is_abandoned(store):
+    await store.append([started("old", name="olds", session_id="s"), ev("old", 1, kit.TextDelta("a"))],
+                       claim=Claim("old", "dead", 0.05, session_id="s"))
+    await anyio.sleep(0.1)
+    assert await store.session_holder("s") == "old"  # lapsed, but holds until overtaken
+    await store.append([started("new", session_id="s")], claim=Claim("new", "me", 30, session_id="s"))
+    assert await store.session_holder("s") == "new"
+    log = await store.read("old")
+    assert kinds(log) == ["run.started", "text.delta", "run.failed"]
+    assert log[-1].seq == 2 and log[-1].origin == "olds"
+    assert log[-1].payload == kit.RunFailed("RunAbandoned", "the process playing this run stopped "
+                                                            "renewing its lease")
+    assert (await store.run_info("old")).status is RunStatus.FAILED
+    assert await store.reap() == []
+
+
+async def test_renew_keeps_a_lease_alive_past_its_first_expiry(store):
+    await store.append([started("r1", session_id="s")], claim=Claim("r1", "me", 0.2, session_id="s"))
+    await store.append([started("r2")], claim=Claim("r2", "other", 0.2))
+    await anyio.sleep(0.1)
+    await store.renew("me", 1.0)
+    await anyio.sleep(0.15)  # past r1's first expiry, and r2's
+    with pytest.raises(kit.SessionBusyError):
+        await store.append([started("r3", session_id="s")], claim=Claim("r3", "x", 30, session_id="s"))
+    assert await store.reap() == ["r2"]
+
+
+async def test_reap_abandons_lapsed_runs_once(store):
+    await store.append([started("a")], claim=Claim("a", "dead", 0.05))
+    await store.append([started("b"), ev("b", 1, kit.TextDelta("x"))], claim=Claim("b", "dead", 0.05))
+    await store.append([started("c")], claim=Claim("c", "alive", 30))
+    await anyio.sleep(0.1)
+    assert await store.reap() == ["a", "b"]
+    assert await store.reap() == []
+    assert kinds(await store.read("b")) == ["run.started", "text.delta", "run.failed"]
+    assert [r.run_id for r in await store.runs(status=RunStatus.FAILED)] == ["a", "b"]
+    assert (await store.run_info("c")).status is RunStatus.RUNNING
+
+
+async def test_two_sqlite_reapers_write_one_failure(tmp_path):
+    async with SQLiteStore(tmp_path / "kit.db") as one, SQLiteStore(tmp_path / "kit.db") as two:
+        await one.append([started("r1")], claim=Claim("r1", "dead", 0.05))
+        await anyio.sleep(0.1)
+        async with anyio.create_task_group() as tg:
+            for s in (one, two, one, two):
+                tg.start_soon(s.reap)
+        assert kinds(await two.read("r1")) == ["run.started", "run.failed"]
+
+
+# ================================================================================== follow ====
+
+async def test_follow_replays_then_goes_live_and_stops_at_terminal(store):
+    early: list[Event] = []
+    late: list[Event] = []
+
+    async def collect(into: list[Event]) -> None:
+        async for e in store.follow("r1"):
+            into.append(e)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(collect, early)  # before the run exists: waits for it
+            await anyio.sleep(0.01)
+            await store.append([started("r1"), ev("r1", 1, kit.TextDelta("a"))])
+            tg.start_soon(collect, late)
+            while len(early) < 2 or len(late) < 2:
+                await anyio.sleep(0.01)
+            await store.append([ev("r1", 2, kit.TextDelta("b"))])
+            await store.append([ev("r1", 3, kit.RunCompleted("ab"))])
+    want = ["run.started", "text.delta", "text.delta", "run.completed"]
+    assert kinds(early) == kinds(late) == want
+    assert [e.seq for e in early] == [0, 1, 2, 3]
+
+
+async def test_follow_after_a_parked_run_waits_for_new_events(store):
+    await store.append([started("r1"), ev("r1", 1, kit.TextDelta("a")),
+                        ev("r1", 2, kit.RunPaused("safe point"))])
+    with anyio.fail_after(5):
+        replay = [e async for e in store.follow("r1")]
+        assert kinds(replay) == ["run.started", "text.delta", "run.paused"]  # stops at parking
+        got: list[Event] = []
+
+        async def collect() -> None:
+            async for e in store.follow("r1", after=2):
+                got.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(collect)
+            await anyio.sleep(0.15)  # several SQLite polls
+            assert got == []
+            await store.append([ev("r1", 3, kit.RunResumed("resume")), ev("r1", 4, kit.TextDelta("b")),
+                                ev("r1", 5, kit.RunCompleted("b"))])
+    assert [e.seq for e in got] == [3, 4, 5]
+
+
+async def test_closing_the_store_ends_a_waiting_follow(store):
+    async def follow() -> None:
+        async for _ in store.follow("r1"):
+            pass
+
+    with anyio.fail_after(5), pytest.raises(Exception) as info:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow)
+            await anyio.sleep(0.01)
+            await store.aclose()
+    assert info.group_contains(kit.KitError, match="not open")
+
+
+# =========================================================================== cross-process ====
+
+CHILD_RUN = """
+import sys, anyio, kit, kit_store
+async def main():
+    async with kit_store.SQLiteStore(sys.argv[1]) as store:
+        await store.append([kit.Event("r1", 0, kit.RunStarted("child", "agent"))])
+        print("started", flush=True)
+        if sys.argv[2] == "wait":
+            sys.stdin.readline()
+        for seq in range(1, 6):
+            await store.append([kit.Event("r1", seq, kit.TextDelta(str(seq)))])
+            await anyio.sleep(0.01)
+        await store.append([kit.Event("r1", 6, kit.MessageCompleted("12345")),
+                            kit.Event("r1", 7, kit.RunCompleted("12345"))])
+anyio.run(main)
+"""
+CHILD_CLAIM = """
+import sys, time, anyio, kit, kit_store
+async def main():
+    async with kit_store.SQLiteStore(sys.argv[1]) as store:
+        await store.append([kit.Event("old", 0, kit.RunStarted("child", "agent", "s"))],
+                           claim=kit.Claim("old", "child", 0.3, session_id="s"))
+        print(time.time() + 0.3, flush=True)
+        await anyio.sleep(60)
+anyio.run(main)
+"""
+CHILD_WRITER = """
+import sys, anyio, kit, kit_store
+async def main():
+    run_id = sys.argv[2]
+    async with kit_store.SQLiteStore(sys.argv[1]) as store:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        events = [kit.Event(run_id, 0, kit.RunStarted(run_id, "agent"))]
+        events += [kit.Event(run_id, s, kit.TextDelta("x" * 200)) for s in range(1, 300)]
+        for i in range(0, 300, 3):
+            await store.append(events[i:i + 3])
+anyio.run(main)
+"""
+RUN_KINDS = ["run.started"] + ["text.delta"] * 5 + ["message.completed", "run.completed"]
+
+
+async def spawn(code: str, *args: str) -> anyio.abc.Process:
+    return await anyio.open_process([sys.executable, "-c", code, *args], cwd=HERE,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+
+
+async def readline(proc: anyio.abc.Process) -> str:
+    line = b""
+    while not line.endswith(b"\n"):
+        line += await proc.stdout.receive(1)
+    return line.decode().strip()
+
+
+async def test_follow_sees_another_process_live_through_the_poll(tmp_path):
+    got: list[Event] = []
+    first = anyio.Event()
+
+    async with SQLiteStore(tmp_path / "kit.db", poll_interval=0.02) as store:
+        async def collect() -> None:
+            async for e in store.follow("r1"):
+                got.append(e)
+                first.set()
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(collect)
+                await anyio.sleep(0.01)
+                async with await spawn(CHILD_RUN, str(tmp_path / "kit.db"), "wait") as proc:
+                    await first.wait()  # the child is blocked on stdin: this arrived live
+                    assert kinds(got) == ["run.started"]
+                    await proc.stdin.send(b"go\n")
+                    assert await proc.wait() == 0
+        assert kinds(got) == RUN_KINDS
+        log = await store.read("r1")  # what the child wrote, read back from the file
+        assert kinds(log) == RUN_KINDS and [e.seq for e in log] == list(range(8))
+        assert log[1:6] == got[1:6] and (await store.run_info("r1")).status is RunStatus.COMPLETED
+
+
+async def test_a_killed_process_lease_lapses_and_its_session_is_taken_over(tmp_path):
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        with anyio.fail_after(20):
+            async with await spawn(CHILD_CLAIM, str(tmp_path / "kit.db")) as proc:
+                until = float(await readline(proc))
+                proc.kill()  # SIGKILL: it never renews
+                await proc.wait()
+            assert await store.session_holder("s") == "old"
+            if time.time() < until - 0.05:
+                with pytest.raises(kit.SessionBusyError):
+                    await store.append([started("new", session_id="s")],
+                                       claim=Claim("new", "me", 30, session_id="s"))
+            await anyio.sleep(max(0.0, until - time.time()) + 0.05)
+            await store.append([started("new", session_id="s")],
+                               claim=Claim("new", "me", 30, session_id="s"))
+        assert await store.session_holder("s") == "new"
+        log = await store.read("old")
+        assert kinds(log) == ["run.started", "run.failed"] and log[-1].payload.error == "RunAbandoned"
+        assert (await store.run_info("old")).status is RunStatus.FAILED
+
+
+async def test_two_processes_append_concurrently_without_lock_errors(tmp_path):
+    db = str(tmp_path / "kit.db")
+    async with SQLiteStore(db) as store:
+        with anyio.fail_after(25):
+            procs = [await spawn(CHILD_WRITER, db, run_id) for run_id in ("p1", "p2")]
+            try:
+                for p in procs:
+                    assert await readline(p) == "ready"
+                for p in procs:  # release both at once so their commits interleave
+                    await p.stdin.send(b"go\n")
+                assert [await p.wait() for p in procs] == [0, 0]
+            finally:
+                for p in procs:
+                    await p.aclose()
+        for run_id in ("p1", "p2"):
+            log = await store.read(run_id)
+            assert [e.seq for e in log] == list(range(300))
+        assert sorted(r.run_id for r in await store.runs(status=RunStatus.RUNNING)) == ["p1", "p2"]
+
+
+# ================================================================================= factory ====
+
+async def test_store_from_url_forms():
+    assert isinstance(store_from_url("memory"), MemoryStore)
+    rel = store_from_url("sqlite:///relative/path.db")
+    assert isinstance(rel, SQLiteStore) and rel.path == "relative/path.db" and not rel.opened
+    assert store_from_url("sqlite:////abs/path.db").path == "/abs/path.db"
+    for bad in ("postgresql://u@h/db", "sqlite://", "sqlite:///", "redis://x", ""):
+        with pytest.raises(kit.ConfigError, match="postgresql:// is not supported") as info:
+            store_from_url(bad)
+        assert repr(bad) in str(info.value)
+    with pytest.raises(kit.ConfigError):
+        SQLiteStore("x.db", poll_interval=0)
+
+
+async def test_all_names_the_public_surface():
+    public = {n for n, v in vars(kit_store).items()
+              if not n.startswith("_") and getattr(v, "__module__", None) == "kit_store"}
+    assert set(kit_store.__all__) == public
+    assert isinstance(MemoryStore(), kit.EventStorePort)
+    assert isinstance(SQLiteStore(os.devnull), kit.EventStorePort)
