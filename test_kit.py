@@ -563,3 +563,56 @@ async def test_headless_context_tool_refuses():
     agent = Agent("a", tools=[needs], model=ScriptedModel([{"tool": "needs"}, "x"]))
     with pytest.raises(Exception, match="NoneType rather than a run context"):
         await agent.run("go")
+
+
+# ------------------------------------------------------------------------- across processes ----
+
+CHILD = """
+import os, sys, threading, anyio, kit
+from kit_store import SQLiteStore
+
+def block() -> str:
+    threading.Event().wait()  # until the process is killed
+
+async def main():
+    async with SQLiteStore(sys.argv[1]) as store:
+        deck = kit.Deck([kit.Agent("a", tools=[block], model=kit.ScriptedModel([{"tool": "block"}]))],
+                        store=store)
+        async with deck:
+            async for ev in deck.stream("a", "go", session_id="s"):
+                if ev.kind == "tool.started":
+                    print(ev.run_id, flush=True)
+
+anyio.run(main)
+"""
+
+
+async def test_a_session_claim_holds_across_processes_and_lapses_when_its_owner_dies(tmp_path, monkeypatch):
+    db = tmp_path / "shared.db"
+    env = {**os.environ, "KIT_LEASE_SECONDS": "0.6", "PYTHONPATH": str(HERE)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db)], stdout=subprocess.PIPE,
+                             text=True, env=env, cwd=HERE)
+    try:
+        with anyio.fail_after(30):
+            child_run = (await anyio.to_thread.run_sync(child.stdout.readline)).strip()
+        assert child_run
+        monkeypatch.setenv("KIT_LEASE_SECONDS", "0.6")
+        async with SQLiteStore(db) as store:
+            async with Deck([Agent("a", model=ScriptedModel(["mine now"]))], store=store) as deck:
+                await anyio.sleep(1.0)  # longer than the lease: the live owner keeps renewing it
+                with pytest.raises(SessionBusyError) as busy:
+                    await deck.run("a", "me too", session_id="s")
+                assert busy.value.run_id == child_run
+                child.kill()
+                child.wait(10)
+                await anyio.sleep(0.8)  # the dead owner's lease lapses
+                result = await deck.run("a", "me too", session_id="s")
+                assert result.output == "mine now"
+                log = await store.read(child_run)
+                assert log[-1].payload == kit.RunFailed(
+                    "RunAbandoned", "the process playing this run stopped renewing its lease")
+                assert await deck.status(child_run) is RunStatus.FAILED
+    finally:
+        child.kill()
+        child.wait(10)
+        child.stdout.close()

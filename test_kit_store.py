@@ -65,7 +65,7 @@ async def test_duplicate_seq_raises_and_the_whole_batch_is_absent(store):
     with pytest.raises(kit.LogConflictError) as info:
         await store.append([started("r2", session_id="s"), ev("r1", 2, kit.TextDelta("b")),
                             ev("r1", 1, kit.TextDelta("dup"))],
-                           claim=Claim("r2", "me", 30, session_id="s"))
+                           claims=[Claim("r2", "me", 30, session_id="s")])
     assert (info.value.run_id, info.value.seq) == ("r1", 1)
     assert kinds(await store.read("r1")) == ["run.started", "text.delta"]
     assert await store.read("r2") == [] and await store.run_info("r2") is None
@@ -135,37 +135,37 @@ async def test_closed_store_raises_kit_error(tmp_path):
 
 async def test_second_claim_on_a_session_is_busy_and_writes_nothing(store):
     await store.append([started("r1", session_id="s", namespace="ns")],
-                       claim=Claim("r1", "me", 30, session_id="s", namespace="ns"))
+                       claims=[Claim("r1", "me", 30, session_id="s", namespace="ns")])
     with pytest.raises(kit.SessionBusyError) as info:
         await store.append([started("r2", session_id="s", namespace="ns")],
-                           claim=Claim("r2", "you", 30, session_id="s", namespace="ns"))
+                           claims=[Claim("r2", "you", 30, session_id="s", namespace="ns")])
     assert (info.value.session_id, info.value.run_id, info.value.namespace) == ("s", "r1", "ns")
     assert await store.read("r2") == [] and await store.run_info("r2") is None
     assert await store.session_holder("s", "ns") == "r1"
     # Same session id elsewhere is a different session.
-    await store.append([started("r3", session_id="s")], claim=Claim("r3", "you", 30, session_id="s"))
+    await store.append([started("r3", session_id="s")], claims=[Claim("r3", "you", 30, session_id="s")])
     assert await store.session_holder("s") == "r3"
 
 
 async def test_terminal_frees_the_session(store):
-    await store.append([started("r1", session_id="s")], claim=Claim("r1", "me", 30, session_id="s"))
+    await store.append([started("r1", session_id="s")], claims=[Claim("r1", "me", 30, session_id="s")])
     await store.append([ev("r1", 1, kit.RunCompleted("ok"))])
     assert await store.session_holder("s") is None
-    await store.append([started("r2", session_id="s")], claim=Claim("r2", "me", 30, session_id="s"))
+    await store.append([started("r2", session_id="s")], claims=[Claim("r2", "me", 30, session_id="s")])
     assert await store.session_holder("s") == "r2"
 
 
 async def test_parking_keeps_the_session_without_a_lease_to_lapse(store):
-    await store.append([started("r1", session_id="s")], claim=Claim("r1", "me", 0.05, session_id="s"))
+    await store.append([started("r1", session_id="s")], claims=[Claim("r1", "me", 0.05, session_id="s")])
     await store.append([ev("r1", 1, kit.RunInterrupted("i1", None, "t"))])
     await store.renew("me", 0.05)  # must not give the parked claim a lease again
     await anyio.sleep(0.1)
     assert await store.reap() == []
     with pytest.raises(kit.SessionBusyError):
-        await store.append([started("r2", session_id="s")], claim=Claim("r2", "you", 30, session_id="s"))
+        await store.append([started("r2", session_id="s")], claims=[Claim("r2", "you", 30, session_id="s")])
     # A resumer re-takes its own run's claim, then ends it.
     await store.append([ev("r1", 2, kit.RunResumed("answer"))],
-                       claim=Claim("r1", "other", 30, session_id="s"))
+                       claims=[Claim("r1", "other", 30, session_id="s")])
     assert await store.session_holder("s") == "r1"
     await store.append([ev("r1", 3, kit.RunCompleted("ok"))])
     assert await store.session_holder("s") is None
@@ -174,10 +174,10 @@ async def test_parking_keeps_the_session_without_a_lease_to_lapse(store):
 
 async def test_lapsed_lease_is_taken_over_and_the_old_run_is_abandoned(store):
     await store.append([started("old", name="olds", session_id="s"), ev("old", 1, kit.TextDelta("a"))],
-                       claim=Claim("old", "dead", 0.05, session_id="s"))
+                       claims=[Claim("old", "dead", 0.05, session_id="s")])
     await anyio.sleep(0.1)
     assert await store.session_holder("s") == "old"  # lapsed, but holds until overtaken
-    await store.append([started("new", session_id="s")], claim=Claim("new", "me", 30, session_id="s"))
+    await store.append([started("new", session_id="s")], claims=[Claim("new", "me", 30, session_id="s")])
     assert await store.session_holder("s") == "new"
     log = await store.read("old")
     assert kinds(log) == ["run.started", "text.delta", "run.failed"]
@@ -189,20 +189,20 @@ async def test_lapsed_lease_is_taken_over_and_the_old_run_is_abandoned(store):
 
 
 async def test_renew_keeps_a_lease_alive_past_its_first_expiry(store):
-    await store.append([started("r1", session_id="s")], claim=Claim("r1", "me", 0.2, session_id="s"))
-    await store.append([started("r2")], claim=Claim("r2", "other", 0.2))
+    await store.append([started("r1", session_id="s")], claims=[Claim("r1", "me", 0.2, session_id="s")])
+    await store.append([started("r2")], claims=[Claim("r2", "other", 0.2)])
     await anyio.sleep(0.1)
     await store.renew("me", 1.0)
     await anyio.sleep(0.15)  # past r1's first expiry, and r2's
     with pytest.raises(kit.SessionBusyError):
-        await store.append([started("r3", session_id="s")], claim=Claim("r3", "x", 30, session_id="s"))
+        await store.append([started("r3", session_id="s")], claims=[Claim("r3", "x", 30, session_id="s")])
     assert await store.reap() == ["r2"]
 
 
 async def test_reap_abandons_lapsed_runs_once(store):
-    await store.append([started("a")], claim=Claim("a", "dead", 0.05))
-    await store.append([started("b"), ev("b", 1, kit.TextDelta("x"))], claim=Claim("b", "dead", 0.05))
-    await store.append([started("c")], claim=Claim("c", "alive", 30))
+    await store.append([started("a")], claims=[Claim("a", "dead", 0.05)])
+    await store.append([started("b"), ev("b", 1, kit.TextDelta("x"))], claims=[Claim("b", "dead", 0.05)])
+    await store.append([started("c")], claims=[Claim("c", "alive", 30)])
     await anyio.sleep(0.1)
     assert await store.reap() == ["a", "b"]
     assert await store.reap() == []
@@ -213,7 +213,7 @@ async def test_reap_abandons_lapsed_runs_once(store):
 
 async def test_two_sqlite_reapers_write_one_failure(tmp_path):
     async with SQLiteStore(tmp_path / "kit.db") as one, SQLiteStore(tmp_path / "kit.db") as two:
-        await one.append([started("r1")], claim=Claim("r1", "dead", 0.05))
+        await one.append([started("r1")], claims=[Claim("r1", "dead", 0.05)])
         await anyio.sleep(0.1)
         async with anyio.create_task_group() as tg:
             for s in (one, two, one, two):
@@ -302,7 +302,7 @@ import sys, time, anyio, kit, kit_store
 async def main():
     async with kit_store.SQLiteStore(sys.argv[1]) as store:
         await store.append([kit.Event("old", 0, kit.RunStarted("child", "agent", "s"))],
-                           claim=kit.Claim("old", "child", 0.3, session_id="s"))
+                           claims=[kit.Claim("old", "child", 0.3, session_id="s")])
         print(time.time() + 0.3, flush=True)
         await anyio.sleep(60)
 anyio.run(main)
@@ -371,10 +371,10 @@ async def test_a_killed_process_lease_lapses_and_its_session_is_taken_over(tmp_p
             if time.time() < until - 0.05:
                 with pytest.raises(kit.SessionBusyError):
                     await store.append([started("new", session_id="s")],
-                                       claim=Claim("new", "me", 30, session_id="s"))
+                                       claims=[Claim("new", "me", 30, session_id="s")])
             await anyio.sleep(max(0.0, until - time.time()) + 0.05)
             await store.append([started("new", session_id="s")],
-                               claim=Claim("new", "me", 30, session_id="s"))
+                               claims=[Claim("new", "me", 30, session_id="s")])
         assert await store.session_holder("s") == "new"
         log = await store.read("old")
         assert kinds(log) == ["run.started", "run.failed"] and log[-1].payload.error == "RunAbandoned"
