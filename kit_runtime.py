@@ -850,11 +850,25 @@ class Runtime:
             if self._redis is not None:
                 await self._on_engine(self._redis.aclose)
             if self.engine is not None:
+                await self._close_model_clients()
                 await self.engine.stop()
             if self._memory is not None:
                 self._memory.close()
             if self._own_store and self.store is not None:
                 await self.store.aclose()
+
+    async def _close_model_clients(self) -> None:
+        """Under trio, close the deck's model clients on the engine loop before it stops.
+
+        Their pooled connections belong to that loop: once it is gone nothing can close them,
+        and the client could not be used on another loop anyway.
+        """
+        for spec in self.specs.values():
+            inner = getattr(spec.engine.sdk_agent.model, "_inner", None)
+            client = getattr(inner, "_client", None)
+            if client is not None and callable(getattr(client, "close", None)):
+                with anyio.move_on_after(CLOSE_TIMEOUT):
+                    await self.engine.call(client.close)  # type: ignore[union-attr]
 
     async def _on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await (self.engine.call(fn, *args) if self.engine else fn(*args))

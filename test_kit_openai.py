@@ -150,9 +150,6 @@ class Stub:
                 self.send_response(status)
                 self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
                 self.send_header("Content-Length", str(len(data)))
-                # No keep-alive: a pooled connection would stay bound to the loop that opened
-                # it, kit's engine loop under trio, which is gone when the test closes the client.
-                self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -190,6 +187,8 @@ async def open_deck(stub: Stub, model_cls: type, store: SQLiteStore, tools=()):
         async with kit.Deck([agent], store=store) as deck:
             yield deck
     finally:
+        # Under trio kit has closed it on its engine loop, where its pooled (keep-alive)
+        # connections live; closing again is a no-op.
         await client.close()
 
 
