@@ -173,30 +173,30 @@ class TextBlock:
 
 
 @dataclass(frozen=True, slots=True)
-class ImageBlock:
-    """An inline image: ``media_type`` (image/*) and strict base64 ``data_b64`` (<= 1 MB decoded)."""
+class _InlineBlock:
+    """Bytes carried in the block: ``media_type`` of the block's family and strict base64."""
     media_type: str
     data_b64: str
-    type: ClassVar[str] = "image"
+    type: ClassVar[str]
 
     def __post_init__(self) -> None:
-        _check_media_type("ImageBlock", self.media_type, "image")
-        _check_b64("ImageBlock", self.data_b64)
+        _check_media_type(type(self).__name__, self.media_type, self.type)
+        _check_b64(type(self).__name__, self.data_b64)
 
 
-@dataclass(frozen=True, slots=True)
-class AudioBlock:
+class ImageBlock(_InlineBlock):
+    """An inline image: ``media_type`` (image/*) and strict base64 ``data_b64`` (<= 1 MB decoded)."""
+    __slots__ = ()
+    type: ClassVar[str] = "image"
+
+
+class AudioBlock(_InlineBlock):
     """Inline audio: ``media_type`` (audio/*) and strict base64 ``data_b64`` (<= 1 MB decoded).
 
     The agents engine sends audio only on the chat-completions path (``KIT_OPENAI_API``).
     """
-    media_type: str
-    data_b64: str
+    __slots__ = ()
     type: ClassVar[str] = "audio"
-
-    def __post_init__(self) -> None:
-        _check_media_type("AudioBlock", self.media_type, "audio")
-        _check_b64("AudioBlock", self.data_b64)
 
 
 @dataclass(frozen=True, slots=True)

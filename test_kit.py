@@ -616,3 +616,20 @@ async def test_a_session_claim_holds_across_processes_and_lapses_when_its_owner_
         child.kill()
         child.wait(10)
         child.stdout.close()
+
+
+async def test_a_stalled_stream_catches_up_from_the_log(store, monkeypatch):
+    import kit_runtime
+    monkeypatch.setattr(kit_runtime, "LIVE_MAX", 4)  # a tiny live buffer: the consumer lags
+    words = " ".join(f"w{i}" for i in range(40))
+    async with Deck([Agent("a", model=ScriptedModel([words]))], store=store) as deck:
+        stream = deck.stream("a", "go")
+        first = await stream.__anext__()
+        with anyio.fail_after(10):  # do not read while the run plays to its end
+            while await deck.status(first.run_id) is RunStatus.RUNNING:
+                await anyio.sleep(0.01)
+        rest = [e async for e in stream]
+    events = [first] + rest
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert events == await store.read(first.run_id)
+    assert "".join(e.payload.text for e in events if e.kind == "text.delta") == words
