@@ -34,7 +34,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 __all__ = (
     # errors
     "KitError", "ConfigError", "ContextTypeError", "ContentError", "DeckStateError",
-    "UnknownNameError", "SessionBusyError", "LogConflictError",
+    "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "SessionBusyError",
+    "LogConflictError",
     # content
     "TextBlock", "ImageBlock", "AudioBlock", "ResourceBlock", "DataBlock", "ContentBlock",
     "MAX_INLINE_BYTES", "as_blocks", "block_to_json", "block_from_json",
@@ -44,11 +45,12 @@ __all__ = (
     "RunSleeping", "RunPaused", "RunResumed", "RunCompleted", "RunFailed", "RunCancelled",
     "UnknownEvent", "Payload", "fold_status",
     # results
-    "RunStatus", "Usage", "TurnResult", "InterruptResult", "RunInfo",
+    "RunStatus", "Usage", "TurnResult", "InterruptResult", "RunInfo", "Pending", "Due", "Ticked",
     # ports
     "EventSinkPort", "EventStorePort", "Claim",
     # catalog
-    "Agent", "Context", "InvocableSpec", "ScriptedModel", "Deck",
+    "Agent", "Workflow", "interrupt", "sleep_until", "Context", "InvocableSpec", "ScriptedModel",
+    "Deck",
 )
 
 
@@ -124,6 +126,27 @@ class LogConflictError(KitError):
         self.run_id, self.seq = run_id, seq
         super().__init__(f"run {run_id} already has an event at seq {seq}: another writer owns "
                          "this run, or the run id was reused")
+
+
+class UnknownRunError(KitError, LookupError):
+    """The log has no run with that id."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"the log has no run {run_id!r}")
+
+
+class RunNotWaitingError(KitError):
+    """The run is not waiting for what was asked of it: an interrupt is answered once.
+
+    Contrast with ``UnknownRunError``: the run exists, but it is not (or no longer) in the state
+    the call needs, typically because another caller answered or resumed it first.
+    """
+
+    def __init__(self, run_id: str, status: object, wanted: str) -> None:
+        self.run_id, self.status, self.wanted = run_id, status, wanted
+        super().__init__(f"run {run_id} is {getattr(status, 'value', status)}, not {wanted}: "
+                         "it was answered or resumed already, or it never waited")
 
 
 def _type_name(t: object) -> str:
@@ -451,6 +474,7 @@ class RunInterrupted(Payload):
 class RunSleeping(Payload):
     until: str
     thread_id: str | None = None
+    interrupt_id: str | None = None
 
 
 @_payload("run.paused", ends="parking", status=RunStatus.PAUSED)
@@ -567,6 +591,37 @@ class InterruptResult:
     payload: Any
     thread_id: str
     type: str = "interrupt"
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A workflow run waiting for a human (``deck.pending()``), read off the log."""
+    run_id: str
+    workflow: str
+    thread_id: str
+    session_id: str | None
+    payload: Any
+    since: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """A sleeping workflow thread whose wake time has passed (``deck.due_resumes()``).
+
+    ``run_id`` is the parked run in the log the thread belongs to, or None if there is none.
+    """
+    workflow: str
+    thread_id: str
+    until: datetime
+    run_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ticked:
+    """One thread ``deck.tick()`` resumed, and what its run returned."""
+    workflow: str
+    thread_id: str
+    result: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -723,6 +778,73 @@ class Agent:
         return await kit_runtime.run_headless(self, input, session=session, max_turns=max_turns)
 
 
+class Workflow:
+    """A graph workflow, played by LangGraph: ``graph`` is an uncompiled ``StateGraph``.
+
+    kit compiles it with the workflow's own checkpointer: a durable workflow (``durable=True``,
+    or the class attribute ``durable`` of a subclass) keeps its checkpoints in the store's SQLite
+    file, so a thread survives the process; otherwise they are in memory. A durable workflow's
+    runs need a ``session_id``, which is the LangGraph thread id. Nodes may call
+    ``kit.interrupt(payload)`` to wait for a human and ``kit.sleep_until(when)`` to sleep.
+
+    ``run``, ``resume`` and ``as_tool`` are headless: no deck, no log, no observers; they use a
+    private in-memory checkpointer kept by this object. Raises ``ConfigError`` for a bad name or
+    a graph that is not an uncompiled ``StateGraph``.
+    """
+    durable: bool = False
+
+    def __init__(self, name: str, graph: Any, *, durable: bool | None = None) -> None:
+        from langgraph.graph import StateGraph
+        self.name = _check_name("workflow", name)
+        if not isinstance(graph, StateGraph):
+            raise ConfigError(f"workflow {name!r}: graph must be an uncompiled langgraph StateGraph, "
+                              f"got {type(graph).__name__}")
+        self.graph = graph
+        if durable is not None:
+            self.durable = bool(durable)
+        self._headless: Any = None
+
+    def __repr__(self) -> str:
+        return f"Workflow({self.name!r}, durable={self.durable})"
+
+    async def run(self, input: Mapping[str, Any], *, thread_id: str | None = None) -> Any:
+        """Play the graph headless; the final state, or an ``InterruptResult`` if it parked."""
+        import kit_runtime
+        return await kit_runtime.workflow_headless(self, input, thread_id)
+
+    async def resume(self, thread_id: str, value: Any) -> Any:
+        """Answer the thread's pending interrupt headless; final state or the next interrupt."""
+        import kit_runtime
+        return await kit_runtime.workflow_headless(self, None, thread_id, resume=value)
+
+    def as_tool(self, *, description: str | None = None) -> Any:
+        """An SDK ``FunctionTool`` that plays this workflow headless on the model's input."""
+        import kit_runtime
+        return kit_runtime.workflow_tool(self, description, child_runs=False)
+
+
+def interrupt(payload: Any) -> Any:
+    """Inside a workflow node: park the run until a human answers; returns the answer.
+
+    The node runs again from its first line when answered, so keep side effects after this call
+    (or idempotent). Outside a workflow node LangGraph raises its own error.
+    """
+    from langgraph.types import interrupt as lg_interrupt
+    return lg_interrupt(payload)
+
+
+def sleep_until(when: datetime) -> Any:
+    """Inside a durable workflow node: park the thread until ``when`` (timezone-aware).
+
+    ``deck.tick()`` wakes it once that time has passed; returns ``{"woke_at": <iso time>}``. The
+    node re-runs on wake, so compute ``when`` once (in state, or in an earlier node), never as
+    ``now() + delta`` inside this node. Raises ``ConfigError`` for a naive datetime.
+    """
+    if not isinstance(when, datetime) or when.tzinfo is None or when.utcoffset() is None:
+        raise ConfigError(f"sleep_until needs a timezone-aware datetime, got {when!r}")
+    return interrupt({"kind": "sleep", "until": when.astimezone(timezone.utc).isoformat()})
+
+
 @dataclass(frozen=True, slots=True)
 class InvocableSpec:
     """The compiled form of an agent or workflow, produced by ``Deck.build()``."""
@@ -859,7 +981,8 @@ _live_deck: weakref.ref[Deck] | None = None  # SPEC 4.1 rule 6: one live deck pe
 
 
 class Deck:
-    """The composition root: a catalog of agents played on one Runtime over one event log.
+    """The composition root: a catalog of agents and workflows played on one Runtime over one
+    event log.
 
     Lifecycle (SPEC 3.1): NEW -> ``build()`` -> BUILT -> ``async with deck`` -> OPEN ->
     ``aclose()`` -> CLOSED, which is terminal. Only one deck may be live (not CLOSED) per process.
@@ -872,8 +995,8 @@ class Deck:
     Raises ``ConfigError`` when another deck is live or ``context`` is an instance.
     """
 
-    def __init__(self, agents: Sequence[Agent] = (), *, context: type | None = None,
-                 session_factory: Callable[[str], Any] | None = None,
+    def __init__(self, agents: Sequence[Agent] = (), workflows: Sequence[Workflow] = (), *,
+                 context: type | None = None, session_factory: Callable[[str], Any] | None = None,
                  store: EventStorePort | None = None) -> None:
         global _live_deck
         self._project = self._where()
@@ -889,7 +1012,10 @@ class Deck:
         for a in agents:
             if not isinstance(a, Agent):
                 raise ConfigError(f"Deck(agents=...) takes kit.Agent objects, got {a!r}")
-        self._agents = tuple(agents)
+        for w in workflows:
+            if not isinstance(w, Workflow):
+                raise ConfigError(f"Deck(workflows=...) takes kit.Workflow objects, got {w!r}")
+        self._agents, self._workflows = tuple(agents), tuple(workflows)
         self.context_type = context
         self._session_factory, self._store = session_factory, store
         self._specs: dict[str, InvocableSpec] = {}
@@ -903,7 +1029,8 @@ class Deck:
         return f"Deck created at {frame.f_code.co_filename}:{frame.f_lineno}"
 
     def __repr__(self) -> str:
-        return f"<Deck {self._state} agents={[a.name for a in self._agents]}>"
+        return (f"<Deck {self._state} agents={[a.name for a in self._agents]} "
+                f"workflows={[w.name for w in self._workflows]}>")
 
     @property
     def agents(self) -> Mapping[str, Agent]:
@@ -913,7 +1040,7 @@ class Deck:
     @property
     def workflows(self) -> Mapping[str, Any]:
         """The workflows by name (read-only)."""
-        return types.MappingProxyType({})
+        return types.MappingProxyType({w.name: w for w in self._workflows})
 
     # -------------------------------------------------------------------------- lifecycle --
     def build(self) -> Deck:
@@ -929,12 +1056,14 @@ class Deck:
             return self
         import kit_runtime
         names: dict[str, str] = {}
-        for kind, name in [("agent", a.name) for a in self._agents]:
+        for kind, name in [("agent", a.name) for a in self._agents] + [
+                ("workflow", w.name) for w in self._workflows]:
             if name in names:
                 raise ConfigError(f"two invocables are named {name!r} ({names[name]} and {kind}); "
                                   "names must be unique across agents and workflows")
             names[name] = kind
-        catalogs = {"skill": (), "MCP server": (), "workflow": ()}
+        workflows = {w.name: w for w in self._workflows}
+        catalogs: dict[str, Mapping[str, Any]] = {"skill": {}, "MCP server": {}, "workflow": workflows}
         for a in self._agents:
             for what, wanted in (("skill", a.skills), ("MCP server", a.mcp_servers),
                                  ("workflow", a.workflows)):
@@ -943,7 +1072,9 @@ class Deck:
                         known = ", ".join(catalogs[what]) or "none"
                         raise ConfigError(f"agent {a.name!r} names unknown {what} {n!r} "
                                           f"(the deck has: {known})")
-        self._specs = {a.name: kit_runtime.compile_agent(a) for a in self._agents}
+        self._specs = {w.name: kit_runtime.compile_workflow(w) for w in self._workflows}
+        self._specs.update({a.name: kit_runtime.compile_agent(a, [self._specs[n] for n in a.workflows])
+                            for a in self._agents})
         self._state = "BUILT"
         return self
 
@@ -982,7 +1113,13 @@ class Deck:
 
     async def run(self, name: str, input: Any, *, context: Any = None, session_id: str | None = None,
                   namespace: str | None = None, run_id: str | None = None) -> TurnResult:
-        """Play one turn to its end and return its ``TurnResult`` (from ``run.completed``).
+        """Play one turn to its end and return what it produced.
+
+        For an agent, a ``TurnResult`` built from ``run.completed``. For a workflow, ``input`` is
+        a mapping (the initial state) and the result is the final state mapping, or an
+        ``InterruptResult`` when the run parked (waiting for a human, or sleeping);
+        ``session_id`` is the thread id (required for a durable workflow) and a later call on
+        the same thread carries on from where it stopped.
 
         Raises ``DeckStateError`` unless open, ``UnknownNameError``, ``ContentError`` for bad
         input, ``ConfigError`` for a block the engine cannot express, ``SessionBusyError`` when
@@ -1017,6 +1154,48 @@ class Deck:
         if self._state != "OPEN":
             raise DeckStateError(self._state, "get a session")
         return self._runtime.session_for(session_id, namespace)
+
+
+    # ---------------------------------------------------------------- parked workflows --
+    def _open(self, action: str) -> Any:
+        if self._state != "OPEN":
+            raise DeckStateError(self._state, action)
+        return self._runtime
+
+    async def pending(self) -> list[Pending]:
+        """Every run waiting for a human, across all workflows, read off the log."""
+        return await self._open("list pending runs").pending()
+
+    async def answer(self, run_id: str, value: Any, *, context: Any = None) -> Any:
+        """Answer a waiting run: its interrupted node re-runs from its start with ``value``.
+
+        Finds the workflow, thread and session itself. Returns the final state (the run is
+        closed, its session freed) or the next ``InterruptResult``. ``context`` is not kept from
+        the first call: pass it again. Raises ``UnknownRunError``, ``RunNotWaitingError`` (an
+        interrupt is answered once), ``UnknownNameError`` when this deck lacks the workflow.
+        """
+        return await self._open("answer").answer(run_id, value, context)
+
+    async def due_resumes(self, now: datetime | None = None) -> list[Due]:
+        """Sleeping threads whose wake time is at or before ``now`` (default: current UTC),
+        read from each workflow's own checkpointer. Raises ``ConfigError`` for a naive ``now``."""
+        return await self._open("list due threads").due_resumes(_aware(now))
+
+    async def tick(self, now: datetime | None = None) -> list[Ticked]:
+        """Resume every due thread (through its parked run when the log has one); no context.
+
+        Safe to run from several processes at once: a thread is resumed by one of them only.
+        Raises ``ConfigError`` for a naive ``now``.
+        """
+        return await self._open("tick").tick(_aware(now))
+
+
+def _aware(now: datetime | None) -> datetime:
+    if now is None:
+        return _utcnow()
+    if not isinstance(now, datetime) or now.tzinfo is None or now.utcoffset() is None:
+        raise ConfigError(f"now must be a timezone-aware datetime, got {now!r}")
+    return now
 
 
 def _alias_core() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import json
 import os
@@ -38,6 +39,7 @@ import threading
 import time
 import typing
 import uuid
+from datetime import datetime
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -51,7 +53,7 @@ from agents.memory import SessionABC
 
 import kit
 from kit import (
-    AudioBlock, Claim, ConfigError, Context, ContentError, DataBlock, DeckStateError, Event,
+    AudioBlock, Claim, NodeUpdated, RunResumed, SessionBusyError, ConfigError, Context, ContentError, DataBlock, DeckStateError, Event,
     ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock, RunCancelled,
     RunCompleted, RunFailed, RunStarted, TextBlock, TextDelta, ToolCompleted, ToolStarted,
     TurnResult, Usage,
@@ -270,6 +272,8 @@ class _Run:
         self.error: BaseException | None = None
         self.scope = anyio.CancelScope()
         self.closing = False
+        self.thread_id: str | None = None  # workflow runs: the thread id callers see,
+        self.thread_key = ""  # ... and the checkpointer's key for it
 
     def message_id(self) -> str:
         """An id for the reply that starts at the next event: unique within the run."""
@@ -641,19 +645,22 @@ def _model_input(blocks: Sequence[Any], chat: bool) -> str | list[dict[str, Any]
     return [{"role": "user", "content": parts}]
 
 
-def _sdk_agent(agent: kit.Agent, model: Any) -> sdk.Agent:
+def _sdk_agent(agent: kit.Agent, model: Any, extra_tools: Sequence[Any] = ()) -> sdk.Agent:
     return sdk.Agent(
         name=agent.name, instructions=_instructions(agent),
-        tools=[t if isinstance(t, kit._SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools],
+        tools=[t if isinstance(t, kit._SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
+        + list(extra_tools),
         hooks=_UserHooks(agent.hooks) if agent.hooks is not None else None, model=model,
         model_settings=agent.model_settings or sdk.ModelSettings(), output_type=agent.output_type)
 
 
-def compile_agent(agent: kit.Agent) -> InvocableSpec:
-    """Compile an ``Agent`` for Deck runs (its model tapped so its output reaches the log)."""
+def compile_agent(agent: kit.Agent, workflows: Sequence[InvocableSpec] = ()) -> InvocableSpec:
+    """Compile an ``Agent`` for Deck runs (its model tapped so its output reaches the log);
+    each of ``workflows`` becomes a tool that plays it as a child run."""
     model = agent.model or os.environ.get("KIT_MODEL") or None
-    return InvocableSpec(agent.name, "agent", agent,
-                         _AgentEngine(_sdk_agent(agent, _TapModel(agent.name, model)), _wants_chat(model)))
+    tools = [workflow_tool(w.source, None, child_runs=True) for w in workflows]
+    return InvocableSpec(agent.name, "agent", agent, _AgentEngine(
+        _sdk_agent(agent, _TapModel(agent.name, model), tools), _wants_chat(model)))
 
 
 async def run_headless(agent: kit.Agent, input: Any, *, session: Any = None,
@@ -697,6 +704,208 @@ async def _play_agent(run: _Run, items: Any, session: Any, run_config: Any) -> E
     finally:
         _CURRENT_RUN.reset(token)
     return await run.durable(RunCompleted(kit._jsonable(result.final_output), run.usage()))
+
+
+# ========================================================================== workflow adapter ====
+
+_CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
+_NULL_TASK = "00000000-0000-0000-0000-000000000000"
+
+
+class _WorkflowEngine:
+    """What ``compile_workflow`` produces: input checks and the thread key scheme.
+
+    The graph itself is compiled when the deck opens, with the checkpointer that lives there.
+    Checkpoint threads are keyed ``<workflow>:<namespace>:<thread id>`` so workflows and
+    namespaces never share a thread, and a checkpointer scan can tell whose thread it sees.
+    """
+
+    def __init__(self, workflow: kit.Workflow) -> None:
+        self.workflow = workflow
+
+    def to_input(self, input: Any) -> dict[str, Any]:
+        if not isinstance(input, typing.Mapping):
+            raise ContentError(f"workflow {self.workflow.name!r} takes a mapping (its initial "
+                               f"state) as input, got {type(input).__name__}")
+        DataBlock(dict(input))  # JSON data, within the inline cap: ContentError otherwise
+        return dict(input)
+
+    def key(self, namespace: str | None, thread_id: str) -> str:
+        return f"{self.workflow.name}:{namespace or ''}:{thread_id}"
+
+
+def _config(key: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": key}}
+
+
+def compile_workflow(workflow: kit.Workflow) -> InvocableSpec:
+    """Check a ``Workflow`` for Deck runs; its graph is compiled at open, with its checkpointer."""
+    try:
+        workflow.graph.compile()  # a graph that cannot compile is a configuration error now
+    except Exception as exc:
+        raise ConfigError(f"workflow {workflow.name!r} does not compile: {exc}") from None
+    return InvocableSpec(workflow.name, "workflow", workflow, _WorkflowEngine(workflow))
+
+
+def _parked(run: _Run, interrupts: Sequence[Any]) -> Any:
+    intr = interrupts[0]
+    value = intr.value
+    if isinstance(value, dict) and value.get("kind") == "sleep" and "until" in value:
+        return kit.RunSleeping(str(value["until"]), run.thread_id, intr.id)
+    return kit.RunInterrupted(intr.id, kit._jsonable(value), run.thread_id)
+
+
+async def _play_workflow(run: _Run, graph: Any, inp: Any, durable: bool) -> Event:
+    """Engine side: play (or resume) a workflow run, ending it with a terminal or parking event.
+
+    ``inp`` is the initial state, or a LangGraph ``Command`` to resume. On a durable thread
+    that stopped mid-run (its process died), a new run carries on from the last checkpoint and
+    the new input is not applied.
+    """
+    config = _config(run.thread_key)
+    interrupts: Any = ()
+    final: Any = None
+    try:
+        if durable and isinstance(inp, dict):
+            snapshot = await graph.aget_state(config)
+            if snapshot.next and not snapshot.interrupts:
+                inp = None
+        async for mode, chunk in graph.astream(inp, config, stream_mode=["updates", "values"],
+                                               durability="sync" if durable else "async"):
+            if mode == "values":
+                final = chunk
+                continue
+            for node, update in chunk.items():
+                if node == "__interrupt__":
+                    interrupts = update
+                else:
+                    run.emit(NodeUpdated(node, kit._jsonable(update)), origin=f"{run.origin}/{node}")
+    except anyio.get_cancelled_exc_class():
+        run.emit(RunCancelled("the deck closed" if run.closing else "the caller was cancelled"))
+        raise
+    except Exception as exc:
+        run.error = exc
+        await run.durable(RunFailed(type(exc).__name__, str(exc)[:MAX_ERROR_CHARS]))
+        raise
+    if interrupts:
+        return await run.durable(_parked(run, interrupts))
+    return await run.durable(RunCompleted(kit._jsonable(final), Usage()))
+
+
+def _result(run: _Run, end: Event) -> Any:
+    """What a run returns to its caller, from its last event."""
+    p = end.payload
+    if isinstance(p, RunCompleted):
+        if run.spec.kind == "agent":
+            return TurnResult(p.output, p.usage, run.run_id, run.session_id)
+        return p.output
+    if isinstance(p, kit.RunInterrupted):
+        return kit.InterruptResult(p.payload, p.thread_id or run.thread_id)
+    if isinstance(p, kit.RunSleeping):
+        return kit.InterruptResult({"kind": "sleep", "until": p.until}, p.thread_id or run.thread_id)
+    raise DeckStateError("CLOSED", "finish the run")  # cancelled by the deck's close
+
+
+def _pending_interrupts(ct: Any) -> list[Any]:
+    """Interrupts still waiting in a checkpoint (LangGraph's own rule, notes/ENGINES.md 10):
+    a task's INTERRUPT slot holds its latest question; it is pending while the task has no
+    output write. (A ``__resume__`` write does not mean the question was answered.)"""
+    asked: dict[str, list[Any]] = {}
+    finished: set[str] = set()
+    for task_id, channel, value in ct.pending_writes or ():
+        if task_id == _NULL_TASK:
+            continue
+        if channel == "__interrupt__":
+            asked[task_id] = list(value) if isinstance(value, (list, tuple)) else [value]
+        elif channel not in _CONTROL_WRITES:
+            finished.add(task_id)
+    return [i for t, found in asked.items() if t not in finished for i in found]
+
+
+async def _sleeping(saver: Any) -> list[tuple[str, Any]]:
+    """Every thread of a checkpointer whose latest root checkpoint sleeps: (key, interrupt)."""
+    seen: set[str] = set()
+    out = []
+    async for ct in saver.alist(None):  # newest first, per thread
+        conf = ct.config["configurable"]
+        key = conf["thread_id"]
+        if conf.get("checkpoint_ns", "") or key in seen:
+            continue
+        seen.add(key)
+        for intr in _pending_interrupts(ct):
+            if isinstance(intr.value, dict) and intr.value.get("kind") == "sleep":
+                out.append((key, intr))
+    return out
+
+
+async def _headless_graph(workflow: kit.Workflow) -> Any:
+    if workflow._headless is None:
+        from langgraph.checkpoint.memory import InMemorySaver
+        workflow._headless = workflow.graph.compile(checkpointer=InMemorySaver())
+    return workflow._headless
+
+
+async def _on_asyncio(fn: Callable[[], Any]) -> Any:
+    """Await ``fn()`` on an asyncio loop: this one, or under trio a temporary engine thread."""
+    if sniffio.current_async_library() == "asyncio":
+        return await fn()
+    thread = EngineThread()
+    thread.start()
+    try:
+        return await thread.call(fn)
+    finally:
+        await thread.stop()
+
+
+_NO_VALUE = object()
+
+
+async def workflow_headless(workflow: kit.Workflow, input: Any, thread_id: str | None,
+                            resume: Any = _NO_VALUE) -> Any:
+    """``Workflow.run`` / ``resume``: LangGraph's own run, no log; final state or interrupt."""
+    from langgraph.types import Command
+    thread = thread_id or new_run_id()
+    if resume is _NO_VALUE and not isinstance(input, typing.Mapping):
+        raise ContentError(f"workflow {workflow.name!r} takes a mapping as input, "
+                           f"got {type(input).__name__}")
+    inp = dict(input) if resume is _NO_VALUE else Command(resume=resume)
+
+    async def play() -> Any:
+        graph = await _headless_graph(workflow)
+        out = await graph.ainvoke(inp, _config(thread))
+        found = out.get("__interrupt__") if isinstance(out, dict) else None
+        if found:
+            return kit.InterruptResult(found[0].value, thread)
+        return out
+
+    return await _on_asyncio(play)
+
+
+def workflow_tool(workflow: kit.Workflow, description: str | None, *, child_runs: bool) -> Any:
+    """A ``FunctionTool`` whose arguments are the workflow's input state.
+
+    With ``child_runs`` (an agent's ``workflows=``) it plays the workflow through the Runtime
+    as a child run of the calling run (own run id, ``parent_run_id`` set, events in the log);
+    otherwise (``Workflow.as_tool``) headless. The model gets the final state as JSON, or word
+    that the workflow is waiting and for what.
+    """
+    schema = workflow.graph.compile().get_input_jsonschema()
+
+    async def invoke(tool_ctx: Any, args_json: str) -> str:
+        args = json.loads(args_json or "{}")
+        parent = tool_ctx.context
+        if child_runs and isinstance(parent, _Run):
+            out = await parent.runtime.child_workflow(parent, workflow.name, args)
+        else:
+            out = await workflow_headless(workflow, args, None)
+        if isinstance(out, kit.InterruptResult):
+            return (f"workflow {workflow.name} is waiting (thread {out.thread_id}): "
+                    f"{json.dumps(kit._jsonable(out.payload))}")
+        return json.dumps(kit._jsonable(out))
+
+    return sdk.FunctionTool(name=workflow.name,
+                            description=description or workflow.graph.__doc__ or f"Run the {workflow.name} workflow.",
+                            params_json_schema=schema, on_invoke_tool=invoke, strict_json_schema=False)
 
 
 # =================================================================================== sessions ====
@@ -777,6 +986,8 @@ class Runtime:
         self.active: dict[str, _Run] = {}
         self._tg: Any = None
         self._run_config = sdk.RunConfig(tracing_disabled=True)
+        self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
+        self._checkpoint_db: Any = None
 
     # ------------------------------------------------------------------------ lifecycle --
     async def open(self) -> None:
@@ -817,6 +1028,7 @@ class Runtime:
                 self._tg.start_soon(self.engine.pump, self._on_mail)
             self._tg.start_soon(self.writer.run)
             self._tg.start_soon(self._keep_leases)
+            await self._on_engine(self._compile_graphs)
         except BaseException:
             await self._teardown()
             raise
@@ -849,6 +1061,8 @@ class Runtime:
                 run.wake.set()
             if self._redis is not None:
                 await self._on_engine(self._redis.aclose)
+            if self._checkpoint_db is not None:
+                await self._on_engine(self._checkpoint_db.close)
             if self.engine is not None:
                 await self._close_model_clients()
                 await self.engine.stop()
@@ -857,6 +1071,32 @@ class Runtime:
             if self._own_store and self.store is not None:
                 await self.store.aclose()
 
+    async def _compile_graphs(self) -> None:
+        """Engine side: compile each workflow with its checkpointer.
+
+        Durable workflows share one ``AsyncSqliteSaver`` on the store's own SQLite file (so a
+        thread lives exactly as long as the log), with ``synchronous=NORMAL`` like the log; with
+        a store that has no file, and for the others, each has an in-memory saver.
+        """
+        from langgraph.checkpoint.memory import InMemorySaver
+        path, durable = getattr(self.store, "path", None), None
+        for spec in self.specs.values():
+            if spec.kind != "workflow":
+                continue
+            if spec.source.durable and path:
+                if durable is None:
+                    import aiosqlite
+                    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+                    self._checkpoint_db = await aiosqlite.connect(path)
+                    await self._checkpoint_db.execute("PRAGMA busy_timeout=5000")
+                    await self._checkpoint_db.execute("PRAGMA synchronous=NORMAL")
+                    durable = AsyncSqliteSaver(self._checkpoint_db)
+                    await durable.setup()
+                saver = durable
+            else:
+                saver = InMemorySaver()
+            self.graphs[spec.name] = spec.source.graph.compile(checkpointer=saver)
+
     async def _close_model_clients(self) -> None:
         """Under trio, close the deck's model clients on the engine loop before it stops.
 
@@ -864,6 +1104,8 @@ class Runtime:
         and the client could not be used on another loop anyway.
         """
         for spec in self.specs.values():
+            if spec.kind != "agent":
+                continue
             inner = getattr(spec.engine.sdk_agent.model, "_inner", None)
             client = getattr(inner, "_client", None)
             if client is not None and callable(getattr(client, "close", None)):
@@ -886,34 +1128,35 @@ class Runtime:
             self.writer.put(event)
             run.feed(event)
         else:
-            self.engine.post((run, event, None), urgent=False)
+            self.engine.post((run, event, None, None), urgent=False)
 
-    async def _deliver_durable(self, run: _Run, event: Event) -> None:
-        """Engine side: hand an event over and wait until it is committed."""
+    async def _deliver_durable(self, run: _Run, event: Event, claim: Claim | None = None) -> None:
+        """Engine side: hand an event over (with the run's claim, for a start) and wait until
+        it is committed."""
         if self.engine is None:
-            await self._commit(run, event)
+            await self._commit(run, event, claim)
         else:
             fut = asyncio.get_running_loop().create_future()
-            self.engine.post((run, event, fut), urgent=True)
+            self.engine.post((run, event, fut, claim), urgent=True)
             await fut
 
-    async def _commit(self, run: _Run, event: Event) -> None:
-        self.writer.put(event)
+    async def _commit(self, run: _Run, event: Event, claim: Claim | None = None) -> None:
+        self.writer.put(event, claim)
         await self.writer.flush()
         error = self.writer.failed.pop(run.run_id, None)
         if error is not None:
             raise error
         run.feed(event)
 
-    async def _on_mail(self, item: tuple[_Run, Event, Any]) -> None:
+    async def _on_mail(self, item: tuple[_Run, Event, Any, Claim | None]) -> None:
         """Kit side (trio): one item from the engine thread's mailbox."""
-        run, event, fut = item
+        run, event, fut, claim = item
         if fut is None:
             self.writer.put(event)
             run.feed(event)
             return
         try:
-            await self._commit(run, event)
+            await self._commit(run, event, claim)
         except Exception as exc:
             self.engine.loop.call_soon_threadsafe(_settle, fut, exc)  # type: ignore[union-attr]
         else:
@@ -921,14 +1164,30 @@ class Runtime:
 
     # --------------------------------------------------------------------------- turns --
     async def _begin(self, spec: InvocableSpec, input: Any, context: Any, session_id: str | None,
-                     namespace: str | None, run_id: str | None, streaming: bool) -> tuple[_Run, Any, Event]:
-        if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise ConfigError(f"session_id must be a non-empty str, got {session_id!r}")
-        if run_id is not None and (not isinstance(run_id, str) or not run_id):
-            raise ConfigError(f"run_id must be a non-empty str, got {run_id!r}")
-        blocks = kit.as_blocks(input)
-        items = spec.engine.to_input(blocks)  # refuses what the engine cannot express: nothing written yet
+                     namespace: str | None, run_id: str | None, streaming: bool,
+                     command: Any = None) -> tuple[_Run, Callable[[], Any], Event]:
+        """Check a new run's arguments, write its start (with its claim) and return the run,
+        the engine-side job that plays it and its ``run.started``. Refused runs write nothing."""
+        for what, value in (("session_id", session_id), ("run_id", run_id)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
+        if namespace is not None:
+            kit._check_name("namespace", namespace)
         run = _Run(self, spec, run_id or new_run_id(), context, session_id, namespace, streaming)
+        if spec.kind == "agent":
+            blocks = kit.as_blocks(input)
+            items = spec.engine.to_input(blocks)  # refuses what the engine cannot express
+            session = self.session_for(session_id, namespace) if session_id else None
+            job = functools.partial(_play_agent, run, items, session, self._run_config)
+        else:
+            state = spec.engine.to_input(input)
+            if spec.source.durable and session_id is None:
+                raise ConfigError(f"workflow {spec.name!r} is durable: pass session_id= (its thread id)")
+            blocks = (DataBlock(state),)
+            run.thread_id = session_id or run.run_id
+            run.thread_key = spec.engine.key(namespace, run.thread_id)
+            job = functools.partial(_play_workflow, run, self.graphs[spec.name],
+                                    state if command is None else command, spec.source.durable)
         started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks),
                         spec.name)
         claim = Claim(run.run_id, self.owner, self.lease, session_id, namespace)
@@ -939,15 +1198,12 @@ class Runtime:
         else:
             await self.store.append([started], claims=[claim])
         self.active[run.run_id] = run
-        return run, items, started
+        return run, job, started
 
-    async def _play(self, run: _Run, items: Any) -> Event:
-        session = self.session_for(run.session_id, run.namespace) if run.session_id else None
+    async def _play(self, run: _Run, job: Callable[[], Any]) -> Event:
         try:
             with run.scope:
-                if self.engine is None:
-                    return await _play_agent(run, items, session, self._run_config)
-                return await self.engine.call(_play_agent, run, items, session, self._run_config)
+                return await (job() if self.engine is None else self.engine.call(job))
             raise DeckStateError("CLOSED", "finish the run")  # the deck's close cancelled it
         finally:
             self.active.pop(run.run_id, None)
@@ -956,17 +1212,15 @@ class Runtime:
 
     async def run(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                   session_id: str | None = None, namespace: str | None = None,
-                  run_id: str | None = None) -> TurnResult:
-        run, items, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False)
-        end = await self._play(run, items)
-        payload = end.payload
-        return TurnResult(payload.output, payload.usage, run.run_id, session_id)
+                  run_id: str | None = None) -> Any:
+        run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False)
+        return _result(run, await self._play(run, job))
 
     async def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                      session_id: str | None = None, namespace: str | None = None,
                      run_id: str | None = None) -> AsyncIterator[Event]:
-        run, items, started = await self._begin(spec, input, context, session_id, namespace, run_id, True)
-        self._tg.start_soon(self._play_in_background, run, items)
+        run, job, started = await self._begin(spec, input, context, session_id, namespace, run_id, True)
+        self._tg.start_soon(self._play_in_background, run, job)
         yield started
         async for event in run.events(after=0):
             yield event
@@ -974,9 +1228,9 @@ class Runtime:
         if run.error is not None:
             raise run.error
 
-    async def _play_in_background(self, run: _Run, items: Any) -> None:
+    async def _play_in_background(self, run: _Run, job: Callable[[], Any]) -> None:
         try:
-            await self._play(run, items)
+            await self._play(run, job)
         except Exception:  # a failure reaches the stream's consumer (run.error), never the deck
             pass
 
@@ -985,6 +1239,111 @@ class Runtime:
             await self.writer.flush()  # its start may still wait for the group commit
         info = await self.store.run_info(run_id)
         return info.status if info is not None else None
+
+    # --------------------------------------------------------------- parked workflows --
+    async def _parked_event(self, run_id: str) -> tuple[kit.RunInfo, Event]:
+        info = await self.store.run_info(run_id)
+        if info is None:
+            raise kit.UnknownRunError(run_id)
+        events = await self.store.read(run_id)
+        return info, events[-1]
+
+    async def _resume(self, run_id: str, wanted: str, value: Any, by: str, context: Any) -> Any:
+        """Resume a parked workflow run (``wanted``: the parking kind it must end with)."""
+        status = {"run.interrupted": "WAITING_HUMAN", "run.sleeping": "SLEEPING"}[wanted]
+        info, last = await self._parked_event(run_id)
+        if last.kind != wanted or run_id in self.active:
+            raise kit.RunNotWaitingError(run_id, info.status, status)
+        spec = self.specs.get(info.name)
+        if spec is None or spec.kind != "workflow":
+            raise kit.UnknownNameError(info.name, [n for n, s in self.specs.items() if s.kind == "workflow"])
+        from langgraph.types import Command
+        parked = last.payload
+        run = _Run(self, spec, run_id, context, info.session_id, info.namespace, False)
+        run.thread_id = parked.thread_id
+        run.thread_key = spec.engine.key(info.namespace, parked.thread_id)
+        run.seq = last.seq + 1
+        try:  # (run_id, seq) is unique: of two callers racing to resume, one gets this conflict
+            await self.store.append([Event(run_id, run.seq, RunResumed(by), spec.name)],
+                                    claims=[Claim(run_id, self.owner, self.lease, info.session_id,
+                                                  info.namespace)])
+        except kit.LogConflictError:
+            raise kit.RunNotWaitingError(run_id, "being resumed by another caller", status) from None
+        self.active[run_id] = run
+        job = functools.partial(_play_workflow, run, self.graphs[spec.name],
+                                Command(resume={parked.interrupt_id: value}), spec.source.durable)
+        return _result(run, await self._play(run, job))
+
+    async def answer(self, run_id: str, value: Any, context: Any) -> Any:
+        return await self._resume(run_id, "run.interrupted", value, "answer", context)
+
+    async def pending(self) -> list[kit.Pending]:
+        out = []
+        for info in await self.store.runs(status=kit.RunStatus.WAITING_HUMAN):
+            last = (await self.store.read(info.run_id))[-1]
+            if isinstance(last.payload, kit.RunInterrupted):
+                out.append(kit.Pending(info.run_id, info.name, last.payload.thread_id or "",
+                                       info.session_id, last.payload.payload, last.at))
+        return out
+
+    async def _due(self, now: datetime) -> list[tuple[kit.Due, str, str | None]]:
+        """Due threads with the interrupt to resume and their namespace, read from each
+        workflow's checkpointer, matched with the parked runs of the log."""
+        parked: dict[str, str] = {}
+        for info in await self.store.runs(status=kit.RunStatus.SLEEPING):
+            last = (await self.store.read(info.run_id))[-1]
+            spec = self.specs.get(info.name)
+            if spec is not None and isinstance(last.payload, kit.RunSleeping):
+                parked[spec.engine.key(info.namespace, last.payload.thread_id or "")] = info.run_id
+        savers = {id(g.checkpointer): g.checkpointer for g in self.graphs.values()}
+        found = []
+        for saver in savers.values():
+            found += await self._on_engine(_sleeping, saver)
+        out = []
+        for key, intr in found:
+            name, namespace, thread_id = key.split(":", 2)
+            until = datetime.fromisoformat(intr.value["until"])
+            if name in self.graphs and until <= now:
+                out.append((kit.Due(name, thread_id, until, parked.get(key)), intr.id, namespace or None))
+        return out
+
+    async def due_resumes(self, now: datetime) -> list[kit.Due]:
+        return [due for due, _, _ in await self._due(now)]
+
+    async def tick(self, now: datetime) -> list[kit.Ticked]:
+        """Resume every due thread once. A thread whose parked run is in the log is resumed
+        through that run (two tickers race on its next seq: one wins); one without (its run
+        was never recorded) gets a new run that claims the thread, so a second ticker gets
+        ``SessionBusyError`` and skips it."""
+        from langgraph.types import Command
+        woke = {"woke_at": now.isoformat()}
+        out = []
+        for due, interrupt_id, namespace in await self._due(now):
+            try:
+                if due.run_id is not None:
+                    result = await self._resume(due.run_id, "run.sleeping", woke, "tick", None)
+                else:
+                    run, job, _ = await self._begin(
+                        self.specs[due.workflow], {}, None, due.thread_id, namespace, None, False,
+                        command=Command(resume={interrupt_id: woke}))
+                    result = _result(run, await self._play(run, job))
+            except (kit.RunNotWaitingError, SessionBusyError):
+                continue  # another ticker (or a live run) has this thread
+            out.append(kit.Ticked(due.workflow, due.thread_id, result))
+        return out
+
+    async def child_workflow(self, parent: _Run, name: str, args: dict[str, Any]) -> Any:
+        """Engine side: play workflow ``name`` as a child run of ``parent`` (a tool call)."""
+        spec = self.specs[name]
+        state = spec.engine.to_input(args)  # a child's thread is its own run id
+        run = _Run(self, spec, new_run_id(), parent.data, None, parent.namespace, False)
+        run.origin = f"{parent.origin}/{name}"
+        run.thread_id = run.run_id
+        run.thread_key = spec.engine.key(parent.namespace, run.run_id)
+        started = Event(run.run_id, 0, RunStarted(name, "workflow", None, parent.namespace,
+                                                  (DataBlock(state),), parent.run_id), run.origin)
+        await self._deliver_durable(run, started, Claim(run.run_id, self.owner, self.lease))
+        return _result(run, await _play_workflow(run, self.graphs[name], state, spec.source.durable))
 
     def session_for(self, session_id: str, namespace: str | None = None) -> Any:
         key = session_id if namespace is None else f"{namespace}:{session_id}"
