@@ -255,7 +255,8 @@ ContentBlock = TextBlock | ImageBlock | AudioBlock | ResourceBlock | DataBlock
 _BLOCKS: dict[str, type] = {c.type: c for c in (TextBlock, ImageBlock, AudioBlock, ResourceBlock, DataBlock)}
 
 
-_BLOCK_FIELDS = {c: tuple(f.name for f in fields(c)) for c in _BLOCKS.values()}
+_BLOCK_TYPES = tuple(_BLOCKS.values())
+_BLOCK_FIELDS = {c: tuple(f.name for f in fields(c)) for c in _BLOCK_TYPES}
 
 
 def block_to_json(block: ContentBlock) -> dict[str, Any]:
@@ -285,14 +286,14 @@ def as_blocks(value: str | ContentBlock | Iterable[ContentBlock]) -> tuple[Conte
     """Coerce agent input: a ``str`` is one ``TextBlock``; otherwise every item must be a block."""
     if isinstance(value, str):
         return (TextBlock(value),)
-    if isinstance(value, tuple(_BLOCKS.values())):
+    if isinstance(value, _BLOCK_TYPES):
         return (value,)  # type: ignore[return-value]
     if isinstance(value, Mapping) or not isinstance(value, Iterable):
         raise ContentError(f"agent input must be a str or a list of content blocks, "
                            f"got {type(value).__name__}")
     blocks = tuple(value)
     for i, b in enumerate(blocks):
-        if not isinstance(b, tuple(_BLOCKS.values())):
+        if not isinstance(b, _BLOCK_TYPES):
             raise ContentError(f"agent input item {i} is a {type(b).__name__}, not a content block")
     if not blocks:
         raise ContentError("agent input is empty")
@@ -357,7 +358,7 @@ def _jsonable(v: Any) -> Any:
         return v
     if isinstance(v, Usage):
         return v.to_json()
-    if isinstance(v, tuple(_BLOCKS.values())):
+    if isinstance(v, _BLOCK_TYPES):
         return block_to_json(v)
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]

@@ -889,7 +889,11 @@ def workflow_tool(workflow: kit.Workflow, description: str | None, *, child_runs
     otherwise (``Workflow.as_tool``) headless. The model gets the final state as JSON, or word
     that the workflow is waiting and for what.
     """
-    schema = workflow.graph.compile().get_input_jsonschema()
+    try:
+        schema = workflow.graph.compile().get_input_jsonschema()
+    except Exception:  # e.g. pydantic refuses typing.TypedDict before Python 3.12: name the keys
+        keys = typing.get_type_hints(workflow.graph.input_schema)
+        schema = {"type": "object", "properties": {k: {} for k in keys}}
 
     async def invoke(tool_ctx: Any, args_json: str) -> str:
         args = json.loads(args_json or "{}")

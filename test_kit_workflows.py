@@ -1,0 +1,384 @@
+"""Tests of workflows on the log: runs, interrupts and answers, durable sleep and tick, child runs,
+headless runs, across processes (asyncio and trio)."""
+from __future__ import annotations
+
+import json
+import operator
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Annotated, TypedDict
+
+import agents
+import anyio
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+import kit
+from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Workflow
+from kit_store import SQLiteStore
+
+pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
+NOW = datetime(2030, 1, 1, 12, 0, tzinfo=timezone.utc)
+CALLS: dict[str, int] = {}
+
+
+class State(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+    answer: str
+    wake_at: str
+
+
+async def plan(state: State) -> dict:
+    return {"log": ["plan"]}
+
+
+async def ask(state: State) -> dict:
+    CALLS["ask"] = CALLS.get("ask", 0) + 1  # before the interrupt: runs again when answered
+    answer = kit.interrupt({"question": "approve?"})
+    return {"log": [f"answer={answer}"], "answer": answer}
+
+
+async def ask_twice(state: State) -> dict:
+    first = kit.interrupt({"question": "first?"})
+    second = kit.interrupt({"question": "second?"})
+    return {"log": [f"{first}+{second}"]}
+
+
+async def nap(state: State) -> dict:
+    woke = kit.sleep_until(datetime.fromisoformat(state["wake_at"]))
+    return {"log": [f"woke at {woke['woke_at']}"]}
+
+
+async def done(state: State) -> dict:
+    return {"log": ["done"]}
+
+
+async def boom(state: State) -> dict:
+    raise ValueError("node exploded")
+
+
+def graph(*nodes) -> StateGraph:
+    """A linear graph of the given node functions."""
+    g = StateGraph(State)
+    names = [n.__name__ for n in nodes]
+    for n in nodes:
+        g.add_node(n.__name__, n)
+    for a, b in zip([START] + names, names + [END]):
+        g.add_edge(a, b)
+    return g
+
+
+def durable_approval() -> Workflow:
+    return Workflow("approval", graph(plan, ask, done), durable=True)
+
+
+def durable_sleeper() -> Workflow:
+    return Workflow("sleeper", graph(plan, nap, done), durable=True)
+
+
+def kinds(events):
+    return [e.kind for e in events]
+
+
+@pytest.fixture
+async def store(tmp_path):
+    async with SQLiteStore(tmp_path / "kit.db") as s:
+        yield s
+
+
+# ------------------------------------------------------------------------------- catalog ----
+
+def test_workflow_and_catalog_errors():
+    with pytest.raises(ConfigError, match="uncompiled langgraph StateGraph"):
+        Workflow("w", graph(plan).compile())
+
+    class Durable(Workflow):
+        durable = True
+
+    assert Durable("w", graph(plan)).durable and not Workflow("w", graph(plan)).durable
+    assert Workflow("w", graph(plan), durable=True).durable
+    deck = Deck([Agent("same")], [Workflow("same", graph(plan))])
+    with pytest.raises(ConfigError, match="agent and workflow"):
+        deck.build()
+    anyio.run(deck.aclose)
+    deck = Deck([Agent("a", workflows=["w"])], [Workflow("w", graph(plan))]).build()
+    assert list(deck.workflows) == ["w"]
+    with pytest.raises(TypeError):
+        deck.workflows["x"] = None  # type: ignore[index]
+    anyio.run(deck.aclose)
+    with pytest.raises(ConfigError, match="timezone-aware"):
+        kit.sleep_until(datetime(2030, 1, 1))
+
+
+async def test_refused_workflow_runs_write_nothing(store):
+    async with Deck(workflows=[durable_approval()], store=store) as deck:
+        with pytest.raises(ConfigError, match="session_id"):
+            await deck.run("approval", {"log": []})
+        with pytest.raises(kit.ContentError, match="mapping"):
+            await deck.run("approval", ["not", "a", "mapping"], session_id="t")
+        with pytest.raises(ConfigError, match="timezone-aware"):
+            await deck.due_resumes(datetime(2030, 1, 1))
+        assert await store.runs() == []
+
+
+# ---------------------------------------------------------------------------------- runs ----
+
+async def test_run_returns_the_final_state_and_logs_each_node(store):
+    async with Deck(workflows=[Workflow("w", graph(plan, done))], store=store) as deck:
+        state = await deck.run("w", {"log": ["start"]})
+        assert state == {"log": ["start", "plan", "done"]}
+        [info] = await store.runs()
+        log = await store.read(info.run_id)
+        assert kinds(log) == ["run.started", "node.updated", "node.updated", "run.completed"]
+        assert log[0].payload.input == (kit.DataBlock({"log": ["start"]}),)
+        assert log[0].payload.invocable == "workflow"
+        assert [(e.payload.node, e.payload.update, e.origin) for e in log[1:3]] == [
+            ("plan", {"log": ["plan"]}, "w/plan"), ("done", {"log": ["done"]}, "w/done")]
+        assert log[-1].payload.output == state
+        assert await deck.status(info.run_id) is RunStatus.COMPLETED
+
+
+async def test_stream_yields_nodes_then_the_parking_event_last(store):
+    async with Deck(workflows=[Workflow("w", graph(plan, ask, done))], store=store) as deck:
+        events = [e async for e in deck.stream("w", {"log": []})]
+        assert kinds(events) == ["run.started", "node.updated", "run.interrupted"]
+        assert events[-1].payload.payload == {"question": "approve?"}
+        assert events == await store.read(events[0].run_id)
+
+
+async def test_a_failing_node_fails_the_run(store):
+    async with Deck(workflows=[Workflow("w", graph(plan, boom))], store=store) as deck:
+        with pytest.raises(ValueError, match="node exploded"):
+            await deck.run("w", {"log": []})
+        [info] = await store.runs()
+        assert (await store.read(info.run_id))[-1].payload == kit.RunFailed("ValueError", "node exploded")
+        assert await deck.status(info.run_id) is RunStatus.FAILED
+
+
+# ---------------------------------------------------------------------------- interrupts ----
+
+async def test_interrupt_pending_answer_and_a_second_answer_is_refused(store):
+    CALLS.clear()
+    async with Deck(workflows=[Workflow("w", graph(plan, ask, done))], store=store) as deck:
+        parked = await deck.run("w", {"log": []}, session_id="t1")
+        assert parked == kit.InterruptResult({"question": "approve?"}, "t1")
+        [pending] = await deck.pending()
+        assert (pending.workflow, pending.thread_id, pending.session_id, pending.payload) == (
+            "w", "t1", "t1", {"question": "approve?"})
+        assert await deck.status(pending.run_id) is RunStatus.WAITING_HUMAN
+        with pytest.raises(kit.SessionBusyError):  # the parked run keeps its thread
+            await deck.run("w", {"log": []}, session_id="t1")
+        state = await deck.answer(pending.run_id, "yes")
+        assert state == {"log": ["plan", "answer=yes", "done"], "answer": "yes"}
+        assert CALLS["ask"] == 2  # the interrupted node re-ran from its start
+        with pytest.raises(kit.RunNotWaitingError, match="COMPLETED"):
+            await deck.answer(pending.run_id, "again")
+        with pytest.raises(kit.UnknownRunError):
+            await deck.answer("no-such-run", "x")
+        assert await deck.pending() == []
+        log = await store.read(pending.run_id)
+        assert kinds(log) == ["run.started", "node.updated", "run.interrupted", "run.resumed",
+                              "node.updated", "node.updated", "run.completed"]
+        assert log[3].payload == kit.RunResumed("answer")
+        # the session was freed: the thread takes a new run (and LangGraph carries its state on)
+        again = await deck.run("w", {"log": ["second"]}, session_id="t1")
+        assert isinstance(again, kit.InterruptResult)
+
+
+async def test_answer_returns_the_next_interrupt(store):
+    async with Deck(workflows=[Workflow("w", graph(ask_twice))], store=store) as deck:
+        first = await deck.run("w", {"log": []})
+        assert first.payload == {"question": "first?"}
+        [p] = await deck.pending()
+        second = await deck.answer(p.run_id, "a")
+        assert second == kit.InterruptResult({"question": "second?"}, first.thread_id)
+        assert await deck.answer(p.run_id, "b") == {"log": ["a+b"]}
+
+
+async def test_concurrent_answers_resume_once(store):
+    async with Deck(workflows=[Workflow("w", graph(ask, done))], store=store) as deck:
+        await deck.run("w", {"log": []})
+        [p] = await deck.pending()
+        results: list = []
+
+        async def answer(value):
+            try:
+                results.append(await deck.answer(p.run_id, value))
+            except kit.RunNotWaitingError as exc:
+                results.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(answer, "one")
+            tg.start_soon(answer, "two")
+        assert sum(isinstance(r, dict) for r in results) == 1
+        assert sum(isinstance(r, kit.RunNotWaitingError) for r in results) == 1
+        assert kinds(await store.read(p.run_id)).count("run.resumed") == 1
+
+
+# --------------------------------------------------------------------------------- sleep ----
+
+async def test_tick_wakes_only_due_threads_once(store):
+    sleeper = durable_sleeper()
+    async with Deck(workflows=[sleeper], store=store) as deck:
+        for thread, minutes in (("due", -5), ("later", 30)):
+            parked = await deck.run("sleeper", {"log": [], "wake_at": (NOW + timedelta(minutes=minutes)).isoformat()},
+                                    session_id=thread)
+            assert parked.payload["kind"] == "sleep"
+        [asleep_due, asleep_later] = sorted(await store.runs(status=RunStatus.SLEEPING),
+                                            key=lambda i: i.session_id)
+        assert await deck.pending() == []
+        [due] = await deck.due_resumes(NOW)
+        assert (due.workflow, due.thread_id, due.run_id) == ("sleeper", "due", asleep_due.run_id)
+        assert due.until == NOW - timedelta(minutes=5)
+        [ticked] = await deck.tick(NOW)
+        assert ticked.thread_id == "due" and ticked.result["log"][-1] == "done"
+        assert ticked.result["log"][1] == f"woke at {NOW.isoformat()}"
+        assert await deck.tick(NOW) == []  # resumed once
+        assert await deck.status(asleep_due.run_id) is RunStatus.COMPLETED
+        assert await deck.status(asleep_later.run_id) is RunStatus.SLEEPING  # not yet due
+        assert kinds(await store.read(asleep_due.run_id))[-3:] == ["node.updated", "node.updated",
+                                                                   "run.completed"]
+        later = await deck.tick(NOW + timedelta(hours=1))
+        assert [t.thread_id for t in later] == ["later"]
+
+
+async def test_two_concurrent_tickers_resume_a_thread_once(store):
+    async with Deck(workflows=[durable_sleeper()], store=store) as deck:
+        for i in range(3):
+            await deck.run("sleeper", {"log": [], "wake_at": NOW.isoformat()}, session_id=f"t{i}")
+        results: list = []
+
+        async def tick():
+            results.extend(await deck.tick(NOW))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            tg.start_soon(tick)
+        assert sorted(t.thread_id for t in results) == ["t0", "t1", "t2"]
+        for info in await store.runs():
+            assert kinds(await store.read(info.run_id)).count("run.resumed") == 1
+
+
+# ----------------------------------------------------------------------- workflows as tools ----
+
+async def test_an_agent_plays_a_workflow_as_a_child_run(store):
+    model = ScriptedModel([{"tool": "w", "args": {"log": ["from agent"]}}, "It ran."])
+    async with Deck([Agent("a", model=model, workflows=["w"])], [Workflow("w", graph(plan, done))],
+                    store=store) as deck:
+        result = await deck.run("a", "run the workflow")
+        assert result.output == "It ran."
+        [child] = [i for i in await store.runs() if i.invocable == "workflow"]
+        assert child.parent_run_id == result.run_id and child.run_id != result.run_id
+        child_log = await store.read(child.run_id)
+        assert kinds(child_log) == ["run.started", "node.updated", "node.updated", "run.completed"]
+        assert child_log[1].origin == "a/w/plan"
+        [done_tool] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert json.loads(done_tool.payload.output) == {"log": ["from agent", "plan", "done"]}
+        sent = model.calls[-1]["input"]
+        assert any(i.get("type") == "function_call_output" for i in sent)
+
+
+# ------------------------------------------------------------------------------ headless ----
+
+async def test_headless_run_resume_and_as_tool_write_no_log(store):
+    w = Workflow("w", graph(plan, ask, done))
+    parked = await w.run({"log": []})
+    assert isinstance(parked, kit.InterruptResult)
+    assert await w.resume(parked.thread_id, "ok") == {"log": ["plan", "answer=ok", "done"], "answer": "ok"}
+    tool = Workflow("w2", graph(plan, done)).as_tool()
+    assert isinstance(tool, agents.FunctionTool) and tool.name == "w2"
+    agent = Agent("a", tools=[tool], model=ScriptedModel([{"tool": "w2", "args": {"log": []}}, "ok"]))
+    result = await agent.run("go")
+    assert result.final_output == "ok"
+    assert await store.runs() == []
+
+
+# ------------------------------------------------------------------------ across processes ----
+
+CHILD = """
+import sys, anyio, kit
+from datetime import datetime, timezone
+from kit_store import SQLiteStore
+import test_kit_workflows as t
+
+async def main():
+    async with SQLiteStore(sys.argv[1]) as store:
+        async with kit.Deck(workflows=[t.durable_approval(), t.durable_sleeper()], store=store) as deck:
+            asked = await deck.run("approval", {"log": []}, session_id="ask-1")
+            slept = await deck.run("sleeper", {"log": [], "wake_at": t.NOW.isoformat()}, session_id="nap-1")
+            print(asked.thread_id, slept.thread_id)
+
+anyio.run(main)
+"""
+
+
+async def test_a_durable_thread_is_answered_and_ticked_from_a_fresh_process(tmp_path):
+    db = tmp_path / "shared.db"
+    out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-c", CHILD, str(db)], cwd=HERE, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "PYTHONPATH": str(HERE)}))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ask-1", "nap-1"]
+    async with SQLiteStore(db) as store:
+        async with Deck(workflows=[durable_approval(), durable_sleeper()], store=store) as deck:
+            [pending] = await deck.pending()
+            assert (pending.workflow, pending.thread_id) == ("approval", "ask-1")
+            state = await deck.answer(pending.run_id, "from afar")
+            assert state["log"] == ["plan", "answer=from afar", "done"]
+            [ticked] = await deck.tick(NOW)
+            assert (ticked.workflow, ticked.thread_id) == ("sleeper", "nap-1")
+            assert ticked.result["log"][-1] == "done"
+            statuses = {i.name: i.status for i in await store.runs()}
+            assert statuses == {"approval": RunStatus.COMPLETED, "sleeper": RunStatus.COMPLETED}
+
+
+async def hang_once(state: State) -> dict:
+    if os.environ.get("KIT_TEST_HANG"):  # set in the process that is about to be killed
+        await anyio.sleep_forever()
+    return {"log": ["hang_once"]}
+
+
+def durable_crashy() -> Workflow:
+    return Workflow("crashy", graph(plan, hang_once, done), durable=True)
+
+
+CRASH = """
+import sys, anyio, kit
+from kit_store import SQLiteStore
+import test_kit_workflows as t
+
+async def main():
+    async with SQLiteStore(sys.argv[1]) as store:
+        async with kit.Deck(workflows=[t.durable_crashy()], store=store) as deck:
+            async for ev in deck.stream("crashy", {"log": []}, session_id="c1"):
+                if ev.kind == "node.updated":
+                    print(ev.run_id, flush=True)  # plan is checkpointed; hang_once now hangs
+
+anyio.run(main)
+"""
+
+
+async def test_a_thread_whose_process_died_carries_on_from_its_checkpoint(tmp_path, monkeypatch):
+    db = tmp_path / "shared.db"
+    env = {**os.environ, "PYTHONPATH": str(HERE), "KIT_TEST_HANG": "1", "KIT_LEASE_SECONDS": "0.5"}
+    child = subprocess.Popen([sys.executable, "-c", CRASH, str(db)], cwd=HERE, env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        with anyio.fail_after(60):
+            dead_run = (await anyio.to_thread.run_sync(child.stdout.readline)).strip()
+        child.kill()
+        child.wait(10)
+    finally:
+        child.kill()
+        child.stdout.close()
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.5")
+    await anyio.sleep(0.7)  # the dead process's lease lapses
+    async with SQLiteStore(db) as store:
+        async with Deck(workflows=[durable_crashy()], store=store) as deck:
+            state = await deck.run("crashy", {"log": ["not applied"]}, session_id="c1")
+            assert state == {"log": ["plan", "hang_once", "done"]}  # plan did not run again
+            assert (await store.read(dead_run))[-1].payload.error == "RunAbandoned"
