@@ -382,3 +382,36 @@ async def test_a_thread_whose_process_died_carries_on_from_its_checkpoint(tmp_pa
             state = await deck.run("crashy", {"log": ["not applied"]}, session_id="c1")
             assert state == {"log": ["plan", "hang_once", "done"]}  # plan did not run again
             assert (await store.read(dead_run))[-1].payload.error == "RunAbandoned"
+
+
+ORPHAN = """
+import asyncio, sys, aiosqlite
+from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+import test_kit_workflows as t
+
+async def main():  # a thread asleep in the checkpointer with no run in the log
+    async with aiosqlite.connect(sys.argv[1]) as conn:
+        saver = AsyncSqliteSaver(conn)
+        graph = t.durable_sleeper().graph.compile(checkpointer=saver)
+        await graph.ainvoke({"log": [], "wake_at": t.NOW.isoformat()},
+                            {"configurable": {"thread_id": "sleeper::orphan"}}, durability="sync")
+
+asyncio.run(main())
+"""
+
+
+async def test_tick_resumes_a_thread_the_log_does_not_know_in_a_new_run(tmp_path):
+    db = tmp_path / "shared.db"
+    out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-c", ORPHAN, str(db)], cwd=HERE, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "PYTHONPATH": str(HERE)}))
+    assert out.returncode == 0, out.stderr
+    async with SQLiteStore(db) as store:
+        async with Deck(workflows=[durable_sleeper()], store=store) as deck:
+            [due] = await deck.due_resumes(NOW)
+            assert (due.workflow, due.thread_id, due.run_id) == ("sleeper", "orphan", None)
+            [ticked] = await deck.tick(NOW)
+            assert ticked.result["log"][-2:] == [f"woke at {NOW.isoformat()}", "done"]
+            [info] = await store.runs()
+            assert (info.name, info.session_id, info.status) == ("sleeper", "orphan", RunStatus.COMPLETED)
+            assert await deck.tick(NOW) == []
