@@ -1,8 +1,10 @@
 """kit_runtime: the Runtime that plays runs and records them in the log.
 
 Owns: playing runs (sequencing their events, group-committing them to the event store, handing
-them live to streams), session claims (through the store), conversation-memory sessions, the
-openai-agents adapter, and the asyncio engine thread that lets the engines run under trio.
+them live to streams), session claims (through the store), conversation-memory sessions, the two
+engine adapters (openai-agents for agents, LangGraph for workflows, with their checkpointers,
+interrupts, answers and timed wake-ups) and the asyncio engine thread that lets the engines run
+under trio.
 
 Must never: speak HTTP or read argv; print, log or persist the application context.
 
@@ -39,28 +41,28 @@ import threading
 import time
 import typing
 import uuid
-from datetime import datetime
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import datetime
 from typing import Any
 
 import agents as sdk
 import anyio
 import sniffio
-from agents.agent_output import AgentOutputSchema
 from agents.function_schema import function_schema
 from agents.memory import SessionABC
 
 import kit
 from kit import (
-    AudioBlock, Claim, NodeUpdated, RunResumed, SessionBusyError, ConfigError, Context, ContentError, DataBlock, DeckStateError, Event,
-    ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock, RunCancelled,
-    RunCompleted, RunFailed, RunStarted, TextBlock, TextDelta, ToolCompleted, ToolStarted,
-    TurnResult, Usage,
+    AudioBlock, Claim, ConfigError, ContentError, Context, DataBlock, DeckStateError, Event,
+    ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, NodeUpdated, ResourceBlock,
+    RunCancelled, RunCompleted, RunFailed, RunResumed, RunStarted, SessionBusyError, TextBlock,
+    TextDelta, ToolCompleted, ToolStarted, TurnResult, Usage,
 )
 from kit_store import store_from_url
 
-__all__ = ("Runtime", "EngineThread", "compile_agent", "run_headless", "store_from_url")
+__all__ = ("Runtime", "EngineThread", "compile_agent", "compile_workflow", "run_headless",
+           "workflow_headless", "workflow_tool", "new_run_id", "store_from_url")
 
 #: A batch is committed when this many events wait, or FLUSH_DELAY after the first one arrived:
 #: a slow stream is visible to other processes within FLUSH_DELAY, a fast one pays one commit
@@ -838,7 +840,7 @@ async def _sleeping(saver: Any) -> list[tuple[str, Any]]:
     return out
 
 
-async def _headless_graph(workflow: kit.Workflow) -> Any:
+def _headless_graph(workflow: kit.Workflow) -> Any:
     if workflow._headless is None:
         from langgraph.checkpoint.memory import InMemorySaver
         workflow._headless = workflow.graph.compile(checkpointer=InMemorySaver())
@@ -871,7 +873,7 @@ async def workflow_headless(workflow: kit.Workflow, input: Any, thread_id: str |
     inp = dict(input) if resume is _NO_VALUE else Command(resume=resume)
 
     async def play() -> Any:
-        graph = await _headless_graph(workflow)
+        graph = _headless_graph(workflow)
         out = await graph.ainvoke(inp, _config(thread))
         found = out.get("__interrupt__") if isinstance(out, dict) else None
         if found:
