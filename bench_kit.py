@@ -6,7 +6,9 @@ Prints, with the same ScriptedModel and kit's default SQLite file store:
       (target ratio <= 2.0)
   (c) workflow runs/s of a 3-node graph: ``Deck.run`` vs ``graph.ainvoke`` with the same kind of
       checkpointer (in memory: target ratio <= 1.5; durable SQLite: reported)
-  (d) peak RSS of the process.
+  (d) agent turns/s with a slow observer (each emit sleeps 1 ms) vs with none: a slow observer
+      costs its own backlog (drops), never a run's time (target: ratio ~1.0, reported)
+  (e) peak RSS of the process.
 The two sides run interleaved (raw, kit, raw, kit, ...) and each ratio is the median of the
 per-repeat ratios, so machine noise hits both sides alike (notes/PERF.md). ``--trio`` also plays
 the kit side under trio (engines on kit's asyncio thread) against the same raw figures.
@@ -124,6 +126,26 @@ async def kit_workflows(db: Path, n: int) -> tuple[float, float]:
     return t_mem, t_sql
 
 
+class SlowObserver:
+    """An observer that breaks the contract (emit is in-memory work only): 1 ms per event."""
+
+    def emit(self, event: kit.Event) -> None:
+        time.sleep(0.001)
+
+
+async def kit_observed(db: Path, turns: int) -> tuple[float, float]:
+    async with SQLiteStore(db) as store:
+        out = []
+        for observers in ((), (SlowObserver(),)):
+            agent = kit.Agent("a", "Be brief.", model=kit.ScriptedModel(["hello there"], cycle=True))
+            async with kit.Deck([agent], store=store, observers=observers) as deck:
+                t = time.perf_counter()
+                for _ in range(turns):
+                    await deck.run("a", "hi")
+                out.append(time.perf_counter() - t)
+    return out[0], out[1]
+
+
 async def kit_side(db: Path, turns: int, streams: int) -> tuple[float, float]:
     async with SQLiteStore(db) as store:
         deck = kit.Deck([
@@ -156,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     backends = ["asyncio"] + (["trio"] if a.trio else [])
     rows: dict[str, list[float]] = {k: [] for k in ("raw_turn", "raw_stream", "raw_wf_mem",
-                                                     "raw_wf_sql", "kit_wf_mem", "kit_wf_sql")}
+                                                     "raw_wf_sql", "kit_wf_mem", "kit_wf_sql",
+                                                     "kit_unobserved", "kit_slow_observer")}
     for b in backends:
         rows[f"kit_turn_{b}"], rows[f"kit_stream_{b}"] = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                 tt, ts = anyio.run(kit_side, Path(tmp) / f"{b}{r}.db", a.turns, a.streams, backend=b)
                 rows[f"kit_turn_{b}"].append(tt)
                 rows[f"kit_stream_{b}"].append(ts)
+            plain, slow = anyio.run(kit_observed, Path(tmp) / f"obs{r}.db", a.turns)
+            rows["kit_unobserved"].append(plain)
+            rows["kit_slow_observer"].append(slow)
             for side, fn in (("raw", raw_workflows), ("kit", kit_workflows)):
                 t_mem, t_sql = anyio.run(fn, Path(tmp) / f"wf-{side}{r}.db", a.workflows)
                 rows[f"{side}_wf_mem"].append(t_mem)
@@ -199,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  Deck.run wf   ({label:14}) {a.workflows / med(rows[f'kit_wf_{kind}']):>8,.0f} runs/s   "
               f"ratio {ratio:.2f} (target <= {WORKFLOW_TARGET}) "
               f"{('ok' if good else 'MISSED') if gated else 'info'}")
+    slow_ratio = med(s / p for s, p in zip(rows["kit_slow_observer"], rows["kit_unobserved"]))
+    print(f"  Deck.run, slow observer  {a.turns / med(rows['kit_slow_observer']):>8,.0f} turns/s   "
+          f"ratio to no observer {slow_ratio:.2f} (info)")
     print(f"  peak RSS              {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:>10,.1f} MiB")
     return 0 if ok or not a.check else 1
 

@@ -992,13 +992,16 @@ class Deck:
     ``session_factory(session_id) -> Session`` replaces the conversation-memory sessions;
     ``store`` is an open ``EventStorePort`` (the deck never closes a store passed in); without one
     the deck builds it from ``KIT_STORE`` (default: in memory) and closes it at ``aclose()``.
+    ``observers``: None (settings decide: the tracing observer when both ``KIT_TRACING_*`` keys
+    are set), a sequence (exactly those, in order) or ``()`` (none); see ``kit_observers``.
 
     Raises ``ConfigError`` when another deck is live or ``context`` is an instance.
     """
 
     def __init__(self, agents: Sequence[Agent] = (), workflows: Sequence[Workflow] = (), *,
                  context: type | None = None, session_factory: Callable[[str], Any] | None = None,
-                 store: EventStorePort | None = None) -> None:
+                 store: EventStorePort | None = None,
+                 observers: Sequence[EventSinkPort] | None = None) -> None:
         global _live_deck
         self._project = self._where()
         other = _live_deck() if _live_deck is not None else None
@@ -1017,6 +1020,7 @@ class Deck:
             if not isinstance(w, Workflow):
                 raise ConfigError(f"Deck(workflows=...) takes kit.Workflow objects, got {w!r}")
         self._agents, self._workflows = tuple(agents), tuple(workflows)
+        self._observers = observers
         self.context_type = context
         self._session_factory, self._store = session_factory, store
         self._specs: dict[str, InvocableSpec] = {}
@@ -1055,7 +1059,9 @@ class Deck:
             raise DeckStateError("CLOSED", "build")
         if self._state != "NEW":
             return self
+        import kit_observers
         import kit_runtime
+        kit_observers.check_observers(self._observers)
         names: dict[str, str] = {}
         for kind, name in [("agent", a.name) for a in self._agents] + [
                 ("workflow", w.name) for w in self._workflows]:
@@ -1085,7 +1091,8 @@ class Deck:
         self.build()
         import kit_runtime
         runtime = kit_runtime.Runtime(self._specs, store=self._store,
-                                      session_factory=self._session_factory)
+                                      session_factory=self._session_factory,
+                                      observers=self._observers)
         await runtime.open()
         self._runtime, self._state = runtime, "OPEN"
         return self

@@ -48,11 +48,13 @@ from typing import Any
 
 import agents as sdk
 import anyio
+import anyio.lowlevel
 import sniffio
 from agents.function_schema import function_schema
 from agents.memory import SessionABC
 
 import kit
+import kit_observers
 from kit import (
     AudioBlock, Claim, ConfigError, ContentError, Context, DataBlock, DeckStateError, Event,
     ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, NodeUpdated, ResourceBlock,
@@ -69,6 +71,8 @@ __all__ = ("Runtime", "EngineThread", "compile_agent", "compile_workflow", "run_
 #: per FLUSH_MAX events (~5 us/event instead of ~31 us with one commit each, PERF.md section 3).
 FLUSH_MAX = 256
 FLUSH_DELAY = 0.02
+#: A streaming model call lets the loop run other tasks at least every this many events.
+YIELD_EVERY = 64
 #: A stream's live buffer. A consumer that falls this far behind is not allowed to grow memory:
 #: its buffer is dropped and it catches up from the log (which has every event) instead.
 LIVE_MAX = 10_000
@@ -417,6 +421,11 @@ class _TapModel(sdk.Model):
         origin, final, done_items = self._origin(run), None, []
         async for ev in stream:
             kind = getattr(ev, "type", None)
+            if run.seq % YIELD_EVERY == 0:
+                # A model whose stream never waits (a scripted one, a fast local one) would
+                # otherwise hold the loop for a whole reply: streams, observers and other runs
+                # get their turn every YIELD_EVERY events.
+                await anyio.lowlevel.checkpoint()
             if kind == "response.output_text.delta":
                 mid = ids.get(ev.output_index)
                 if mid is None:
@@ -980,8 +989,12 @@ class Runtime:
     """
 
     def __init__(self, specs: dict[str, InvocableSpec], *, store: Any = None,
-                 session_factory: Callable[[str], Any] | None = None) -> None:
+                 session_factory: Callable[[str], Any] | None = None,
+                 observers: Sequence[Any] | None = None) -> None:
         self.specs, self.store = specs, store
+        self._observers = observers
+        self.hub: Any = None
+        self._sdk_tracing = False
         self._own_store = store is None
         self._session_factory = session_factory
         self._sessions: dict[str, Any] = {}
@@ -1028,6 +1041,14 @@ class Runtime:
             await self.store.reap()
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
+            # Observers start in order before any run; one whose start() raises refuses the open.
+            observers = kit_observers.resolve_observers(self._observers, env)
+            self.hub = kit_observers.ObserverHub(observers)
+            await self.hub.start(self._tg)
+            processors = [o.sdk_processor() for o in observers if getattr(o, "sdk_spans", False)]
+            if processors:  # the SDK's own spans, as a second trace per run (kit_tracing)
+                sdk.set_trace_processors(processors)
+                self._sdk_tracing = True
             if sniffio.current_async_library() == "trio":
                 self.engine = EngineThread()
                 self.engine.start()
@@ -1051,20 +1072,25 @@ class Runtime:
         await self._teardown()
 
     async def _teardown(self) -> None:
-        # The task group must be left from the scope it was entered in, so before any shield.
-        if self._tg is not None:
-            tg, self._tg = self._tg, None
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
         with anyio.CancelScope(shield=True):
             if self.engine is not None:
                 for item in self.engine.take():
                     await self._on_mail(item)
             if getattr(self, "writer", None) is not None:
                 await self.writer.flush()
+            if self.hub is not None:
+                await self.hub.close()  # before the task group: its drains deliver the backlog
+        # The task group must be left from the scope it was entered in, so outside any shield.
+        if self._tg is not None:
+            tg, self._tg = self._tg, None
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
             for run in self.active.values():
                 run.done.set()
                 run.wake.set()
+            if self._sdk_tracing:
+                sdk.set_trace_processors([])
             if self._redis is not None:
                 await self._on_engine(self._redis.aclose)
             if self._checkpoint_db is not None:
@@ -1128,10 +1154,15 @@ class Runtime:
             await self.store.reap()
 
     # ----------------------------------------------------------------- event delivery --
+    def _record(self, event: Event, claim: Claim | None = None) -> None:
+        """Kit side: an event joins the log's next batch and goes to the observers."""
+        self.writer.put(event, claim)
+        self.hub.emit(event)
+
     def _deliver(self, run: _Run, event: Event) -> None:
         """Engine side: hand an ordinary event to the kit side (no wait)."""
         if self.engine is None:
-            self.writer.put(event)
+            self._record(event)
             run.feed(event)
         else:
             self.engine.post((run, event, None, None), urgent=False)
@@ -1147,7 +1178,7 @@ class Runtime:
             await fut
 
     async def _commit(self, run: _Run, event: Event, claim: Claim | None = None) -> None:
-        self.writer.put(event, claim)
+        self._record(event, claim)
         await self.writer.flush()
         error = self.writer.failed.pop(run.run_id, None)
         if error is not None:
@@ -1158,7 +1189,7 @@ class Runtime:
         """Kit side (trio): one item from the engine thread's mailbox."""
         run, event, fut, claim = item
         if fut is None:
-            self.writer.put(event)
+            self._record(event)
             run.feed(event)
             return
         try:
@@ -1184,7 +1215,9 @@ class Runtime:
             blocks = kit.as_blocks(input)
             items = spec.engine.to_input(blocks)  # refuses what the engine cannot express
             session = self.session_for(session_id, namespace) if session_id else None
-            job = functools.partial(_play_agent, run, items, session, self._run_config)
+            run_config = self._run_config if not self._sdk_tracing else sdk.RunConfig(
+                trace_metadata={"kit.run_id": run.run_id}, group_id=session_id)
+            job = functools.partial(_play_agent, run, items, session, run_config)
         else:
             state = spec.engine.to_input(input)
             if spec.source.durable and session_id is None:
@@ -1200,9 +1233,10 @@ class Runtime:
         if session_id is None and run_id is None:
             # Nothing can refuse this start (no session to hold, a fresh id), so it rides in
             # the run's first group commit: a short turn costs one transaction, not two.
-            self.writer.put(started, claim)
+            self._record(started, claim)
         else:
             await self.store.append([started], claims=[claim])
+            self.hub.emit(started)
         self.active[run.run_id] = run
         return run, job, started
 
@@ -1269,12 +1303,13 @@ class Runtime:
         run.thread_id = parked.thread_id
         run.thread_key = spec.engine.key(info.namespace, parked.thread_id)
         run.seq = last.seq + 1
+        resumed = Event(run_id, run.seq, RunResumed(by), spec.name)
         try:  # (run_id, seq) is unique: of two callers racing to resume, one gets this conflict
-            await self.store.append([Event(run_id, run.seq, RunResumed(by), spec.name)],
-                                    claims=[Claim(run_id, self.owner, self.lease, info.session_id,
-                                                  info.namespace)])
+            await self.store.append([resumed], claims=[Claim(run_id, self.owner, self.lease,
+                                                              info.session_id, info.namespace)])
         except kit.LogConflictError:
             raise kit.RunNotWaitingError(run_id, "being resumed by another caller", status) from None
+        self.hub.emit(resumed)
         self.active[run_id] = run
         job = functools.partial(_play_workflow, run, self.graphs[spec.name],
                                 Command(resume={parked.interrupt_id: value}), spec.source.durable)

@@ -1,0 +1,479 @@
+"""kit_tracing: the tracing observer: each run, rendered from its events, as one OTLP trace.
+
+Owns: ``TracingObserver`` (an ``EventSinkPort``): kit events (semantic layer) and the agents SDK's
+own traces (raw layer, ``sdk_spans=True``) as OpenTelemetry spans named and attributed after the
+GenAI semantic conventions and Langfuse's OTLP attributes (CONVENTIONS B4), exported with
+OTLP/HTTP protobuf to ``{host}/api/public/otel/v1/traces``.
+
+Must never: import OpenTelemetry at import or construction (``start`` does: it is the
+``observability`` extra); wait on the network in ``emit`` (spans leave through the SDK's
+``BatchSpanProcessor``, a bounded queue drained by its own thread); write the application context
+or any content (it renders event fields only: names, ids, counts, times, statuses; inputs,
+replies, tool arguments and results stay out, as GenAI's opt-in content attributes do); touch
+OpenTelemetry's global tracer provider (it owns a private one).
+
+Theory of operation
+-------------------
+Semantic layer (always on). ``emit`` gets each run's events in order (from ``ObserverHub``, in a
+worker thread) and keeps a ``_Segment`` per open run. ``run.started`` opens the root span,
+``invoke_agent <name>`` or ``invoke_workflow <name>`` (``kit.run_id``, ``session.id``, the
+invocable's name); each step becomes its child:
+
+- ``model.completed`` -> ``chat <model>`` (CLIENT; ``gen_ai.request.model``, ``gen_ai.usage.*``,
+  Langfuse ``usage_details``/``cost_details``). The log records a model call's end only, so its
+  span starts where the previous step ended (run start, last model call, tool or node).
+- ``tool.started`` .. ``tool.completed`` -> ``execute_tool <tool>`` (ERROR when the tool erred).
+- ``node.updated`` -> ``node <node>``, starting where the previous step ended, as model calls.
+- a terminal event ends the root with ``kit.status``: ERROR and ``error.type`` on ``run.failed``.
+
+A run's trace id is derived from its run id (``TracingObserver.trace_id``), so a run stays one
+trace when it parks and resumes, in this process or another. Parking (``run.interrupted``,
+``run.sleeping``, ``run.paused``) ends the current *segment*: the root ends at the parking event
+with ``kit.status`` (``WAITING_HUMAN``, ...) and ``kit.parked`` (the kind), since a run may stay
+parked for days and an unended span is never exported. ``run.resumed`` opens a new root segment
+in the same trace (``kit.resumed_by``). Open runs are capped (``MAX_OPEN_RUNS``).
+
+Raw layer (``sdk_spans=True``): ``sdk_processor()`` is an ``agents.tracing.TracingProcessor``.
+Each SDK trace becomes a second, separate OTLP trace (the SDK's trace id), its spans nested as
+the SDK nests them, tagged ``kit.layer=sdk`` and ``kit.run_id`` from the trace metadata.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import re
+import threading
+import time
+import types
+from collections import OrderedDict
+from datetime import datetime, timezone
+from typing import Any
+
+from agents.tracing import TracingProcessor
+
+from kit import (
+    ConfigError, Event, ModelCompleted, NodeUpdated, RunCancelled, RunCompleted, RunFailed,
+    RunInterrupted, RunResumed, RunStarted, SkillLoaded, ToolCompleted, ToolStarted,
+)
+
+__all__ = ("DEFAULT_HOST", "OTLP_PATH", "QUEUE_SIZE", "BATCH_SIZE", "EXPORT_DELAY_MS",
+           "EXPORT_TIMEOUT", "MAX_OPEN_RUNS", "TracingObserver")
+
+#: Langfuse cloud (EU); ``KIT_TRACING_HOST`` or ``host=`` selects another (CONVENTIONS B4).
+DEFAULT_HOST = "https://cloud.langfuse.com"
+#: Langfuse's OTLP/HTTP traces endpoint, below the host.
+OTLP_PATH = "/api/public/otel/v1/traces"
+#: Spans waiting for export, and per request: OpenTelemetry's defaults (CONVENTIONS A9). A full
+#: queue drops spans (the SDK's policy) rather than ever blocking ``emit``.
+QUEUE_SIZE = 2048
+BATCH_SIZE = 512
+#: Spans wait at most this long before their batch is sent (ms, the SDK's default).
+EXPORT_DELAY_MS = 5000
+#: One export request, retries included (seconds); also bounds the flush in ``close``.
+EXPORT_TIMEOUT = 10.0
+#: Runs (and SDK traces) whose end has not arrived. Past it the oldest is ended where it stands
+#: (``kit.unfinished``): an observer that misses runs' ends (dropped events) must not grow forever.
+MAX_OPEN_RUNS = 10_000
+
+_SDK_TRACE = re.compile(r"^trace_([0-9a-f]{32})$")
+_CONTENT = frozenset({"input", "output", "type"})  # SDK span fields never exported as attributes
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _ns(at: datetime | str | None) -> int:
+    """Nanoseconds since the epoch of an event's ``at`` (or an SDK ISO time); now for None."""
+    if at is None:
+        return time.time_ns()
+    at = datetime.fromisoformat(at) if isinstance(at, str) else at
+    delta = (at if at.tzinfo else at.replace(tzinfo=timezone.utc)) - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
+
+
+def _hash_id(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:16], "big") or 1
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+class _TraceIds:
+    """The provider's id generator: random span ids; a root's trace id chosen by the caller
+    (``next``, set under the observer's lock just before the root span starts)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def generate_span_id(self) -> int:
+        return random.getrandbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        trace_id, self.next = self.next, 0
+        return trace_id or random.getrandbits(128) or 1
+
+    def is_trace_id_random(self) -> bool:  # the W3C "random" flag: derived ids are not
+        return False
+
+
+class _Segment:
+    """The open part of a run's trace: its root, open tool spans, where the last step ended."""
+    __slots__ = ("root", "ctx", "mark", "tools", "meta")
+
+    def __init__(self, root: Any, ctx: Any, mark: int, meta: dict[str, Any]) -> None:
+        self.root, self.ctx, self.mark, self.meta = root, ctx, mark, meta
+        self.tools: dict[str, Any] = {}
+
+
+class TracingObserver:
+    """Renders each run as one OpenTelemetry trace and exports it to Langfuse over OTLP/HTTP.
+
+    ``public_key``, ``secret_key`` and ``host`` default to ``KIT_TRACING_PUBLIC_KEY``,
+    ``KIT_TRACING_SECRET_KEY`` and ``KIT_TRACING_HOST`` (else ``DEFAULT_HOST``), read at
+    ``start()``; requests carry ``Authorization: Basic base64(public:secret)``. With
+    ``sdk_spans=True`` the deck also routes the agents SDK's own traces to ``sdk_processor()``.
+    Constructing it reads nothing and imports nothing.
+    """
+
+    def __init__(self, *, sdk_spans: bool = False, public_key: str | None = None,
+                 secret_key: str | None = None, host: str | None = None) -> None:
+        self.sdk_spans = sdk_spans
+        self._public_key, self._secret_key, self._host = public_key, secret_key, host
+        self._lock = threading.Lock()  # emit (a hub thread) and the SDK processor (engine loop)
+        self._ids = _TraceIds()
+        self._provider: Any = None
+        self._tracer: Any = None
+        self._o: Any = None  # the OpenTelemetry names used, bound at start()
+        self._runs: OrderedDict[str, _Segment] = OrderedDict()
+        self._parked: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._processor: _SdkProcessor | None = None
+
+    def __repr__(self) -> str:
+        return f"TracingObserver(sdk_spans={self.sdk_spans})"
+
+    @staticmethod
+    def trace_id(run_id: str) -> str:
+        """The 32-hex OTLP (and Langfuse) trace id of a run's semantic trace."""
+        return f"{_hash_id('kit.run:' + run_id):032x}"
+
+    # ------------------------------------------------------------------------- lifecycle --
+    def start(self) -> None:
+        """Read the settings, import OpenTelemetry, build the exporter; contacts nobody.
+
+        Raises ``ConfigError`` when a key is missing, the host is not an http(s) URL, or the
+        ``observability`` extra is not installed. Idempotent.
+        """
+        if self._provider is not None:
+            return
+        pk = self._public_key or os.environ.get("KIT_TRACING_PUBLIC_KEY")
+        sk = self._secret_key or os.environ.get("KIT_TRACING_SECRET_KEY")
+        host = (self._host or os.environ.get("KIT_TRACING_HOST") or DEFAULT_HOST).rstrip("/")
+        missing = [n for n, v in (("KIT_TRACING_PUBLIC_KEY", pk), ("KIT_TRACING_SECRET_KEY", sk)) if not v]
+        if missing:
+            raise ConfigError(f"the tracing observer needs {' and '.join(missing)} "
+                              "(or TracingObserver(public_key=..., secret_key=...))")
+        if not host.startswith(("http://", "https://")):
+            raise ConfigError(f"KIT_TRACING_HOST must be an http(s) URL, got {host!r}")
+        try:
+            from opentelemetry import context, trace
+            from opentelemetry.exporter.otlp.proto.http import Compression
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        except ImportError as exc:
+            raise ConfigError("the tracing observer needs the observability extra: "
+                              f"pip install 'kit[observability]' ({exc})") from None
+        auth = base64.b64encode(f"{pk}:{sk}".encode()).decode()
+        exporter = OTLPSpanExporter(
+            endpoint=host + OTLP_PATH, timeout=EXPORT_TIMEOUT, compression=Compression.Gzip,
+            headers={"Authorization": f"Basic {auth}", "x-langfuse-ingestion-version": "4",
+                     "x-langfuse-public-key": pk, "x-langfuse-sdk-name": "kit"})
+        provider = TracerProvider(resource=Resource.create({"service.name": "kit"}),
+                                  id_generator=self._ids, shutdown_on_exit=False)  # type: ignore[arg-type]
+        provider.add_span_processor(BatchSpanProcessor(
+            exporter, max_queue_size=QUEUE_SIZE, max_export_batch_size=BATCH_SIZE,
+            schedule_delay_millis=EXPORT_DELAY_MS, export_timeout_millis=EXPORT_TIMEOUT * 1000))
+        self._o = types.SimpleNamespace(
+            empty=context.Context(), in_context=trace.set_span_in_context,
+            CLIENT=trace.SpanKind.CLIENT, INTERNAL=trace.SpanKind.INTERNAL,
+            error=lambda text: trace.Status(trace.StatusCode.ERROR, text[:1000]))
+        self._provider, self._tracer = provider, provider.get_tracer("kit")
+
+    def close(self) -> None:
+        """End what is still open (``kit.unfinished``), flush, shut the exporter down.
+
+        Bounded by ``EXPORT_TIMEOUT`` per request; idempotent; later events are ignored.
+        """
+        with self._lock:
+            provider, self._provider, self._tracer = self._provider, None, None
+            if provider is None:
+                return
+            now = time.time_ns()
+            while self._runs:
+                self._end(self._runs.popitem(last=False)[1], now, unfinished=True)
+            if self._processor is not None:
+                self._processor.end_all(now)
+        try:
+            provider.force_flush(int(EXPORT_TIMEOUT * 1000))
+        finally:
+            provider.shutdown()
+
+    def sdk_processor(self) -> TracingProcessor:
+        """The raw layer: an ``agents.tracing.TracingProcessor`` writing each SDK trace as its own
+        OTLP trace through this observer's exporter (it records nothing until ``start()``)."""
+        if self._processor is None:
+            self._processor = _SdkProcessor(self)
+        return self._processor
+
+    # ---------------------------------------------------------------------- semantic layer --
+    def emit(self, event: Event) -> None:
+        """Render one event into its run's trace: in-memory work, the export happens elsewhere.
+
+        Events before ``start()`` or after ``close()`` are ignored.
+        """
+        with self._lock:
+            if self._tracer is not None:
+                self._render(event)
+
+    def _render(self, ev: Event) -> None:
+        p, at, o = ev.payload, _ns(ev.at), self._o
+        seg = self._runs.get(ev.run_id)
+        if seg is None:
+            seg = self._open(ev, at)
+            if isinstance(p, (RunStarted, RunResumed)):
+                return
+        self._runs.move_to_end(ev.run_id)
+        if isinstance(p, ModelCompleted):
+            usage = {"input": p.input_tokens, "output": p.output_tokens,
+                     "total": p.input_tokens + p.output_tokens}
+            attrs = {"gen_ai.operation.name": "chat", "gen_ai.request.model": p.model,
+                     "gen_ai.response.model": p.model, "gen_ai.usage.input_tokens": p.input_tokens,
+                     "gen_ai.usage.output_tokens": p.output_tokens,
+                     "langfuse.observation.type": "generation",
+                     "langfuse.observation.model.name": p.model,
+                     "langfuse.observation.usage_details": _json(usage)}
+            if p.usd is not None:
+                attrs["langfuse.observation.cost_details"] = _json({"total": p.usd})
+            self._step(seg, f"chat {p.model}", o.CLIENT, at, attrs, ev.origin)
+        elif isinstance(p, (ToolStarted, ToolCompleted)):
+            span = seg.tools.pop(p.call_id, None)
+            if span is None:  # tool.started opens it (a lone tool.completed: zero length)
+                span = self._tracer.start_span(
+                    f"execute_tool {p.tool}", context=seg.ctx, kind=o.INTERNAL, start_time=at,
+                    attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": p.tool,
+                                "gen_ai.tool.call.id": p.call_id, "gen_ai.tool.type": "function",
+                                "langfuse.observation.type": "tool", "kit.origin": ev.origin})
+            if isinstance(p, ToolStarted):
+                seg.tools[p.call_id] = span
+                return
+            if p.is_error:
+                span.set_attribute("error.type", "ToolError")
+                span.set_status(o.error("the tool reported an error"))
+            span.end(end_time=at)
+            seg.mark = max(seg.mark, at)
+        elif isinstance(p, NodeUpdated):
+            self._step(seg, f"node {p.node}", o.INTERNAL, at,
+                       {"kit.node": p.node, "langfuse.observation.type": "span"}, ev.origin)
+        elif p.ends:
+            root = self._runs.pop(ev.run_id).root
+            if p.ends == "parking":
+                self._parked[ev.run_id] = seg.meta
+                while len(self._parked) > MAX_OPEN_RUNS:
+                    self._parked.popitem(last=False)
+                root.set_attribute("kit.parked", ev.kind)
+                if isinstance(p, RunInterrupted):
+                    root.set_attribute("kit.interrupt_id", p.interrupt_id)
+            elif isinstance(p, RunCompleted):
+                root.set_attributes({"kit.usage.input_tokens": p.usage.input_tokens,
+                                     "kit.usage.output_tokens": p.usage.output_tokens})
+                if p.usage.usd is not None:
+                    root.set_attribute("kit.usage.usd", p.usage.usd)
+            elif isinstance(p, RunFailed):
+                root.set_attribute("error.type", p.error)
+                root.set_status(o.error(f"{p.error}: {p.message}"))
+            elif isinstance(p, RunCancelled) and p.reason:
+                root.set_attribute("kit.cancel_reason", p.reason[:200])
+            if p.status is not None:
+                root.set_attribute("kit.status", p.status.value)
+            self._end(seg, at)
+        elif isinstance(p, SkillLoaded):
+            seg.root.add_event("skill.loaded", {"kit.skill": p.name, "kit.sha256": p.sha256},
+                               timestamp=at)
+        # text.delta, message.completed, control.requested and unknown kinds: no span.
+
+    def _open(self, ev: Event, at: int) -> _Segment:
+        p = ev.payload
+        if isinstance(p, RunStarted):
+            meta = {"name": p.name, "invocable": p.invocable, "session.id": p.session_id,
+                    "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
+        else:  # resumed, or first seen mid-run: what parking remembered, else the origin
+            meta = self._parked.pop(ev.run_id, None) or {
+                "name": (ev.origin or "run").split("/")[0], "invocable": "agent"}
+        name, workflow = meta["name"], meta["invocable"] == "workflow"
+        op = "invoke_workflow" if workflow else "invoke_agent"
+        attrs: dict[str, Any] = {
+            "kit.run_id": ev.run_id, "kit.invocable": meta["invocable"], "kit.name": name,
+            "gen_ai.operation.name": op, f"gen_ai.{op[7:]}.name": name,
+            "langfuse.trace.name": name, "langfuse.observation.type": "chain" if workflow else "agent"}
+        attrs.update({k: v for k, v in meta.items() if "." in k and v})
+        if attrs.get("session.id"):
+            attrs["gen_ai.conversation.id"] = attrs["session.id"]
+        if not isinstance(p, RunStarted):
+            attrs["kit.resumed_by"] = p.by if isinstance(p, RunResumed) else "unknown"
+        self._ids.next = _hash_id("kit.run:" + ev.run_id)
+        root = self._tracer.start_span(f"{op} {name}", context=self._o.empty, start_time=at,
+                                       attributes=attrs)
+        seg = self._runs[ev.run_id] = _Segment(root, self._o.in_context(root), at, meta)
+        while len(self._runs) > MAX_OPEN_RUNS:
+            self._end(self._runs.popitem(last=False)[1], at, unfinished=True)
+        return seg
+
+    def _step(self, seg: _Segment, name: str, kind: Any, at: int, attrs: dict[str, Any],
+              origin: str) -> None:
+        attrs["kit.origin"] = origin
+        self._tracer.start_span(name, context=seg.ctx, kind=kind, start_time=min(seg.mark, at),
+                                attributes=attrs).end(end_time=at)
+        seg.mark = at
+
+    def _end(self, seg: _Segment, at: int, *, unfinished: bool = False) -> None:
+        for span in seg.tools.values():
+            span.set_attribute("kit.unfinished", True)
+            span.end(end_time=at)
+        if unfinished:
+            seg.root.set_attribute("kit.unfinished", True)
+        seg.root.end(end_time=at)
+
+
+# ----------------------------------------------------------------------------- raw layer ----
+
+class _SdkProcessor(TracingProcessor):
+    """The agents SDK's traces and spans as OTLP spans, each SDK trace its own OTLP trace.
+
+    Called synchronously by the SDK (on the engine loop): in-memory work under the observer's
+    lock only. Content (``input``/``output`` of the SDK's span data) is never exported.
+    """
+
+    def __init__(self, observer: TracingObserver) -> None:
+        self._obs = observer
+        self._roots: OrderedDict[str, Any] = OrderedDict()  # SDK trace id -> OTLP root span
+        self._spans: dict[str, Any] = {}  # SDK span id -> OTLP span
+
+    def on_trace_start(self, trace: Any) -> None:
+        obs = self._obs
+        with obs._lock:
+            if obs._tracer is None:
+                return
+            meta = getattr(trace, "metadata", None) or {}
+            attrs = {f"agents.metadata.{k}": v for k, v in meta.items() if _scalar(v)}
+            attrs.update({"kit.layer": "sdk", "agents.trace_id": trace.trace_id,
+                          "langfuse.trace.name": trace.name})
+            if meta.get("kit.run_id") is not None:
+                attrs["kit.run_id"] = str(meta["kit.run_id"])
+            if getattr(trace, "group_id", None):
+                attrs["session.id"] = trace.group_id
+            m = _SDK_TRACE.match(trace.trace_id)  # keep the SDK's id when it is one
+            obs._ids.next = int(m.group(1), 16) if m else _hash_id("agents:" + trace.trace_id)
+            self._roots[trace.trace_id] = obs._tracer.start_span(
+                trace.name, context=obs._o.empty, attributes=attrs)
+            while len(self._roots) > MAX_OPEN_RUNS:
+                self._roots.popitem(last=False)[1].end()
+
+    def on_trace_end(self, trace: Any) -> None:
+        with self._obs._lock:
+            root = self._roots.pop(trace.trace_id, None)
+            if root is not None:
+                root.end()
+
+    def on_span_start(self, span: Any) -> None:
+        obs = self._obs
+        with obs._lock:
+            parent = self._spans.get(span.parent_id) or self._roots.get(span.trace_id)
+            if obs._tracer is None or parent is None or len(self._spans) >= 10 * MAX_OPEN_RUNS:
+                return
+            name, client, _ = _sdk_span(span.span_data)
+            self._spans[span.span_id] = obs._tracer.start_span(
+                name, context=obs._o.in_context(parent), start_time=_ns(span.started_at),
+                kind=obs._o.CLIENT if client else obs._o.INTERNAL)
+
+    def on_span_end(self, span: Any) -> None:
+        obs = self._obs
+        with obs._lock:
+            otel = self._spans.pop(span.span_id, None)
+            if otel is None:
+                return
+            otel.set_attributes(_sdk_span(span.span_data)[2])
+            if span.error:
+                otel.set_attribute("error.type", "AgentsSpanError")
+                otel.set_status(obs._o.error(str(span.error.get("message"))))
+            otel.end(end_time=_ns(span.ended_at))
+
+    def end_all(self, now: int) -> None:
+        """Called by ``close`` (under the lock): end what the SDK left open."""
+        for span in [*self._spans.values(), *self._roots.values()]:
+            span.set_attribute("kit.unfinished", True)
+            span.end(end_time=now)
+        self._spans.clear()
+        self._roots.clear()
+
+    def shutdown(self) -> None:  # the observer's close() owns the exporter's lifetime
+        pass
+
+    def force_flush(self) -> None:
+        provider = self._obs._provider
+        if provider is not None:
+            provider.force_flush(int(EXPORT_TIMEOUT * 1000))
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, (str, int, float, bool))
+
+
+def _sdk_span(data: Any) -> tuple[str, bool, dict[str, Any]]:
+    """An SDK span's GenAI name, whether it is a CLIENT span, and its attributes: the scalar
+    fields of its exported data (two levels deep; content fields left out) and GenAI ones."""
+    attrs: dict[str, Any] = {}
+
+    def flat(prefix: str, obj: dict[str, Any], depth: int) -> None:
+        for k, v in obj.items():
+            if k in _CONTENT or v is None:
+                continue
+            if _scalar(v):
+                attrs[f"{prefix}.{k}"] = v
+            elif isinstance(v, (list, tuple)) and v and all(isinstance(x, str) for x in v):
+                attrs[f"{prefix}.{k}"] = tuple(v)
+            elif isinstance(v, dict) and depth < 2:
+                flat(f"{prefix}.{k}", v, depth + 1)
+
+    try:
+        flat("agents", data.export() or {}, 0)
+    except Exception:  # a custom span whose data will not export: keep its name only
+        pass
+    t, name = data.type, getattr(data, "name", None)
+    if t == "agent":
+        attrs.update({"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": name,
+                      "langfuse.observation.type": "agent"})
+        return f"invoke_agent {name}", False, attrs
+    if t == "function":
+        attrs.update({"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
+                      "langfuse.observation.type": "tool"})
+        return f"execute_tool {name}", False, attrs
+    if t in ("generation", "response"):
+        model = data.model if t == "generation" else getattr(data.response, "model", None)
+        attrs.update({"gen_ai.operation.name": "chat", "langfuse.observation.type": "generation"})
+        if model:
+            attrs["gen_ai.request.model"] = model
+        usage = data.usage or {}
+        for ours, theirs in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens")):
+            value = usage.get(ours, usage.get(theirs))
+            if isinstance(value, int):
+                attrs[f"gen_ai.usage.{ours}"] = value
+        return f"chat {model or 'model'}", True, attrs
+    if t == "turn":
+        return f"turn {data.turn}", False, attrs
+    if t == "handoff":
+        return f"handoff {data.from_agent} -> {data.to_agent}", False, attrs
+    name = name or getattr(data, "server", None)
+    return (f"{t} {name}" if name else t), False, attrs

@@ -1,0 +1,123 @@
+"""Observers on a real Deck: every event in log order, isolation, start failure, settings rules,
+and the tracing observer end to end (asyncio and trio)."""
+from __future__ import annotations
+
+import anyio
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+import kit
+from kit import Agent, Deck, DeckStateError, ScriptedModel, Workflow
+from kit_store import MemoryStore
+from kit_tracing import TracingObserver
+from test_kit_observers import Blocked, Raising, Recorder
+from test_kit_tracing import PK, SK, receiver  # noqa: F401  (the OTLP receiver fixture)
+from test_kit_workflows import State, done, plan
+
+pytestmark = pytest.mark.anyio
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def catalog():
+    model = ScriptedModel([{"tool": "add", "args": {"a": 1, "b": 2}}, "three words here"], cycle=True)
+    graph = StateGraph(State).add_node("plan", plan).add_node("done", done)
+    graph.add_edge(START, "plan").add_edge("plan", "done").add_edge("done", END)
+    return [Agent("a", tools=[add], model=model)], [Workflow("w", graph)]
+
+
+async def test_observers_see_every_event_in_log_order_beside_raising_and_slow_ones():
+    healthy, raising, slow = Recorder("healthy"), Raising(), Blocked()
+    agents_, workflows = catalog()
+    async with MemoryStore() as store:
+        async with Deck(agents_, workflows, store=store, observers=[raising, slow, healthy]) as deck:
+            first = await deck.run("a", "1+2?")
+            streamed = [e async for e in deck.stream("a", "again")]
+            await deck.run("w", {"log": []})
+            # the slow observer is still blocked in its first event: runs were not held up
+            with anyio.fail_after(10):
+                while not slow.entered.is_set():
+                    await anyio.sleep(0.005)
+            slow.gate.set()
+            runs = await store.runs()
+            logged = [e for info in runs for e in await store.read(info.run_id)]
+        # closing the deck delivered every backlog
+    by_run = {}
+    for e in healthy.seen:
+        by_run.setdefault(e.run_id, []).append(e)
+    assert {r: evs for r, evs in by_run.items()} == {
+        info.run_id: [e for e in logged if e.run_id == info.run_id] for info in runs}
+    assert len(healthy.seen) == len(logged) and first.run_id in by_run
+    assert streamed[-1] in healthy.seen
+    assert raising.calls >= 3  # it kept failing, and was disabled; nobody else noticed
+    assert len(slow.seen) == len(logged)  # once unblocked, it caught up in order
+    assert [e.seq for e in slow.seen if e.run_id == first.run_id] == list(
+        range(len(by_run[first.run_id])))
+
+
+async def test_an_observer_whose_start_raises_refuses_the_open():
+    log: list[str] = []
+
+    class Broken(Recorder):
+        def start(self) -> None:
+            raise RuntimeError("cannot start")
+
+    deck = Deck(observers=[Recorder("first", log), Broken("second", log)])
+    with pytest.raises(RuntimeError, match="cannot start"):
+        async with deck:
+            pass
+    assert log == ["start first", "close first"]
+    with pytest.raises(DeckStateError):
+        await deck.run("a", "x")
+    await deck.aclose()
+
+
+def test_build_checks_observers():
+    deck = Deck(observers=[object()])
+    with pytest.raises(kit.ConfigError, match="observers"):
+        deck.build()
+    anyio.run(deck.aclose)
+
+
+async def test_tracing_from_settings_and_none_with_an_empty_tuple(receiver, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("KIT_TRACING_PUBLIC_KEY", PK)
+    monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
+    monkeypatch.setenv("KIT_TRACING_HOST", receiver.host)
+    agents_, _ = catalog()
+    async with Deck(agents_, observers=()) as deck:
+        await deck.run("a", "1+2?")
+    assert receiver.requests == []  # () means none, even with the keys set
+    agents_, _ = catalog()
+    async with Deck(agents_) as deck:  # None: settings decide
+        result = await deck.run("a", "1+2?")
+    traces = receiver.traces()
+    assert list(traces) == [TracingObserver.trace_id(result.run_id)]
+    names = sorted(s.name for s in traces[TracingObserver.trace_id(result.run_id)])
+    assert names == sorted(["invoke_agent a", "chat scripted", "execute_tool add", "chat scripted"])
+
+
+async def test_naming_the_tracer_without_keys_is_a_config_error_at_open(monkeypatch):
+    monkeypatch.delenv("KIT_TRACING_PUBLIC_KEY", raising=False)
+    monkeypatch.delenv("KIT_TRACING_SECRET_KEY", raising=False)
+    deck = Deck(observers=[TracingObserver()]).build()  # build starts and contacts nothing
+    with pytest.raises(kit.ConfigError):
+        async with deck:
+            pass
+    await deck.aclose()
+
+
+async def test_sdk_spans_through_a_deck_are_a_second_trace_per_run(receiver):  # noqa: F811
+    observer = TracingObserver(sdk_spans=True, public_key=PK, secret_key=SK, host=receiver.host)
+    agents_, _ = catalog()
+    async with Deck(agents_, observers=[observer]) as deck:
+        result = await deck.run("a", "1+2?", session_id="s1")
+    traces = receiver.traces()
+    semantic = traces.pop(TracingObserver.trace_id(result.run_id))
+    assert {s.name for s in semantic} >= {"invoke_agent a", "execute_tool add"}
+    [raw] = traces.values()  # the SDK's own spans, tagged with the kit run id
+    [root] = [s for s in raw if not s.parent_span_id]
+    tags = {a.key: a.value.string_value for a in root.attributes}
+    assert (tags["kit.run_id"], tags["session.id"]) == (result.run_id, "s1")

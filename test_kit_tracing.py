@@ -1,0 +1,244 @@
+"""Tests of the tracing observer (kit_tracing) against a local OTLP/HTTP receiver on 127.0.0.1."""
+from __future__ import annotations
+
+import base64
+import gzip
+import os
+import subprocess
+import sys
+import threading
+from collections import defaultdict
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import agents
+import anyio
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+)
+
+from kit import (
+    Agent, ConfigError, Deck, Event, ModelCompleted, RunCompleted, RunPaused, RunResumed,
+    RunStarted, ScriptedModel,
+)
+from kit_observers import ObserverHub
+from kit_store import MemoryStore
+from kit_tracing import OTLP_PATH, TracingObserver
+
+pytestmark = pytest.mark.anyio
+PK, SK = "pk-lf-test", "sk-lf-test"
+ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+
+
+class Receiver:
+    """An OTLP/HTTP collector stand-in: records each request's path, headers and decoded spans."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, Any, ExportTraceServiceRequest]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                receiver.requests.append((self.path, self.headers,  # case-insensitive
+                                          ExportTraceServiceRequest.FromString(body)))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+
+    def traces(self) -> dict[str, list]:
+        """Spans by trace id (hex)."""
+        out: dict[str, list] = defaultdict(list)
+        for _, _, req in self.requests:
+            for rs in req.resource_spans:
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        out[span.trace_id.hex()].append(span)
+        return dict(out)
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    r.thread.start()
+    yield r
+    r.server.shutdown()
+    r.server.server_close()
+    r.thread.join()
+
+
+def attrs(span) -> dict:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+
+
+def root_and_children(spans):
+    [root] = [s for s in spans if not s.parent_span_id]
+    children = sorted((s for s in spans if s.parent_span_id), key=lambda s: s.start_time_unix_nano)
+    return root, children
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+async def play(observer: TracingObserver, logged: list[Event]) -> None:
+    """Feed events through a hub into the observer, as the deck does, and close (flush) it."""
+    hub = ObserverHub([observer])
+    async with anyio.create_task_group() as tg:
+        await hub.start(tg)
+        for ev in logged:
+            hub.emit(ev)
+        await hub.close()
+
+
+# ---------------------------------------------------------------------------- semantic layer ----
+
+async def test_each_agent_turn_is_one_trace_with_genai_spans(receiver):
+    calc = ScriptedModel([{"tool": "add", "args": {"a": 2, "b": 3}}, "The sum is 5."], name="gpt-4o")
+    broken = ScriptedModel([RuntimeError("model down")], name="gpt-4o")
+    with anyio.fail_after(10):
+        async with MemoryStore() as store:
+            async with Deck([Agent("calc", "Add.", tools=[add], model=calc),
+                             Agent("broken", "Fail.", model=broken)], store=store) as deck:
+                ok = await deck.run("calc", "what is 2 + 3?", session_id="s1")
+                with pytest.raises(RuntimeError, match="model down"):
+                    await deck.run("broken", "hello", run_id="run-failed")
+            ok_events, failed_events = await store.read(ok.run_id), await store.read("run-failed")
+        observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+        await play(observer, ok_events + failed_events)
+
+    assert receiver.requests
+    for path, headers, _ in receiver.requests:
+        assert path == OTLP_PATH
+        assert headers["Authorization"] == "Basic " + base64.b64encode(f"{PK}:{SK}".encode()).decode()
+        assert headers["x-langfuse-ingestion-version"] == "4"
+        assert headers["Content-Type"] == "application/x-protobuf"
+    traces = receiver.traces()
+    assert set(traces) == {TracingObserver.trace_id(ok.run_id), TracingObserver.trace_id("run-failed")}
+
+    root, children = root_and_children(traces[TracingObserver.trace_id(ok.run_id)])
+    assert root.name == "invoke_agent calc" and root.status.code != ERROR
+    a = attrs(root)
+    assert a["session.id"] == "s1" and a["kit.run_id"] == ok.run_id and a["kit.name"] == "calc"
+    assert a["gen_ai.agent.name"] == "calc" and a["kit.status"] == "COMPLETED"
+    assert [c.name for c in children] == ["chat gpt-4o", "execute_tool add", "chat gpt-4o"]
+    assert all(c.parent_span_id == root.span_id for c in children)
+    models = [e.payload for e in ok_events if isinstance(e.payload, ModelCompleted)]
+    for span, p in zip([children[0], children[2]], models):
+        c = attrs(span)
+        assert c["gen_ai.request.model"] == "gpt-4o" and c["langfuse.observation.type"] == "generation"
+        assert (c["gen_ai.usage.input_tokens"], c["gen_ai.usage.output_tokens"]) == \
+            (p.input_tokens, p.output_tokens) and p.input_tokens > 0
+        assert p.usd is not None and f'"total":{p.usd}' in c["langfuse.observation.cost_details"]
+    tool = attrs(children[1])
+    assert tool["gen_ai.tool.name"] == "add" and tool["gen_ai.tool.call.id"]
+    assert children[1].status.code != ERROR
+    assert all(c.end_time_unix_nano <= root.end_time_unix_nano for c in children)
+    everything = str([attrs(s) for s in traces[TracingObserver.trace_id(ok.run_id)]])
+    assert "what is 2 + 3" not in everything and "The sum is 5" not in everything  # no content
+
+    root, children = root_and_children(traces[TracingObserver.trace_id("run-failed")])
+    assert root.name == "invoke_agent broken" and root.status.code == ERROR
+    assert "model down" in root.status.message
+    assert attrs(root)["error.type"] == "RuntimeError" and "session.id" not in attrs(root)
+    assert attrs(root)["kit.status"] == "FAILED"
+
+
+async def test_a_parked_run_stays_one_trace_in_two_segments(receiver, monkeypatch):
+    monkeypatch.setenv("KIT_TRACING_PUBLIC_KEY", PK)  # keys and host from the settings
+    monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
+    monkeypatch.setenv("KIT_TRACING_HOST", receiver.host)
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    payloads = [RunStarted("calc", "agent", "s9"), ModelCompleted("gpt-4o", 10, 2, None),
+                RunPaused("operator"), RunResumed("resume"), ModelCompleted("gpt-4o", 12, 3, None),
+                RunCompleted("done")]
+    logged = [Event("r9", i, p, "calc", None, t0 + timedelta(seconds=i)) for i, p in enumerate(payloads)]
+    with anyio.fail_after(10):
+        await play(TracingObserver(), logged)
+    [(trace_id, spans)] = receiver.traces().items()
+    assert trace_id == TracingObserver.trace_id("r9")
+    roots = sorted((s for s in spans if not s.parent_span_id), key=lambda s: s.start_time_unix_nano)
+    assert [r.name for r in roots] == ["invoke_agent calc", "invoke_agent calc"]
+    first, second = attrs(roots[0]), attrs(roots[1])
+    assert first["kit.status"] == "PAUSED" and first["kit.parked"] == "run.paused"
+    assert second["kit.resumed_by"] == "resume" and second["kit.status"] == "COMPLETED"
+    assert first["session.id"] == second["session.id"] == "s9"
+    assert roots[0].end_time_unix_nano == roots[0].start_time_unix_nano + 2 * 10**9
+    chats = [s for s in spans if s.parent_span_id]
+    assert [s.parent_span_id for s in chats] == [roots[0].span_id, roots[1].span_id]
+    # A model call's span starts where the previous step ended (the log records its end only).
+    assert chats[1].start_time_unix_nano == roots[1].start_time_unix_nano
+
+
+def test_start_refuses_missing_keys_and_a_bad_host(monkeypatch):
+    monkeypatch.delenv("KIT_TRACING_PUBLIC_KEY", raising=False)
+    monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
+    with pytest.raises(ConfigError, match="needs KIT_TRACING_PUBLIC_KEY"):
+        TracingObserver().start()
+    with pytest.raises(ConfigError, match="http"):
+        TracingObserver(public_key=PK, host="cloud.langfuse.com").start()
+
+
+def test_opentelemetry_is_imported_at_start_not_at_import_or_construction():
+    code = ("import sys, kit_observers, kit_tracing; kit_tracing.TracingObserver(sdk_spans=True)"
+            ".sdk_processor(); assert not [m for m in sys.modules if m.startswith('opentelemetry')]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   cwd=os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------------- raw layer ----
+
+# asyncio only: this test drives agents.Runner directly, and the agents SDK is asyncio-only (under
+# trio the deck hosts it on its engine thread, which is not what this test exercises).
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_sdk_spans_arrive_as_a_second_separate_trace(receiver, anyio_backend):
+    observer = TracingObserver(sdk_spans=True, public_key=PK, secret_key=SK, host=receiver.host)
+    observer.start()
+    model = ScriptedModel([{"tool": "add", "args": {"a": 2, "b": 3}}, "5"], name="gpt-4o")
+    agent = agents.Agent(name="calc", instructions="Add.", tools=[agents.function_tool(add)],
+                         model=model)
+    agents.set_trace_processors([observer.sdk_processor()])
+    try:
+        with anyio.fail_after(10):
+            await agents.Runner.run(agent, "what is 2 + 3?", run_config=agents.RunConfig(
+                trace_metadata={"kit.run_id": "r1"}, group_id="s1"))
+    finally:
+        agents.set_trace_processors([])
+    observer.emit(Event("r1", 0, RunStarted("calc", "agent", "s1")))
+    observer.emit(Event("r1", 1, RunCompleted("5")))
+    await anyio.to_thread.run_sync(observer.close)
+
+    traces = receiver.traces()
+    semantic = traces.pop(TracingObserver.trace_id("r1"))
+    assert [s.name for s in semantic] == ["invoke_agent calc"]
+    [raw] = traces.values()  # a second trace, not nested under the semantic one
+    root, _ = root_and_children(raw)
+    assert attrs(root)["kit.run_id"] == "r1" and attrs(root)["kit.layer"] == "sdk"
+    assert attrs(root)["session.id"] == "s1"
+    by_id = {s.span_id: s for s in raw}
+    names = {s.name for s in raw}
+    assert {"invoke_agent calc", "execute_tool add"} <= names
+    [tool] = [s for s in raw if s.name == "execute_tool add"]
+    ancestors, span = [], tool
+    while span.parent_span_id:
+        span = by_id[span.parent_span_id]
+        ancestors.append(span.name)
+    # nested as the SDK nests it: trace > task > agent > turn > tool
+    assert ancestors == ["turn 1", "invoke_agent calc", "task Agent workflow", "Agent workflow"]
+    assert attrs(tool)["gen_ai.tool.name"] == "add"
+    assert "what is 2 + 3" not in str([attrs(s) for s in raw])  # content stays out
