@@ -150,7 +150,7 @@ class RunNotWaitingError(KitError):
 
 
 def _type_name(t: object) -> str:
-    return getattr(t, "__qualname__", None) or repr(t)
+    return t.__qualname__ if isinstance(t, type) else repr(t)
 
 
 # ==================================================================================== content ====
@@ -723,7 +723,7 @@ class Context:
         self.data = data
 
     def __class_getitem__(cls, item: Any) -> Any:
-        return types.GenericAlias(cls, (item,))
+        return types.GenericAlias(cls, item if isinstance(item, tuple) else (item,))
 
     def __repr__(self) -> str:  # never show the data: it may hold secrets
         return f"Context(data=<{type(self.data).__name__}>)"
@@ -1052,8 +1052,10 @@ class Deck:
         """Check every name and compile the catalog; reads local files only, starts nothing.
 
         Idempotent. Raises ``ConfigError`` for a duplicate name, an agent and a workflow sharing
-        a root name, or an unknown skill, MCP server or workflow-as-tool name; ``DeckStateError``
-        on a closed deck.
+        a root name, or an unknown skill, MCP server or workflow-as-tool name;
+        ``ContextTypeError`` when a tool, instructions callable, hook or node requires a context
+        the declared ``context=`` type cannot satisfy (SPEC 4.2; no check without ``context=``);
+        ``DeckStateError`` on a closed deck.
         """
         if self._state == "CLOSED":
             raise DeckStateError("CLOSED", "build")
@@ -1082,6 +1084,8 @@ class Deck:
         self._specs = {w.name: kit_runtime.compile_workflow(w) for w in self._workflows}
         self._specs.update({a.name: kit_runtime.compile_agent(a, [self._specs[n] for n in a.workflows])
                             for a in self._agents})
+        if self.context_type is not None:
+            kit_runtime.check_context(list(self._specs.values()), self.context_type)
         self._state = "BUILT"
         return self
 

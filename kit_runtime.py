@@ -39,6 +39,7 @@ import socket
 import sqlite3
 import threading
 import time
+import types
 import typing
 import uuid
 from collections import deque
@@ -506,6 +507,91 @@ def _data(wrapper: Any) -> Any:
     return run.data if isinstance(run, _Run) else None
 
 
+#: A ``Context[...]`` requirement kit cannot resolve (a string annotation that does not evaluate):
+#: deferred to invocation, like the other cases the build-time check cannot rule on (SPEC 4.2).
+_UNREADABLE = object()
+
+
+def _context_params(fn: Any) -> dict[str, Any]:
+    """The parameters of ``fn`` annotated ``Context[...]``, each with the type it requires
+    (``Any`` for a bare ``Context``, ``_UNREADABLE`` when its annotation cannot be evaluated)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}
+    found = {n: p.annotation for n, p in sig.parameters.items() if _is_context(p.annotation)}
+    if not found:
+        return {}
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation naming something not importable here
+        hints = {}
+    out = {}
+    for name, annotation in found.items():
+        annotation = hints.get(name, annotation)
+        if isinstance(annotation, str):
+            out[name] = _UNREADABLE
+        else:
+            out[name] = typing.get_args(annotation)[0] if typing.get_args(annotation) else Any
+    return out
+
+
+def context_fits(required: Any, provided: Any) -> bool | None:
+    """SPEC 4.2: may a callable requiring ``Context[required]`` run with a ``provided`` object?
+
+    True or False, or None when the runtime cannot rule (deferred to invocation): ``Any`` and
+    a bare ``Context`` fit anything; a class fits its subclasses (exact type or supertype); a
+    parameterised ABC such as ``Mapping[str, Any]`` is checked as the ABC, parameters ignored; a
+    runtime-checkable protocol with only methods is checked structurally; a union fits when an
+    arm does; a TypeVar, another protocol, or an annotation kit cannot read is deferred.
+    """
+    if required is Any:
+        return True
+    if required is _UNREADABLE or isinstance(required, typing.TypeVar):
+        return None
+    origin = typing.get_origin(required)
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [context_fits(arm, provided) for arm in typing.get_args(required)]
+        return True if True in verdicts else None if None in verdicts else False
+    if origin is not None:
+        required = origin  # the ABC (or class) of a parameterised type; parameters ignored
+    if not isinstance(required, type):
+        return None
+    if getattr(required, "_is_protocol", False) and not getattr(required, "_is_runtime_protocol", False):
+        return None
+    try:
+        return issubclass(typing.get_origin(provided) or provided, required)
+    except TypeError:  # a protocol with data members: the runtime refuses to rule
+        return None
+
+
+def check_context(specs: Sequence[InvocableSpec], provided: Any) -> None:
+    """Walk every injection site of the catalog and refuse an incompatible requirement.
+
+    Sites: an agent's tools (SDK tool objects are deferred), its instructions callable, its
+    hook methods, and every workflow node. Raises ``ContextTypeError`` naming the site, what it
+    requires and what the deck provides.
+    """
+    for spec in specs:
+        if spec.kind == "agent":
+            agent = spec.source
+            sites = [(f"tool {getattr(t, '__name__', t)!s} of agent {agent.name!r}", t)
+                     for t in agent.tools if not isinstance(t, kit._SDK_TOOLS)]
+            if callable(agent.instructions):
+                sites.append((f"the instructions of agent {agent.name!r}", agent.instructions))
+            for method in _HOOK_METHODS:
+                fn = getattr(agent.hooks, method, None) if agent.hooks is not None else None
+                if fn is not None:
+                    sites.append((f"hook {method} of agent {agent.name!r}", fn))
+        else:
+            sites = [(f"node {name} of workflow {spec.name!r}", _node_function(node))
+                     for name, node in spec.source.graph.nodes.items()]
+        for site, fn in sites:
+            for required in _context_params(fn).values():
+                if context_fits(required, provided) is False:
+                    raise kit.ContextTypeError(site, required, provided)
+
+
 def _is_context(annotation: Any) -> bool:
     if isinstance(annotation, str):  # postponed annotations: `from __future__ import annotations`
         return annotation == "Context" or annotation.startswith(("Context[", "kit.Context"))
@@ -724,15 +810,16 @@ _NULL_TASK = "00000000-0000-0000-0000-000000000000"
 
 
 class _WorkflowEngine:
-    """What ``compile_workflow`` produces: input checks and the thread key scheme.
+    """What ``compile_workflow`` produces: the deck's graph (nodes that take a ``Context`` bound
+    to LangGraph's run context), input checks and the thread key scheme.
 
-    The graph itself is compiled when the deck opens, with the checkpointer that lives there.
+    The graph is compiled when the deck opens, with the checkpointer that lives there.
     Checkpoint threads are keyed ``<workflow>:<namespace>:<thread id>`` so workflows and
     namespaces never share a thread, and a checkpointer scan can tell whose thread it sees.
     """
 
-    def __init__(self, workflow: kit.Workflow) -> None:
-        self.workflow = workflow
+    def __init__(self, workflow: kit.Workflow, graph: Any) -> None:
+        self.workflow, self.graph = workflow, graph
 
     def to_input(self, input: Any) -> dict[str, Any]:
         if not isinstance(input, typing.Mapping):
@@ -749,13 +836,65 @@ def _config(key: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": key}}
 
 
+def _node_function(node: Any) -> Any:
+    """The function a ``StateGraph`` node was added with (None when it is not a plain one)."""
+    runnable = node.runnable
+    return getattr(runnable, "func", None) or getattr(runnable, "afunc", None)
+
+
+#: What LangGraph injects into a node by parameter name, read off its ``Runtime`` instead.
+_FROM_RUNTIME = {"runtime": lambda r: r, "writer": lambda r: r.stream_writer,
+                 "store": lambda r: r.store, "previous": lambda r: r.previous}
+
+
+def _bind_context(workflow: str, name: str, fn: Callable[..., Any], ctx_names: list[str]) -> Any:
+    """A node that hands ``fn`` the run's context as ``Context(runtime.context)``.
+
+    The context travels in LangGraph's run context (``astream(context=)``), never in state or
+    config, so it never reaches a checkpoint (notes/ENGINES.md 12). The raw ``fn`` stays in the
+    workflow's own graph: headless runs call it without a context and fail with Python's own
+    ``TypeError`` for the missing argument (SPEC 7).
+    """
+    params = inspect.signature(fn).parameters
+    if "config" in params:
+        raise ConfigError(f"node {name} of workflow {workflow!r} takes both a Context and config; "
+                          "read what you need from the Context instead")
+    injected = [n for n in _FROM_RUNTIME if n in params]
+
+    def kwargs(runtime: Any) -> dict[str, Any]:
+        out = {n: _FROM_RUNTIME[n](runtime) for n in injected}
+        out.update({n: Context(runtime.context) for n in ctx_names})
+        return out
+
+    if inspect.iscoroutinefunction(fn):
+        async def node(state: Any, runtime: Any) -> Any:
+            return await fn(state, **kwargs(runtime))
+    else:
+        def node(state: Any, runtime: Any) -> Any:
+            return fn(state, **kwargs(runtime))
+    node.__name__ = getattr(fn, "__name__", name)
+    return node
+
+
 def compile_workflow(workflow: kit.Workflow) -> InvocableSpec:
-    """Check a ``Workflow`` for Deck runs; its graph is compiled at open, with its checkpointer."""
+    """Check a ``Workflow`` for Deck runs and make the deck's copy of its graph, whose nodes
+    that declare a ``Context`` receive the run's; compiled at open, with its checkpointer."""
+    import copy
+    import dataclasses
+    from langgraph._internal._runnable import coerce_to_runnable
+    graph = copy.copy(workflow.graph)
+    graph.nodes = dict(graph.nodes)
+    for name, node in graph.nodes.items():
+        fn = _node_function(node)
+        ctx_names = list(_context_params(fn)) if fn is not None else []
+        if ctx_names:
+            graph.nodes[name] = dataclasses.replace(node, runnable=coerce_to_runnable(
+                _bind_context(workflow.name, name, fn, ctx_names), name=name, trace=False))
     try:
-        workflow.graph.compile()  # a graph that cannot compile is a configuration error now
+        graph.compile()  # a graph that cannot compile is a configuration error now
     except Exception as exc:
         raise ConfigError(f"workflow {workflow.name!r} does not compile: {exc}") from None
-    return InvocableSpec(workflow.name, "workflow", workflow, _WorkflowEngine(workflow))
+    return InvocableSpec(workflow.name, "workflow", workflow, _WorkflowEngine(workflow, graph))
 
 
 def _parked(run: _Run, interrupts: Sequence[Any]) -> Any:
@@ -781,7 +920,8 @@ async def _play_workflow(run: _Run, graph: Any, inp: Any, durable: bool) -> Even
             snapshot = await graph.aget_state(config)
             if snapshot.next and not snapshot.interrupts:
                 inp = None
-        async for mode, chunk in graph.astream(inp, config, stream_mode=["updates", "values"],
+        async for mode, chunk in graph.astream(inp, config, context=run.data,
+                                               stream_mode=["updates", "values"],
                                                durability="sync" if durable else "async"):
             if mode == "values":
                 final = chunk
@@ -1127,7 +1267,7 @@ class Runtime:
                 saver = durable
             else:
                 saver = InMemorySaver()
-            self.graphs[spec.name] = spec.source.graph.compile(checkpointer=saver)
+            self.graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
 
     async def _close_model_clients(self) -> None:
         """Under trio, close the deck's model clients on the engine loop before it stops.
