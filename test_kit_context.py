@@ -229,6 +229,7 @@ async def test_the_context_is_never_written_anywhere(tmp_path):
             await deck.answer(p.run_id, "yes", context=deps)
             await deck.run("sleepy", {"log": [], "wake_at": NOW.isoformat()}, session_id="n1", context=deps)
             assert [t.thread_id for t in await deck.tick(NOW)] == ["n1"]
+            assert SEEN[-2:] == [deps, None]  # tick carries no context
             sessions = deck._runtime._memory.db.iterdump()
             session_dump = "\n".join(sessions)
         assert all(v is deps for v in seen_by.values()) and set(seen_by) == {"tool", "instructions", "hook"}
