@@ -34,7 +34,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 __all__ = (
     # errors
     "KitError", "ConfigError", "ContextTypeError", "ContentError", "DeckStateError",
-    "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "SessionBusyError",
+    "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "RunStoppedError",
+    "SessionBusyError",
     "LogConflictError",
     # content
     "TextBlock", "ImageBlock", "AudioBlock", "ResourceBlock", "DataBlock", "ContentBlock",
@@ -47,7 +48,7 @@ __all__ = (
     # results
     "RunStatus", "Usage", "TurnResult", "InterruptResult", "RunInfo", "Pending", "Due", "Ticked",
     # ports
-    "EventSinkPort", "EventStorePort", "Claim",
+    "EventSinkPort", "EventStorePort", "Claim", "ControlRequest",
     # catalog
     "Agent", "Workflow", "interrupt", "sleep_until", "Context", "InvocableSpec", "ScriptedModel",
     "Deck",
@@ -147,6 +148,20 @@ class RunNotWaitingError(KitError):
         self.run_id, self.status, self.wanted = run_id, status, wanted
         super().__init__(f"run {run_id} is {getattr(status, 'value', status)}, not {wanted}: "
                          "it was answered or resumed already, or it never waited")
+
+
+class RunStoppedError(KitError):
+    """The run stopped at a safe point because someone asked: paused, or cancelled.
+
+    Contrast with a cancelled *caller* (anyio's cancellation) and a closed deck
+    (``DeckStateError``): here a ``pause``/``cancel`` request, from this process or another,
+    ended the call. A paused run keeps its session and can be ``resume``d.
+    """
+
+    def __init__(self, run_id: str, status: object, reason: str | None) -> None:
+        self.run_id, self.status, self.reason = run_id, status, reason
+        why = f": {reason}" if reason else ""
+        super().__init__(f"run {run_id} was {getattr(status, 'value', status).lower()} on request{why}")
 
 
 def _type_name(t: object) -> str:
@@ -482,6 +497,7 @@ class RunSleeping(Payload):
 @dataclass(frozen=True, slots=True)
 class RunPaused(Payload):
     reason: str | None = None
+    items: Any = None  # a sessionless agent run's conversation so far, to resume from
 
 
 @_payload("run.resumed", status=RunStatus.RUNNING)
@@ -654,6 +670,16 @@ class Claim:
     session_id: str | None = None
     namespace: str | None = None
 
+@dataclass(frozen=True, slots=True)
+class ControlRequest:
+    """A pause, cancel or resume request recorded for a run (``EventStorePort.request``)."""
+    id: int
+    run_id: str
+    action: str
+    reason: str | None = None
+    source: str | None = None
+
+
 @runtime_checkable
 class EventSinkPort(Protocol):
     """An observer of the log. ``emit`` does in-memory work only and never awaits a round trip.
@@ -684,6 +710,9 @@ class EventStorePort(Protocol):
     async def run_info(self, run_id: str) -> RunInfo | None: ...
     async def renew(self, owner: str, lease_seconds: float) -> None: ...
     async def reap(self) -> list[str]: ...
+    async def request(self, run_id: str, action: str, reason: str | None = None,
+                      source: str | None = None) -> int: ...
+    async def requests(self, after: int = 0) -> list[ControlRequest]: ...
 
 
 # ==================================================================================== catalog ====
@@ -1187,6 +1216,23 @@ class Deck:
         interrupt is answered once), ``UnknownNameError`` when this deck lacks the workflow.
         """
         return await self._open("answer").answer(run_id, value, context)
+
+    async def pause(self, run_id: str, *, reason: str | None = None) -> None:
+        """Ask a run to pause at its next safe point (before a model call; between a workflow's
+        supersteps); returns at once. The request is recorded, in the store, so the process
+        playing the run sees it wherever it runs. Raises ``UnknownRunError``."""
+        await self._open("pause").request(run_id, "pause", reason, "api")
+
+    async def cancel(self, run_id: str, *, reason: str | None = None) -> None:
+        """Ask a run to end at its next safe point (``run.cancelled``; its session is freed);
+        returns at once. A parked run (paused, waiting, sleeping) is cancelled right away.
+        Raises ``UnknownRunError``."""
+        await self._open("cancel").request(run_id, "cancel", reason, "api")
+
+    async def resume(self, run_id: str, *, context: Any = None) -> list[Event]:
+        """Continue a paused run here; returns the events it produced (``[]`` when there is
+        nothing to resume: the run is not paused, or another caller resumed it first)."""
+        return await self._open("resume").resume(run_id, context)
 
     async def due_resumes(self, now: datetime | None = None) -> list[Due]:
         """Sleeping threads whose wake time is at or before ``now`` (default: current UTC),

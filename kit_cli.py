@@ -6,7 +6,11 @@ Must never: start or render a conversation (SPEC 1); print the application conte
 Commands:
   kit runs list [--store URL] [--status S] [--name N] [--session ID] [--json]
       The run index, oldest first: one line per run (run id, status, name, session, start).
-Exit codes: 0 done, 1 a failure reading the store, 2 a usage error (clig.dev conventions).
+  kit runs signal <run_id> {pause,cancel,resume} [--store URL] [--reason TEXT]
+      Records the request for a run another process plays; that process acts on it at the run's
+      next safe point (a resume is taken up by a deck that has the run's agent or workflow).
+Exit codes: 0 done (or recorded), 1 an unknown run or a store that cannot be read, 2 a usage
+error (clig.dev conventions).
 """
 from __future__ import annotations
 
@@ -35,7 +39,18 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--name", help="only runs of this agent or workflow")
     ls.add_argument("--session", help="only runs of this session id")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    sig = runs.add_parser("signal", help="ask a run to pause, cancel or resume")
+    sig.add_argument("run_id")
+    sig.add_argument("signal", choices=["pause", "cancel", "resume"])
+    sig.add_argument("--store", help="event store URL (default: $KIT_STORE)")
+    sig.add_argument("--reason", help="recorded with the request")
     return p
+
+
+async def _signal(store: kit.EventStorePort, a: argparse.Namespace) -> None:
+    async with store:  # type: ignore[attr-defined]
+        request_id = await store.request(a.run_id, a.signal, a.reason, "cli")
+    print(f"{a.signal} requested for run {a.run_id} (request {request_id})")
 
 
 async def _list(store: kit.EventStorePort, a: argparse.Namespace) -> None:
@@ -69,7 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kit: no event log at {url[len('sqlite:///'):]}", file=sys.stderr)
         return 1
     try:
-        anyio.run(_list, store, a)
+        anyio.run(_list if a.action == "list" else _signal, store, a)
+    except kit.UnknownRunError as exc:
+        print(f"kit: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # the store could not be read: say why, exit 1
         print(f"kit: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

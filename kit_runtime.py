@@ -72,6 +72,9 @@ __all__ = ("Runtime", "EngineThread", "compile_agent", "compile_workflow", "run_
 #: per FLUSH_MAX events (~5 us/event instead of ~31 us with one commit each, PERF.md section 3).
 FLUSH_MAX = 256
 FLUSH_DELAY = 0.02
+#: How often a deck looks for control requests written by other processes (the CLI, replicas):
+#: a pause or cancel from elsewhere reaches the run's next safe point within about this long.
+CONTROL_POLL = 0.1
 #: A streaming model call lets the loop run other tasks at least every this many events.
 YIELD_EVERY = 64
 #: A stream's live buffer. A consumer that falls this far behind is not allowed to grow memory:
@@ -279,6 +282,8 @@ class _Run:
         self.error: BaseException | None = None
         self.scope = anyio.CancelScope()
         self.closing = False
+        self.requested: tuple[str, str | None, str | None] | None = None  # (action, reason, source)
+        self.control: Any = None  # a workflow run's LangGraph RunControl
         self.thread_id: str | None = None  # workflow runs: the thread id callers see,
         self.thread_key = ""  # ... and the checkpointer's key for it
 
@@ -475,8 +480,26 @@ class _TapModel(sdk.Model):
             yield ev
 
 
+class _Stop(sdk.AgentsException):
+    """Raised at a safe point to stop a run that was asked to pause or cancel."""
+
+    def __init__(self, action: str, reason: str | None) -> None:
+        super().__init__(f"{action} requested")
+        self.action, self.reason = action, reason
+
+
 class _KitHooks(sdk.RunHooks):
-    """Records tool calls: ``tool.started`` durable before the tool runs, then ``tool.completed``."""
+    """Records tool calls (``tool.started`` durable before the tool runs, then
+    ``tool.completed``) and holds the agents' safe point: before each model call, a run asked to
+    pause or cancel stops there, with every finished turn kept (notes/ENGINES.md 4)."""
+
+    async def on_llm_start(self, context: Any, agent: Any, system_prompt: Any, input_items: Any) -> None:
+        run = context.context
+        if isinstance(run, _Run) and run.requested is not None:
+            action, reason, source = run.requested
+            run.requested = None
+            run.emit(kit.ControlRequested(action, reason, source))
+            raise _Stop(action, reason)
 
     async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
         run = context.context
@@ -791,6 +814,15 @@ async def _play_agent(run: _Run, items: Any, session: Any, run_config: Any) -> E
     try:
         result = await sdk.Runner.run(run.spec.engine.sdk_agent, items, context=run, hooks=_HOOKS,
                                       run_config=run_config, session=session)
+    except _Stop as stop:
+        if stop.action == "cancel":
+            return await run.durable(RunCancelled(stop.reason))
+        items = None
+        if session is None and stop.run_data is not None:  # keep the conversation to resume from
+            data = stop.run_data
+            items = ([{"role": "user", "content": data.input}] if isinstance(data.input, str)
+                     else list(data.input)) + [i.to_input_item() for i in data.new_items]
+        return await run.durable(kit.RunPaused(stop.reason, kit._jsonable(items)))
     except anyio.get_cancelled_exc_class():
         run.emit(RunCancelled("the deck closed" if run.closing else "the caller was cancelled"))
         raise
@@ -912,15 +944,20 @@ async def _play_workflow(run: _Run, graph: Any, inp: Any, durable: bool) -> Even
     that stopped mid-run (its process died), a new run carries on from the last checkpoint and
     the new input is not applied.
     """
+    from langgraph.errors import GraphDrained
+    from langgraph.runtime import RunControl
     config = _config(run.thread_key)
     interrupts: Any = ()
     final: Any = None
+    run.control = RunControl()
+    if run.requested is not None:  # asked before the graph started
+        run.control.request_drain(run.requested[0])
     try:
         if durable and isinstance(inp, dict):
             snapshot = await graph.aget_state(config)
             if snapshot.next and not snapshot.interrupts:
                 inp = None
-        async for mode, chunk in graph.astream(inp, config, context=run.data,
+        async for mode, chunk in graph.astream(inp, config, context=run.data, control=run.control,
                                                stream_mode=["updates", "values"],
                                                durability="sync" if durable else "async"):
             if mode == "values":
@@ -931,6 +968,11 @@ async def _play_workflow(run: _Run, graph: Any, inp: Any, durable: bool) -> Even
                     interrupts = update
                 else:
                     run.emit(NodeUpdated(node, kit._jsonable(update)), origin=f"{run.origin}/{node}")
+    except GraphDrained:  # stopped at a superstep boundary, as asked; the checkpoint is saved
+        action, reason, source = run.requested or ("pause", None, None)
+        run.requested = None
+        run.emit(kit.ControlRequested(action, reason, source))
+        return await run.durable(RunCancelled(reason) if action == "cancel" else kit.RunPaused(reason))
     except anyio.get_cancelled_exc_class():
         run.emit(RunCancelled("the deck closed" if run.closing else "the caller was cancelled"))
         raise
@@ -954,7 +996,9 @@ def _result(run: _Run, end: Event) -> Any:
         return kit.InterruptResult(p.payload, p.thread_id or run.thread_id)
     if isinstance(p, kit.RunSleeping):
         return kit.InterruptResult({"kind": "sleep", "until": p.until}, p.thread_id or run.thread_id)
-    raise DeckStateError("CLOSED", "finish the run")  # cancelled by the deck's close
+    if isinstance(p, kit.RunPaused):
+        raise kit.RunStoppedError(run.run_id, kit.RunStatus.PAUSED, p.reason)
+    raise kit.RunStoppedError(run.run_id, kit.RunStatus.CANCELLED, getattr(p, "reason", None))
 
 
 def _pending_interrupts(ct: Any) -> list[Any]:
@@ -1146,6 +1190,8 @@ class Runtime:
         self._tg: Any = None
         self._run_config = sdk.RunConfig(tracing_disabled=True)
         self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
+        self._seen_request = 0  # the newest control request this deck has looked at
+        self._handled: set[int] = set()  # requests made here, acted on already
         self._checkpoint_db: Any = None
 
     # ------------------------------------------------------------------------ lifecycle --
@@ -1195,6 +1241,9 @@ class Runtime:
                 self._tg.start_soon(self.engine.pump, self._on_mail)
             self._tg.start_soon(self.writer.run)
             self._tg.start_soon(self._keep_leases)
+            backlog = await self.store.requests()  # older requests are history, not orders
+            self._seen_request = backlog[-1].id if backlog else 0
+            self._tg.start_soon(self._watch_requests)
             await self._on_engine(self._compile_graphs)
         except BaseException:
             await self._teardown()
@@ -1419,6 +1468,95 @@ class Runtime:
             await self.writer.flush()  # its start may still wait for the group commit
         info = await self.store.run_info(run_id)
         return info.status if info is not None else None
+
+    # -------------------------------------------------------------------- run control --
+    async def request(self, run_id: str, action: str, reason: str | None, source: str) -> None:
+        """Record a pause/cancel request and return: a run played here is told at once, one
+        played elsewhere sees it through its process's poll; a parked run is cancelled here."""
+        request_id = await self.store.request(run_id, action, reason, source)
+        self._handled.add(request_id)
+        await self._act(kit.ControlRequest(request_id, run_id, action, reason, source))
+
+    async def _act(self, req: kit.ControlRequest) -> None:
+        run = self.active.get(req.run_id)
+        if run is not None:
+            if req.action != "resume":
+                run.requested = (req.action, req.reason, req.source)
+                if run.control is not None:  # a workflow: drain at the next superstep
+                    run.control.request_drain(req.action)
+        elif req.action == "cancel":
+            await self._cancel_parked(req)
+
+    async def _cancel_parked(self, req: kit.ControlRequest) -> None:
+        """A parked run has no writer: whoever handles its cancel becomes it (DESIGN 6); of two
+        processes racing, the unique ``(run_id, seq)`` lets one write."""
+        info = await self.store.run_info(req.run_id)
+        if info is None or info.status not in (kit.RunStatus.PAUSED, kit.RunStatus.WAITING_HUMAN,
+                                                kit.RunStatus.SLEEPING):
+            return
+        last = (await self.store.read(req.run_id))[-1]
+        events = [Event(req.run_id, last.seq + 1, kit.ControlRequested("cancel", req.reason, req.source),
+                        info.name),
+                  Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)]
+        try:
+            await self.store.append(events)
+        except kit.LogConflictError:
+            return
+        for event in events:
+            self.hub.emit(event)
+
+    async def resume(self, run_id: str, context: Any) -> list[Event]:
+        info = await self.store.run_info(run_id)
+        if info is None:
+            raise kit.UnknownRunError(run_id)
+        spec = self.specs.get(info.name)
+        if info.status is not kit.RunStatus.PAUSED or run_id in self.active or spec is None:
+            return []
+        paused = (await self.store.read(run_id))[-1]
+        run = _Run(self, spec, run_id, context, info.session_id, info.namespace, False)
+        run.seq = paused.seq + 2
+        resumed = [Event(run_id, paused.seq + 1, kit.ControlRequested("resume", None, "api"), spec.name),
+                   Event(run_id, paused.seq + 2, RunResumed("resume"), spec.name)]
+        try:
+            await self.store.append(resumed, claims=[Claim(run_id, self.owner, self.lease,
+                                                           info.session_id, info.namespace)])
+        except kit.LogConflictError:
+            return []  # another caller resumed it first
+        for event in resumed:
+            self.hub.emit(event)
+        self.active[run_id] = run
+        if spec.kind == "agent":
+            session = self.session_for(info.session_id, info.namespace) if info.session_id else None
+            items = [] if session is not None else (paused.payload.items or [])
+            job = functools.partial(_play_agent, run, items, session, self._run_config)
+        else:
+            run.thread_id = info.session_id or run_id
+            run.thread_key = spec.engine.key(info.namespace, run.thread_id)
+            job = functools.partial(_play_workflow, run, self.graphs[spec.name], None,
+                                    spec.source.durable)
+        await self._play(run, job)
+        return await self.store.read(run_id, after=paused.seq)
+
+    async def _watch_requests(self) -> None:
+        """Requests written by other processes (the CLI, replicas): pause/cancel reach the runs
+        played here; a resume is taken up by any deck that has the run's invocable (the first
+        to write wins); a parked run's cancel is written by whichever deck sees it first."""
+        while True:
+            await anyio.sleep(CONTROL_POLL)
+            for req in await self.store.requests(after=self._seen_request):
+                self._seen_request = req.id
+                if req.id in self._handled:
+                    self._handled.discard(req.id)
+                elif req.action == "resume" and req.run_id not in self.active:
+                    self._tg.start_soon(self._resume_quietly, req.run_id)
+                else:
+                    await self._act(req)
+
+    async def _resume_quietly(self, run_id: str) -> None:
+        try:
+            await self.resume(run_id, None)
+        except Exception:  # recorded in the run's log (run.failed); nobody here to tell
+            pass
 
     # --------------------------------------------------------------- parked workflows --
     async def _parked_event(self, run_id: str) -> tuple[kit.RunInfo, Event]:

@@ -33,8 +33,8 @@ import anyio
 import anyio.lowlevel
 import orjson
 
-from kit import (Claim, ConfigError, Event, KitError, LogConflictError, RunFailed, RunInfo,
-                 RunStarted, RunStatus, SessionBusyError, fold_status)
+from kit import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
+                 RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
 __all__ = ("SQLiteStore", "MemoryStore", "store_from_url")
 
@@ -195,6 +195,28 @@ class _Store:
             self._notify()
         return reaped
 
+    async def request(self, run_id: str, action: str, reason: str | None = None,
+                      source: str | None = None) -> int:
+        """Record a control request (pause, cancel, resume) for a run; returns its id.
+
+        A request is not a status change: the run's writer acts on it at its next safe point.
+        Raises ``UnknownRunError`` when the log has no such run, ``ConfigError`` for another
+        action.
+        """
+        await self._ready()
+        if action not in ("pause", "cancel", "resume"):
+            raise ConfigError(f"a control request is pause, cancel or resume, got {action!r}")
+        if self._run_info(run_id) is None:
+            raise UnknownRunError(run_id)
+        request_id = self._request(run_id, action, reason, source, time.time())
+        self._notify()
+        return request_id
+
+    async def requests(self, after: int = 0) -> list[ControlRequest]:
+        """Control requests with an id above ``after``, oldest first."""
+        await self._ready()
+        return self._requests(after)
+
     async def session_holder(self, session_id: str, namespace: str | None = None) -> str | None:
         """The run id holding ``(namespace, session_id)``, or None.
 
@@ -213,6 +235,8 @@ class _Store:
     def _renew(self, owner: str, until: float) -> None: ...
     def _reap(self, now: float) -> list[str]: ...
     def _holder(self, session_id: str, namespace: str) -> str | None: ...
+    def _request(self, run_id: str, action: str, reason: str | None, source: str | None, at: float) -> int: ...
+    def _requests(self, after: int) -> list[ControlRequest]: ...
 
 
 # ===================================================================================== SQLite ====
@@ -235,6 +259,8 @@ _SCHEMA = (
     # more page written per commit, and a finished turn, indexed as COMPLETED at once, skips it.
     # Run ids are time-ordered, so the primary keys grow at their right edge.
     f"CREATE INDEX IF NOT EXISTS runs_live ON runs(status) WHERE {_LIVE}",
+    "CREATE TABLE IF NOT EXISTS controls(id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, "
+    "action TEXT NOT NULL, reason TEXT, source TEXT, at REAL NOT NULL)",
 )
 _RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
 
@@ -465,6 +491,16 @@ class SQLiteStore(_Store):
                                 (namespace, session_id)).fetchone()
         return None if row is None else row[0]
 
+    def _request(self, run_id: str, action: str, reason: str | None, source: str | None, at: float) -> int:
+        with self._tx() as db:
+            return db.execute("INSERT INTO controls(run_id, action, reason, source, at) "
+                              "VALUES (?, ?, ?, ?, ?)", (run_id, action, reason, source, at)).lastrowid
+
+    def _requests(self, after: int) -> list[ControlRequest]:
+        rows = self._con.execute("SELECT id, run_id, action, reason, source FROM controls "
+                                 "WHERE id > ? ORDER BY id", (after,)).fetchall()
+        return [ControlRequest(*r) for r in rows]
+
 
 # ===================================================================================== memory ====
 
@@ -488,6 +524,7 @@ class MemoryStore(_Store):
         self._keys: set[tuple[str, int]] = set()
         self._index: dict[str, RunInfo] = {}
         self._leases: dict[str, _Lease] = {}
+        self._controls: list[ControlRequest] = []
 
     def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:
         # Check everything before changing anything: a refused batch writes nothing.
@@ -567,6 +604,13 @@ class MemoryStore(_Store):
         for run_id in lapsed:
             self._abandon(run_id)
         return lapsed
+
+    def _request(self, run_id: str, action: str, reason: str | None, source: str | None, at: float) -> int:
+        self._controls.append(ControlRequest(len(self._controls) + 1, run_id, action, reason, source))
+        return len(self._controls)
+
+    def _requests(self, after: int) -> list[ControlRequest]:
+        return self._controls[after:]
 
     def _holder(self, session_id: str, namespace: str) -> str | None:
         return next((r for r, lease in self._leases.items()

@@ -1,0 +1,222 @@
+"""Tests of run control: pause, cancel and resume, in process and from the CLI in another
+process, for agents (safe point: before a model call) and workflows (between supersteps)."""
+from __future__ import annotations
+
+import operator
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, TypedDict
+
+import anyio
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+import kit
+from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
+from kit_store import SQLiteStore
+
+pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
+
+
+def kinds(events):
+    return [e.kind for e in events]
+
+
+class Gate:
+    """A tool that blocks until released; tools play on the engine side (a thread under trio)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def wait_tool(self):
+        def wait(step: int) -> str:
+            """Wait for the gate."""
+            self.entered.set()
+            self.release.wait(10)
+            return f"step {step} done"
+        return wait
+
+    async def until_entered(self) -> None:
+        assert await anyio.to_thread.run_sync(self.entered.wait, 10)
+
+
+def multi_turn_agent(gate: Gate) -> Agent:
+    script = [{"tool": "wait", "args": {"step": 1}}, {"tool": "wait", "args": {"step": 2}}, "all done"]
+    return Agent("worker", tools=[gate.wait_tool()], model=ScriptedModel(script))
+
+
+async def start_in_background(tg, deck, results, *args, **kw):
+    async def play():
+        try:
+            results.append(await deck.run(*args, **kw))
+        except Exception as exc:
+            results.append(exc)
+    tg.start_soon(play)
+
+
+@pytest.fixture
+async def store(tmp_path):
+    async with SQLiteStore(tmp_path / "kit.db") as s:
+        yield s
+
+
+async def running_run_id(store) -> str:
+    with anyio.fail_after(10):
+        while not (infos := await store.runs(status=RunStatus.RUNNING)):
+            await anyio.sleep(0.01)
+    return infos[0].run_id
+
+
+async def test_pause_stops_before_the_next_model_call_keeps_the_session_and_resumes(store):
+    gate = Gate()
+    async with Deck([multi_turn_agent(gate)], store=store) as deck:
+        results: list = []
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "worker", "go", session_id="s1")
+            await gate.until_entered()
+            run_id = await running_run_id(store)
+            await deck.pause(run_id, reason="operator")
+            assert await deck.status(run_id) is RunStatus.RUNNING  # a request is not a status
+            gate.release.set()
+        [stopped] = results
+        assert isinstance(stopped, kit.RunStoppedError) and stopped.status is RunStatus.PAUSED
+        log = await store.read(run_id)
+        assert kinds(log)[-4:] == ["tool.started", "tool.completed", "control.requested", "run.paused"]
+        assert log[-2].payload == kit.ControlRequested("pause", "operator", "api")
+        assert kinds(log).count("model.completed") == 1  # stopped before the second model call
+        assert await deck.status(run_id) is RunStatus.PAUSED
+        with pytest.raises(kit.SessionBusyError):
+            await deck.run("worker", "me too", session_id="s1")
+        produced = await deck.resume(run_id)
+        assert kinds(produced)[:2] == ["control.requested", "run.resumed"]
+        assert produced[-1].kind == "run.completed" and produced[-1].payload.output == "all done"
+        full = await store.read(run_id)
+        assert [e.seq for e in full] == list(range(len(full)))
+        assert full[-len(produced):] == produced
+        assert await deck.resume(run_id) == []  # nothing left to resume
+
+
+async def test_a_paused_sessionless_run_resumes_from_its_recorded_conversation(store):
+    gate = Gate()
+    async with Deck([multi_turn_agent(gate)], store=store) as deck:
+        results: list = []
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "worker", "go", run_id="r-nosession")
+            await gate.until_entered()
+            await deck.pause("r-nosession")
+            gate.release.set()
+        produced = await deck.resume("r-nosession")
+        assert produced[-1].payload.output == "all done"
+        tool_outputs = [e.payload.output for e in await store.read("r-nosession")
+                        if e.kind == "tool.completed"]
+        assert tool_outputs == ["step 1 done", "step 2 done"]
+
+
+async def test_cancel_a_running_and_a_paused_run(store):
+    gate = Gate()
+    async with Deck([multi_turn_agent(gate)], store=store) as deck:
+        results: list = []
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "worker", "go", session_id="s1")
+            await gate.until_entered()
+            run_id = await running_run_id(store)
+            await deck.cancel(run_id, reason="no longer needed")
+            gate.release.set()
+        assert results[0].status is RunStatus.CANCELLED
+        assert (await store.read(run_id))[-1].payload == kit.RunCancelled("no longer needed")
+        gate.entered.clear()
+        gate.release.clear()
+        results.clear()
+        async with anyio.create_task_group() as tg:  # the session was freed
+            await start_in_background(tg, deck, results, "worker", "again", session_id="s1")
+            await gate.until_entered()
+            paused_id = await running_run_id(store)
+            await deck.pause(paused_id)
+            gate.release.set()
+        await deck.cancel(paused_id, reason="never mind")  # no writer: this call writes it
+        assert kinds(await store.read(paused_id))[-2:] == ["control.requested", "run.cancelled"]
+        assert await deck.status(paused_id) is RunStatus.CANCELLED
+        assert await deck.resume(paused_id) == []
+        with pytest.raises(kit.UnknownRunError):
+            await deck.pause("no-such-run")
+
+
+async def test_resume_of_a_run_that_is_not_paused_returns_nothing(store):
+    async with Deck([Agent("a", model=ScriptedModel(["hi"]))], store=store) as deck:
+        result = await deck.run("a", "x")
+        assert await deck.resume(result.run_id) == []
+
+
+class State(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+
+
+GATE = Gate()
+
+
+def first(state: State) -> dict:
+    GATE.entered.set()
+    GATE.release.wait(10)
+    return {"log": ["first"]}
+
+
+async def second(state: State) -> dict:
+    return {"log": ["second"]}
+
+
+async def test_a_workflow_pauses_between_supersteps_and_resumes(store):
+    GATE.entered.clear()
+    GATE.release.clear()
+    graph = StateGraph(State).add_node("first", first).add_node("second", second)
+    graph.add_edge(START, "first").add_edge("first", "second").add_edge("second", END)
+    async with Deck(workflows=[Workflow("steps", graph, durable=True)], store=store) as deck:
+        results: list = []
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "steps", {"log": []}, session_id="t1")
+            await GATE.until_entered()
+            run_id = await running_run_id(store)
+            await deck.pause(run_id)
+            GATE.release.set()
+        assert results[0].status is RunStatus.PAUSED
+        assert kinds(await store.read(run_id))[-3:] == ["node.updated", "control.requested", "run.paused"]
+        produced = await deck.resume(run_id)
+        assert [e.payload.node for e in produced if e.kind == "node.updated"] == ["second"]
+        assert produced[-1].payload.output == {"log": ["first", "second"]}
+
+
+async def test_the_cli_pauses_a_run_playing_in_another_process(tmp_path):
+    db = tmp_path / "kit.db"
+    gate = Gate()
+    async with SQLiteStore(db) as store:
+        async with Deck([multi_turn_agent(gate)], store=store) as deck:
+            results: list = []
+            async with anyio.create_task_group() as tg:
+                await start_in_background(tg, deck, results, "worker", "go", session_id="s1")
+                await gate.until_entered()
+                run_id = await running_run_id(store)
+                out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                    [sys.executable, "-m", "kit_cli", "runs", "signal", run_id, "pause",
+                     "--store", f"sqlite:///{db}", "--reason", "from the cli"],
+                    cwd=HERE, capture_output=True, text=True, timeout=60))
+                assert out.returncode == 0, out.stderr
+                with anyio.fail_after(10):  # this deck's poll picks the request up
+                    while deck._runtime.active[run_id].requested is None:
+                        await anyio.sleep(0.01)
+                gate.release.set()
+            assert results[0].status is RunStatus.PAUSED
+            paused = await store.read(run_id)
+            assert paused[-2].payload == kit.ControlRequested("pause", "from the cli", "cli")
+            out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "kit_cli", "runs", "signal", "nope", "cancel",
+                 "--store", f"sqlite:///{db}"], cwd=HERE, capture_output=True, text=True, timeout=60))
+            assert out.returncode == 1 and "nope" in out.stderr
+            out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "kit_cli", "runs", "signal", run_id, "resume",
+                 "--store", f"sqlite:///{db}"], cwd=HERE, capture_output=True, text=True, timeout=60))
+            assert out.returncode == 0
+            with anyio.fail_after(10):  # a resume request is taken up by a deck that has the agent
+                while await deck.status(run_id) is not RunStatus.COMPLETED:
+                    await anyio.sleep(0.02)
