@@ -15,6 +15,8 @@ to the store's log in order; ``TurnResult`` is read back from the run's own ``ru
 from __future__ import annotations
 
 import base64
+import importlib.util
+import os
 import binascii
 import enum
 import itertools
@@ -29,6 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = (
@@ -1050,12 +1053,41 @@ class Deck:
                 raise ConfigError(f"Deck(workflows=...) takes kit.Workflow objects, got {w!r}")
         self._agents, self._workflows = tuple(agents), tuple(workflows)
         self._observers = observers
+        self._default_store = "memory"  # from_project: a SQLite file inside the project
         self.context_type = context
         self._session_factory, self._store = session_factory, store
         self._specs: dict[str, InvocableSpec] = {}
         self._state = "NEW"
         self._runtime: Any = None
         _live_deck = weakref.ref(self)
+
+    @classmethod
+    def from_project(cls, path: str | os.PathLike[str] = ".kit", **kwargs: Any) -> Deck:
+        """A deck of the project at ``path``: ``agents/<bundle>/agent.py`` (each defines a
+        module-level ``agent``) and ``workflows/<bundle>/workflow.py`` (``workflow``).
+
+        Bundles load from their files, in name order, with no ``sys.path`` change. Without
+        ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other keyword
+        arguments go to the constructor. Raises ``ConfigError`` for a missing directory, or
+        naming the file of a bundle that fails to import or lacks its object.
+        """
+        root = Path(path)
+        if not root.is_dir():
+            raise ConfigError(f"no kit project at {str(root)!r} (a directory with agents/ and "
+                              "workflows/ bundles); set KIT_PROJECT or pass path=")
+        agents = [_load_bundle(f, "agent", Agent) for f in sorted(root.glob("agents/*/agent.py"))]
+        workflows = [_load_bundle(f, "workflow", Workflow)
+                     for f in sorted(root.glob("workflows/*/workflow.py"))]
+        deck = cls(agents, workflows, **kwargs)
+        deck._project = f"project {str(root.resolve())!r}"
+        deck._default_store = f"sqlite:///{(root / '.state' / 'kit.db').resolve()}"
+        return deck
+
+    def asgi(self) -> Any:
+        """The ASGI application serving this deck over HTTP (kit_http): its lifespan opens the
+        deck and closes it. Needs the ``serve`` extra only to run under Hypercorn."""
+        import kit_http
+        return kit_http.App(self)
 
     @staticmethod
     def _where() -> str:
@@ -1125,7 +1157,7 @@ class Deck:
         import kit_runtime
         runtime = kit_runtime.Runtime(self._specs, store=self._store,
                                       session_factory=self._session_factory,
-                                      observers=self._observers)
+                                      observers=self._observers, default_store=self._default_store)
         await runtime.open()
         self._runtime, self._state = runtime, "OPEN"
         return self
@@ -1246,6 +1278,22 @@ class Deck:
         Raises ``ConfigError`` for a naive ``now``.
         """
         return await self._open("tick").tick(_aware(now))
+
+
+def _load_bundle(file: Path, attr: str, kind: type) -> Any:
+    """Import a project bundle from its file (no ``sys.path`` change) and return its object."""
+    name = f"kit_project_{file.parent.parent.name}_{file.parent.name}"
+    try:
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as exc:
+        raise ConfigError(f"{file} failed to import: {type(exc).__name__}: {exc}") from exc
+    found = getattr(module, attr, None)
+    if not isinstance(found, kind):
+        raise ConfigError(f"{file} must define a module-level {attr!r} (a kit.{kind.__name__}), "
+                          f"found {type(found).__name__}")
+    return found
 
 
 def _aware(now: datetime | None) -> datetime:

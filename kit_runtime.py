@@ -1168,14 +1168,16 @@ class MemorySession(SessionABC):
 class Runtime:
     """Plays the deck's runs on one event store; created and opened by ``Deck``.
 
-    Settings are read at ``open()``: ``KIT_STORE`` (when no store is passed in), ``KIT_SESSION``,
+    Settings are read at ``open()``: ``KIT_STORE`` (when no store is passed in; else
+    ``default_store``), ``KIT_SESSION``,
     ``KIT_OPENAI_API``, ``KIT_LEASE_SECONDS``.
     """
 
     def __init__(self, specs: dict[str, InvocableSpec], *, store: Any = None,
                  session_factory: Callable[[str], Any] | None = None,
-                 observers: Sequence[Any] | None = None) -> None:
+                 observers: Sequence[Any] | None = None, default_store: str = "memory") -> None:
         self.specs, self.store = specs, store
+        self._default_store = default_store
         self._observers = observers
         self.hub: Any = None
         self._sdk_tracing = False
@@ -1210,7 +1212,7 @@ class Runtime:
         if session_url and not session_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"KIT_SESSION must be a redis:// URL, got {session_url!r}")
         if self._own_store:
-            self.store = store_from_url(env.get("KIT_STORE", "memory"))
+            self.store = store_from_url(env.get("KIT_STORE", self._default_store))
             await self.store.__aenter__()
         elif not getattr(self.store, "opened", True):
             raise ConfigError("the store passed to Deck(store=...) is not open: open it with "

@@ -1,0 +1,74 @@
+"""Tests of Deck.from_project: discovery, failures named by file, the project's own log file,
+and the example project in this repository (asyncio and trio)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import kit
+from kit import ConfigError, Deck
+from kit_store import SQLiteStore
+
+pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
+
+AGENT = '''
+import kit
+agent = kit.Agent("{name}", model=kit.ScriptedModel(["hello from {name}"], cycle=True))
+'''
+
+
+def project(tmp_path: Path, bundles: dict[str, str]) -> Path:
+    root = tmp_path / "proj"
+    for rel, source in bundles.items():
+        file = root / rel
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(source)
+    root.mkdir(exist_ok=True)
+    return root
+
+
+async def test_discovers_bundles_and_keeps_its_log_in_the_project(tmp_path, monkeypatch):
+    monkeypatch.delenv("KIT_STORE", raising=False)
+    root = project(tmp_path, {"agents/b/agent.py": AGENT.format(name="bee"),
+                              "agents/a/agent.py": AGENT.format(name="ant")})
+    path_before = list(sys.path)
+    async with Deck.from_project(root) as deck:
+        assert list(deck.agents) == ["ant", "bee"]
+        result = await deck.run("bee", "hi")
+    assert sys.path == path_before  # bundles load from their files
+    async with SQLiteStore(root / ".state" / "kit.db") as store:
+        assert (await store.read(result.run_id))[-1].payload.output == "hello from bee"
+
+
+@pytest.mark.parametrize("source, match", [
+    ("import no_such_module_anywhere\n", "ModuleNotFoundError"),
+    ("raise RuntimeError('boom')\n", "boom"),
+    ("agent = 42\n", "module-level 'agent'"),
+])
+def test_a_broken_bundle_is_a_config_error_naming_its_file(tmp_path, source, match):
+    root = project(tmp_path, {"agents/bad/agent.py": source})
+    with pytest.raises(ConfigError, match=match) as err:
+        Deck.from_project(root)
+    assert str(root / "agents" / "bad" / "agent.py") in str(err.value)
+
+
+def test_a_missing_project_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no kit project"):
+        Deck.from_project(tmp_path / "nowhere")
+
+
+async def test_the_example_project_runs_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{tmp_path / 'example.db'}")
+    async with Deck.from_project(HERE / ".kit") as deck:
+        assert (list(deck.agents), list(deck.workflows)) == (["chat"], ["approval"])
+        reply = await deck.run("chat", "what time is it?")
+        assert "clock tool" in reply.output
+        parked = await deck.run("approval", {"title": "v1"}, session_id="rel-1")
+        assert isinstance(parked, kit.InterruptResult)
+        [pending] = await deck.pending()
+        final = await deck.answer(pending.run_id, "yes")
+        assert final["log"][-1] == "published"
