@@ -795,17 +795,7 @@ async def run_headless(agent: kit.Agent, input: Any, *, session: Any = None,
     if max_turns is not None:
         kw["max_turns"] = max_turns
 
-    async def play() -> Any:
-        return await sdk.Runner.run(engine.sdk_agent, items, **kw)
-
-    if sniffio.current_async_library() == "asyncio":
-        return await play()
-    thread = EngineThread()
-    thread.start()
-    try:
-        return await thread.call(play)
-    finally:
-        await thread.stop()
+    return await _on_asyncio(functools.partial(sdk.Runner.run, engine.sdk_agent, items, **kw))
 
 
 async def _play_agent(run: _Run, items: Any, session: Any, run_config: Any) -> Event:
