@@ -15,6 +15,15 @@ the kit side under trio (engines on kit's asyncio thread) against the same raw f
 
 Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows N] [--trio] [--check]
 ``--check`` exits 1 when a target is missed.
+
+``--http`` adds the HTTP surface (kit_http under a real Hypercorn on loopback, asyncio worker;
+``--trio`` adds the trio worker, reported): (f) SSE tokens/s end to end for the same 500-token
+replies, read by an httpx client in the same process (so the client's CPU counts against it;
+target >= 25,000 tokens/s), with the frames per ``send()`` the coalescing writer reached and the
+figure with coalescing off (one frame per send) for comparison; (g) ``--concurrent N`` (default
+1,000) SSE streams of short replies opened at once by raw-socket clients in the same process
+(httpx's pool is O(n) per request at this size, so it would measure itself): zero errors
+expected, with the time, the peak number of streams open at once and the peak RSS.
 """
 from __future__ import annotations
 
@@ -26,8 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import json
 import operator
+import socket
 import uuid
+from contextlib import asynccontextmanager
+from functools import partial
 from typing import Annotated, TypedDict
 
 import agents
@@ -36,6 +49,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 
 import kit
+import kit_http
 from kit_store import SQLiteStore
 
 TURN_TARGET, STREAM_TARGET, WORKFLOW_TARGET = 1.5, 2.0, 1.5
@@ -175,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workflows", type=int, default=200)
     p.add_argument("--trio", action="store_true", help="also play the kit side under trio")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--http", action="store_true", help="also bench the HTTP surface (kit_http)")
+    p.add_argument("--concurrent", type=int, default=CONCURRENT_STREAMS,
+                   help="concurrent SSE streams with --http")
     a = p.parse_args(argv)
     backends = ["asyncio"] + (["trio"] if a.trio else [])
     rows: dict[str, list[float]] = {k: [] for k in ("raw_turn", "raw_stream", "raw_wf_mem",
@@ -182,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "kit_unobserved", "kit_slow_observer")}
     for b in backends:
         rows[f"kit_turn_{b}"], rows[f"kit_stream_{b}"] = [], []
+        rows[f"http_stream_{b}"], rows[f"http_unbatched_{b}"], rows[f"http_fps_{b}"] = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         anyio.run(kit_side, Path(tmp) / "warm.db", 50, 2)  # warm imports and caches
         anyio.run(raw_turns, 50)
@@ -192,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                 tt, ts = anyio.run(kit_side, Path(tmp) / f"{b}{r}.db", a.turns, a.streams, backend=b)
                 rows[f"kit_turn_{b}"].append(tt)
                 rows[f"kit_stream_{b}"].append(ts)
+            for b in backends if a.http else ():
+                for buffer, key in ((None, "http_stream"), (0, "http_unbatched")):
+                    t, fps = anyio.run(http_stream, Path(tmp) / f"http-{key}-{b}{r}.db", a.streams,
+                                       buffer, backend=b)
+                    rows[f"{key}_{b}"].append(t)
+                    rows[f"http_fps_{b}"] += [fps] if buffer is None else []
             plain, slow = anyio.run(kit_observed, Path(tmp) / f"obs{r}.db", a.turns)
             rows["kit_unobserved"].append(plain)
             rows["kit_slow_observer"].append(slow)
@@ -229,7 +253,160 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  Deck.run, slow observer  {a.turns / med(rows['kit_slow_observer']):>8,.0f} turns/s   "
           f"ratio to no observer {slow_ratio:.2f} (info)")
     print(f"  peak RSS              {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:>10,.1f} MiB")
+    if a.http:
+        ok &= http_report(a, rows, backends)
     return 0 if ok or not a.check else 1
+
+
+
+# ============================================================================= HTTP (--http) ====
+
+HTTP_TARGET = 25_000  # end-to-end SSE tokens/s through Hypercorn's asyncio worker
+CONCURRENT_STREAMS = 1_000
+SHORT_REPLY = "hello there, this is a short reply"
+
+
+class _CountingApp(kit_http.App):
+    """kit_http.App that counts its ``http.response.body`` sends and the SSE frames in them."""
+    sends = frames = 0
+
+    async def __call__(self, scope, receive, send):
+        async def counted(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                self.sends += 1
+                self.frames += message["body"].count(b"\n\n")
+            await send(message)
+        await super().__call__(scope, receive, counted)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@asynccontextmanager
+async def _served(app: kit_http.App):
+    """``app`` under a real Hypercorn on a loopback port (the worker of the running backend)."""
+    port, stop = _free_port(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(kit_http.serve, app, host="127.0.0.1", port=port,
+                              shutdown_trigger=stop.wait))
+        try:
+            with anyio.fail_after(10):
+                while not app._open:
+                    await anyio.sleep(0.01)
+                while True:  # the lifespan runs before the socket listens
+                    try:
+                        await (await anyio.connect_tcp("127.0.0.1", port)).aclose()
+                        break
+                    except OSError:
+                        await anyio.sleep(0.01)
+            yield port
+        finally:
+            stop.set()
+
+
+async def http_stream(db: Path, streams: int, buffer: int | None) -> tuple[float, float]:
+    """``streams`` 500-token replies over ``POST /agents/s/chat?stream=true``, read by httpx
+    in this process; returns (seconds, SSE frames per send). ``buffer=0`` turns coalescing off."""
+    import httpx  # the test extra: only --http needs it
+    saved = kit_http.STREAM_BUFFER
+    kit_http.STREAM_BUFFER = saved if buffer is None else buffer
+    try:
+        async with SQLiteStore(db) as store:
+            app = _CountingApp(kit.Deck([kit.Agent("s", "Be brief.", model=kit.ScriptedModel(
+                [_reply(REPLY_TOKENS)], cycle=True))], store=store))
+            async with _served(app) as port:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                    async def one() -> None:
+                        async with client.stream("POST", "/agents/s/chat?stream=true",
+                                                 json={"message": "hi"}) as r:
+                            body = b"".join([c async for c in r.aiter_raw()])
+                        deltas = body.count(b'data: {"delta"')
+                        assert r.status_code == 200 and deltas == REPLY_TOKENS, (r.status_code, deltas)
+                    await one()  # warm the connection and the deck
+                    app.sends = app.frames = 0
+                    t = time.perf_counter()
+                    for _ in range(streams):
+                        await one()
+                    elapsed = time.perf_counter() - t
+    finally:
+        kit_http.STREAM_BUFFER = saved
+    return elapsed, app.frames / max(app.sends, 1)
+
+
+async def http_concurrent(db: Path, n: int) -> tuple[float, int, int, list[str]]:
+    """``n`` SSE streams of a short reply opened at once by raw-socket HTTP/1.1 clients; returns
+    (seconds, streams that got their ``done`` frame, peak streams open at once, errors)."""
+    request = json.dumps({"message": "hi"}).encode()
+    request = (b"POST /agents/a/chat?stream=true HTTP/1.1\r\nhost: bench\r\n"
+               b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(request), request))
+    errors: list[str] = []
+    done = peak = 0
+
+    async def one(port: int) -> None:
+        nonlocal done
+        try:
+            with anyio.fail_after(60):  # a stream that never ends is an error, not a hang
+                async with await anyio.connect_tcp("127.0.0.1", port) as conn:
+                    await conn.send(request)
+                    reply = b""
+                    while not reply.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of the body
+                        reply += await conn.receive()
+            if reply.startswith(b"HTTP/1.1 200 ") and b"\nevent: done\n" in reply:
+                done += 1
+            else:
+                errors.append(reply[:80].decode("latin-1"))
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    async with SQLiteStore(db) as store:
+        app = kit_http.App(kit.Deck([kit.Agent("a", "Be brief.", model=kit.ScriptedModel(
+            [SHORT_REPLY], cycle=True))], store=store))
+        async with _served(app) as port:
+            t = time.perf_counter()
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    for _ in range(n):
+                        tg.start_soon(one, port)
+                    while done + len(errors) < n:  # sample how many streams are open at once
+                        peak = max(peak, len(app._streams))
+                        await anyio.sleep(0.005)
+            elapsed = time.perf_counter() - t
+    return elapsed, done, peak, errors
+
+
+def http_report(a: argparse.Namespace, rows: dict[str, list[float]], backends: list[str]) -> bool:
+    """Print the --http rows; True when the gated targets are met."""
+    med, ok = statistics.median, True
+    tokens = a.streams * REPLY_TOKENS
+    print(f"kit_http bench: Hypercorn on loopback, client in this process, {a.streams} x "
+          f"{REPLY_TOKENS}-token SSE streams per repeat")
+    for b in backends:
+        rate = tokens / med(rows[f"http_stream_{b}"])
+        ratio = med(h / r for h, r in zip(rows[f"http_stream_{b}"], rows["raw_stream"]))
+        unbatched = tokens / med(rows[f"http_unbatched_{b}"])
+        gated = b == "asyncio"
+        good = rate >= HTTP_TARGET
+        ok &= good or not gated
+        print(f"  HTTP SSE ({b:7} worker) {rate:>10,.0f} tokens/s  ratio to Runner.run_streamed "
+              f"{ratio:.2f}, {med(rows[f'http_fps_{b}']):.0f} frames per send "
+              f"(target >= {HTTP_TARGET:,}) {('ok' if good else 'MISSED') if gated else 'info'}")
+        print(f"  HTTP SSE ({b:7} worker) {unbatched:>10,.0f} tokens/s  one frame per send "
+              f"(STREAM_BUFFER=0): coalescing gives {rate / unbatched:.1f}x (info)")
+    with tempfile.TemporaryDirectory() as tmp:
+        elapsed, done, peak, errors = anyio.run(http_concurrent, Path(tmp) / "c.db", a.concurrent)
+    good = done == a.concurrent and not errors
+    ok &= good
+    print(f"  {a.concurrent:,} concurrent SSE streams (asyncio worker): {done:,} done, "
+          f"{len(errors)} errors in {elapsed:.2f} s ({done / elapsed:,.0f} streams/s), peak "
+          f"{peak:,} open at once, peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB "
+          f"(target: 0 errors) {'ok' if good else 'MISSED'}")
+    for e in errors[:3]:
+        print(f"    error: {e}")
+    return ok
 
 
 if __name__ == "__main__":

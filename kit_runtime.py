@@ -30,6 +30,7 @@ durable before the engine goes on (``_Run.durable``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -1443,8 +1444,9 @@ class Runtime:
         run, job, started = await self._begin(spec, input, context, session_id, namespace, run_id, True)
         self._tg.start_soon(self._play_in_background, run, job)
         yield started
-        async for event in run.events(after=0):
-            yield event
+        async with contextlib.aclosing(run.events(after=0)) as events:
+            async for event in events:
+                yield event
         await run.done.wait()
         if run.error is not None:
             raise run.error

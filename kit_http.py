@@ -1,0 +1,776 @@
+"""kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``kit-serve``.
+
+Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON and SSE responses), SSE
+framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, and ``main()``
+for ``python -m kit_http`` / ``kit-serve`` under Hypercorn.
+
+Must never: hold business logic (a handler passes plain arguments to the Deck: a name, a session
+id, input; the Runtime makes the run's context, always ``None`` here), import a web framework,
+import Hypercorn at module import (``deck.asgi()`` works without the ``serve`` extra), or put the
+application context or secrets in a response or a log line. Every limit is a named constant.
+
+Theory of operation
+-------------------
+One dispatcher sends each ASGI scope to the lifespan or to the router. The lifespan opens the
+deck at startup and closes it at shutdown, both in the lifespan task (the deck's task group lives
+there); until it is open every request gets 503 ``{"status": "starting"}``. A body is read up to
+``MAX_BODY_BYTES`` (Hypercorn has no limit for ASGI apps, notes/CONVENTIONS.md A7) and parsed
+strictly: bad UTF-8, deep nesting, huge integers and NaN are 400s, never 500s. Errors are answered
+from one table, ``ERROR_STATUS``, as ``{"error": <exception type name>, "message": ...}``.
+
+An SSE response is a *writer* (the only task that sends) and a *disconnect watcher* (Hypercorn
+never raises on a send to a closed connection, only ``receive()`` tells: CONVENTIONS A8); the
+writer is fed by a *reader* of the run's events through a bounded channel, so it sends every frame
+that is ready in one ``http.response.body`` message (the per-send cost dominates, not bytes:
+notes/PERF.md section 4) and pings while a run is quiet. Whichever of writer and watcher ends
+first cancels the rest. The run belongs to the deck: a disconnect ends the stream, never the run,
+and the client picks the run up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every frame's
+``id`` is its event's seq).
+
+``App.shutdown()`` (``serve``'s trigger on SIGINT/SIGTERM, and the lifespan) ends every open stream
+itself with an ``event: server.shutdown`` frame, because Hypercorn's graceful timeout does not end
+open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``STOP_GRACE`` seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import sys
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
+from urllib.parse import parse_qs
+
+import anyio
+import orjson
+import sniffio
+
+import kit
+import kit_runtime
+from kit import (
+    ConfigError, ContentError, DeckStateError, Event, InterruptResult, LogConflictError,
+    NodeUpdated, RunCompleted, RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError,
+    TextDelta, UnknownNameError, UnknownRunError,
+)
+
+__all__ = (
+    "App", "sse_frame", "serve", "main",
+    # errors (their statuses are in ERROR_STATUS)
+    "HTTPError", "RouteNotFoundError", "MethodNotAllowedError", "MalformedRequestError",
+    "BodyTooLargeError", "UnsupportedMediaTypeError", "ThreadNotWaitingError", "NotResumableError",
+    "ServerStoppingError", "ERROR_STATUS",
+    # limits
+    "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
+)
+
+#: Bodies over this are 413: json.loads multiplies a body's footprint several times. 2 MiB leaves
+#: room for one maximal inline content block (1 MB decoded, 1.34 MB of base64) and its envelope.
+MAX_BODY_BYTES = 2 * 1024 * 1024
+#: Deeper JSON is a 400: the stdlib parser stops only at the recursion limit, and the deck walks
+#: input recursively afterwards, so ~990 levels would parse and then fail as a 500.
+MAX_JSON_DEPTH = 64
+#: A comment line every 15 s keeps a quiet stream open through proxies (WHATWG HTML 9.2.7).
+PING_INTERVAL = 15.0
+#: Frames waiting for the writer. A full channel makes the reader wait, never the run: the run
+#: keeps its own live buffer and catches a lagging reader up from the log.
+STREAM_BUFFER = 256
+#: On shutdown: how long in-flight requests may take before they are cancelled, and how long a
+#: stream's writer may take to hand its last frame to a slow client.
+STOP_GRACE = 5.0
+
+Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+FrameOf = Callable[[Event], "bytes | None"]
+
+_PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
+_TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
+                (b"x-accel-buffering", b"no")]
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,200}")  # a run id we echo in x-kit-run-id
+
+
+# ===================================================================================== errors ====
+
+class HTTPError(kit.KitError):
+    """A request refused by kit_http itself, before the deck saw it (status in ``ERROR_STATUS``)."""
+
+
+class RouteNotFoundError(HTTPError):
+    """No route has this path. Contrast ``kit.UnknownNameError``: the route exists, the name not."""
+
+
+class MethodNotAllowedError(HTTPError):
+    """The path exists for other methods only; ``allowed`` lists them (the ``allow`` header)."""
+
+    def __init__(self, method: str, allowed: list[str]) -> None:
+        self.allowed = allowed
+        super().__init__(f"{method} is not allowed here; allowed: {', '.join(allowed)}")
+
+
+class MalformedRequestError(HTTPError):
+    """The body is not a JSON object of the expected shape, or a header is malformed."""
+
+
+class BodyTooLargeError(HTTPError):
+    """The body is over ``MAX_BODY_BYTES``."""
+
+
+class UnsupportedMediaTypeError(HTTPError):
+    """A POST body that is not ``application/json`` (which also keeps simple cross-site posts out)."""
+
+
+class ThreadNotWaitingError(HTTPError):
+    """No run of the workflow waits for a human on that thread: stale, or it never parked."""
+
+
+class NotResumableError(HTTPError):
+    """The run exists but is not paused: nothing to resume (or another caller resumed it)."""
+
+
+class ServerStoppingError(HTTPError):
+    """The server is shutting down: the request was refused, or cancelled after ``STOP_GRACE``."""
+
+
+class _ClientGone(Exception):
+    """The client left while its body was being read: nobody to answer."""
+
+
+class _RunFailed(Exception):
+    """The run this request played failed; ``error`` is its exception type's name."""
+
+    def __init__(self, run_id: str, error: BaseException) -> None:
+        self.error = type(error).__name__
+        super().__init__(f"run {run_id} failed ({self.error}); its log has the details")
+
+
+#: The one map from exception type to HTTP status; the first class along the MRO wins, and
+#: anything missing is a 500 with a generic message.
+ERROR_STATUS: dict[type[BaseException], int] = {
+    MalformedRequestError: 400, ContentError: 400, ConfigError: 400,
+    RouteNotFoundError: 404, UnknownNameError: 404, UnknownRunError: 404,
+    RunNotWaitingError: 404, ThreadNotWaitingError: 404,
+    MethodNotAllowedError: 405,
+    SessionBusyError: 409, RunStoppedError: 409, NotResumableError: 409, LogConflictError: 409,
+    BodyTooLargeError: 413, UnsupportedMediaTypeError: 415,
+    _RunFailed: 500,
+    DeckStateError: 503, ServerStoppingError: 503,
+}
+
+
+def _status_of(exc: BaseException) -> int:
+    return next((ERROR_STATUS[c] for c in type(exc).__mro__ if c in ERROR_STATUS), 500)
+
+
+# ======================================================================================= wire ====
+
+def sse_frame(data: str, *, event: str | None = None, id: str | None = None) -> bytes:
+    """One server-sent event: ``id:``, ``event:`` and ``data:`` lines, then a blank line.
+
+    ``data`` is one line (kit sends compact JSON); ``id`` and ``event`` must not contain CR, LF or
+    NUL, which would forge fields or events (WHATWG HTML 9.2.5; CONVENTIONS A11). Raises
+    ``ValueError`` for any of those.
+    """
+    head = ""
+    for name, value in (("id", id), ("event", event)):
+        if value is not None:
+            if "\n" in value or "\r" in value or "\0" in value:
+                raise ValueError(f"an SSE {name} cannot contain CR, LF or NUL: {value!r}")
+            head += f"{name}: {value}\n"
+    if "\n" in data or "\r" in data:
+        raise ValueError("SSE data must be a single line")
+    return f"{head}data: {data}\n\n".encode()
+
+
+def _dumps(obj: Any) -> str:
+    """Compact one-line JSON: orjson, or the stdlib for what orjson refuses (huge integers)."""
+    try:
+        return orjson.dumps(obj).decode()
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object. Raises ``MalformedRequestError`` for anything else."""
+    too_deep = MalformedRequestError(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        obj = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a >4300-digit integer
+        raise MalformedRequestError(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise MalformedRequestError(f"the body must be a JSON object, got {type(obj).__name__}")
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:  # iterative: a recursive walk would hit the very limit it checks for
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
+    return obj
+
+
+def _field(body: dict[str, Any], key: str, kind: type, *, required: bool = False) -> Any:
+    value = body.get(key)
+    if value is None and required:
+        raise MalformedRequestError(f"the body needs {key!r}")
+    if value is not None and not isinstance(value, kind):
+        raise MalformedRequestError(f"{key!r} must be a {'string' if kind is str else 'JSON object'}")
+    return value
+
+
+# Event -> frame: the frame for an event, or None to skip it (FrameOf).
+
+def _native_frame(ev: Event) -> bytes:
+    return sse_frame(_dumps(ev.to_json()), event=ev.kind, id=str(ev.seq))
+
+
+def _v1_frame(ev: Event, agent: bool = True) -> bytes | None:
+    """The v1.2.1 wire: ``data:`` per delta or node, then ``done``, ``interrupt`` or ``error``."""
+    p, seq = ev.payload, str(ev.seq)
+    if type(p) is TextDelta:
+        return sse_frame(_dumps({"delta": p.text}), id=seq)
+    if type(p) is NodeUpdated:
+        return sse_frame(_dumps({"node": p.node, "update": p.update}), id=seq)
+    if isinstance(p, RunCompleted):
+        done = {"output": p.output, "usage": p.usage.to_json()} if agent else {"output": p.output}
+        return sse_frame(_dumps(done), event="done", id=seq)
+    if isinstance(p, (kit.RunInterrupted, kit.RunSleeping)):
+        payload = p.payload if isinstance(p, kit.RunInterrupted) else {"kind": "sleep", "until": p.until}
+        return sse_frame(_dumps({"type": "interrupt", "payload": payload, "thread_id": p.thread_id,
+                                 "run_id": ev.run_id}), event="interrupt", id=seq)
+    if isinstance(p, kit.RunFailed):
+        return sse_frame(_dumps({"error": p.error}), event="error", id=seq)
+    if isinstance(p, (kit.RunCancelled, kit.RunPaused)):  # what Deck.run raises for them
+        return sse_frame(_dumps({"error": RunStoppedError.__name__}), event="error", id=seq)
+    return None
+
+
+def _v1_workflow_frame(ev: Event) -> bytes | None:
+    return _v1_frame(ev, agent=False)
+
+
+def _workflow_body(result: Any, run_id: str, thread_id: str) -> dict[str, Any]:
+    if isinstance(result, InterruptResult):
+        return {"type": "interrupt", "payload": result.payload, "thread_id": result.thread_id,
+                "run_id": run_id}
+    return {"output": result, "thread_id": thread_id, "run_id": run_id}
+
+
+# ================================================================================== exchanges ====
+
+class _Request:
+    """One HTTP exchange: the scope's facts, the body reader, and whether a response started."""
+    __slots__ = ("scope", "receive", "send", "started", "run_id", "query")
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope, self.receive, self.send = scope, receive, send
+        self.started = False
+        self.run_id: str | None = None  # set once this request's run exists: x-kit-run-id
+        self.query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+
+    def header(self, name: bytes) -> str | None:
+        return next((v.decode("latin-1") for k, v in self.scope.get("headers", ()) if k == name), None)
+
+    async def body(self) -> bytes:
+        """The whole body, refused as soon as it is over ``MAX_BODY_BYTES`` (Content-Length
+        first, then counting chunks). Raises ``BodyTooLargeError``, ``_ClientGone``."""
+        too_large = BodyTooLargeError(f"the body is over {MAX_BODY_BYTES} bytes")
+        length = self.header(b"content-length")
+        if length is not None and not length.strip().isdigit():
+            raise MalformedRequestError("Content-Length is not a number")
+        if length is not None and int(length) > MAX_BODY_BYTES:
+            raise too_large
+        chunks, size = [], 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone()
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def json(self, *, optional: bool = False) -> dict[str, Any]:
+        """The body as a JSON object; with ``optional``, an empty body is ``{}``."""
+        content_type = self.header(b"content-type") or ""
+        body = await self.body()
+        media = content_type.split(";", 1)[0].strip().lower()
+        if optional and not body and media in ("", "application/json"):
+            return {}
+        if media != "application/json" and not (media.startswith("application/") and
+                                                media.endswith("+json")):
+            raise UnsupportedMediaTypeError(f"the body must be application/json, got {content_type!r}")
+        return _parse_object(body)
+
+
+async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """The JSON response helper (``obj`` None: no body, as for 204)."""
+    body = b"" if obj is None else _dumps(obj).encode()
+    head = [(b"content-type", b"application/json")] if obj is not None else []
+    head.append((b"content-length", b"%d" % len(body)))
+    if req.run_id and _HEADER_SAFE.fullmatch(req.run_id):
+        head.append((b"x-kit-run-id", req.run_id.encode()))
+    req.started = True
+    await req.send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
+    await req.send({"type": "http.response.body", "body": body})
+
+
+class _Stream:
+    """One open SSE response, as ``App.shutdown`` sees it."""
+    __slots__ = ("reader", "scope", "stopping", "finished")
+
+    def __init__(self) -> None:
+        self.reader = anyio.CancelScope()  # the reader of the run's events
+        self.scope: anyio.CancelScope | None = None  # the whole stream
+        self.stopping = self.finished = False
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.reader.cancel()
+        if self.scope is not None:
+            self.scope.deadline = anyio.current_time() + STOP_GRACE
+
+
+_ROUTES = [(method, re.compile(pattern), handler, native) for method, pattern, handler, native in (
+    ("GET", r"/health", "_health", False),
+    ("POST", r"/agents/(?P<name>[^/]+)/chat", "_agent_chat", False),
+    ("GET", r"/workflows/pending", "_pending", False),
+    ("POST", r"/workflows/(?P<name>[^/]+)", "_workflow", False),
+    ("POST", r"/workflows/(?P<name>[^/]+)/(?P<thread_id>[^/]+)/resume", "_workflow_resume", False),
+    ("POST", r"/runs/(?P<run_id>[^/]+)/(?P<action>pause|cancel)", "_control", False),
+    ("POST", r"/runs/(?P<run_id>[^/]+)/resume", "_resume_run", False),
+    ("GET", r"/runs/(?P<run_id>[^/]+)/events", "_events", False),
+    ("POST", r"/v2/invocables/(?P<name>[^/]+)/chat", "_native_chat", True),
+)]
+
+
+# ======================================================================================== App ====
+
+class App:
+    """The deck's HTTP surface, an ASGI 3 application (``deck.asgi()`` returns one).
+
+    Its lifespan opens the deck at startup and closes it at shutdown; it may be mounted inside
+    another ASGI app (paths are matched below ``scope["root_path"]``). ``native=True`` adds the
+    native routes ``POST /v2/invocables/{name}/chat``, which ``kit-serve`` never mounts (SPEC 1).
+    HTTP runs never carry a namespace or a context (SPEC 4.3).
+    """
+
+    def __init__(self, deck: kit.Deck, *, native: bool = False) -> None:
+        self.deck, self.native = deck, native
+        self._open = self._stopping = False
+        self._agents: frozenset[str] = frozenset()
+        self._workflows: frozenset[str] = frozenset()
+        self._skills: list[str] = []
+        self._streams: set[_Stream] = set()
+        self._inflight: set[anyio.CancelScope] = set()
+        self._idle: anyio.Event | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(_Request(scope, receive, send))
+        elif scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+        elif scope["type"] == "websocket":  # a close before accepting is a 403 (ASGI www spec)
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            raise RuntimeError(f"kit_http serves http and lifespan scopes, not {scope['type']!r}")
+
+    # ------------------------------------------------------------------------ lifecycle --
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Open the deck on ``lifespan.startup``, close it on ``lifespan.shutdown``, both in this
+        task: the deck's task group is entered here and must be left here."""
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    try:
+                        await self.deck.__aenter__()
+                    except Exception as exc:
+                        with anyio.CancelScope(shield=True):
+                            await self.deck.aclose()  # a failed open frees the live-deck slot
+                        await send({"type": "lifespan.startup.failed",
+                                    "message": f"{type(exc).__name__}: {exc}"})
+                        return
+                    self._agents, self._workflows = frozenset(self.deck.agents), frozenset(self.deck.workflows)
+                    skills = getattr(self.deck, "skills", None)
+                    self._skills = sorted(skills) if isinstance(skills, Mapping) else []
+                    if isinstance(scope.get("state"), dict):
+                        scope["state"]["kit.deck"] = self.deck
+                    self._open = True
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await self.shutdown()
+                    self._open = False
+                    await self.deck.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        finally:
+            if self._open:  # the lifespan was cancelled or broke: still close the deck here
+                self._open = False
+                with anyio.CancelScope(shield=True):
+                    await self.deck.aclose()
+
+    async def shutdown(self) -> None:
+        """Stop serving: new requests get 503, every open stream ends now with a final
+        ``event: server.shutdown`` frame, and in-flight requests get ``STOP_GRACE`` seconds
+        before they are cancelled (answered 503). Idempotent; the deck stays open."""
+        self._stopping = True
+        for stream in list(self._streams):
+            stream.stop()
+        if self._inflight:
+            self._idle = anyio.Event()
+            with anyio.move_on_after(STOP_GRACE):
+                await self._idle.wait()
+            for scope in list(self._inflight):
+                scope.cancel()
+            with anyio.move_on_after(STOP_GRACE):
+                await self._idle.wait()
+
+    # ----------------------------------------------------------------------------- http --
+    async def _http(self, req: _Request) -> None:
+        with anyio.CancelScope() as scope:
+            self._inflight.add(scope)
+            try:
+                await self._dispatch(req)
+            except _ClientGone:
+                return
+            except Exception as exc:
+                await self._fail(req, exc)
+            finally:
+                self._inflight.discard(scope)
+                if self._idle is not None and not self._inflight:
+                    self._idle.set()
+        if scope.cancelled_caught and not req.started:  # cancelled by shutdown()
+            await self._fail(req, ServerStoppingError("the server is shutting down"))
+
+    async def _dispatch(self, req: _Request) -> None:
+        if not self._open or self._stopping:
+            await _respond(req, 503, {"status": "stopping" if self._stopping else "starting"})
+            return
+        path, root = req.scope["path"], req.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        method, allowed = req.scope["method"], []
+        for route_method, pattern, handler, native in _ROUTES:
+            match = pattern.fullmatch(path)
+            if match is None or (native and not self.native):
+                continue
+            if route_method == method:
+                return await getattr(self, handler)(req, **match.groupdict())
+            allowed.append(route_method)
+        if allowed:
+            raise MethodNotAllowedError(method, allowed)
+        raise RouteNotFoundError(f"no route {path!r}")
+
+    async def _fail(self, req: _Request, exc: Exception) -> None:
+        """Answer an exception from the table; log what the table does not know."""
+        status, message = _status_of(exc), str(exc)
+        if status == 500 and not isinstance(exc, _RunFailed):
+            # Its type and stack only: a message may quote input, tool output or a secret.
+            print(f"kit_http: {req.scope['method']} {req.scope['path']} failed with "
+                  f"{type(exc).__name__}\n{''.join(traceback.format_tb(exc.__traceback__))}",
+                  file=sys.stderr, end="")
+            message = "internal error; the server log has the details"
+        if req.started:  # a stream broke after its headers: end the body, nothing else fits
+            await req.send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        name = exc.error if isinstance(exc, _RunFailed) else type(exc).__name__
+        allow = ((b"allow", ", ".join(exc.allowed).encode()),) if isinstance(exc, MethodNotAllowedError) else ()
+        await _respond(req, status, {"error": name, "message": message}, allow)
+
+    def _check(self, name: str, names: frozenset[str]) -> None:
+        if name not in names:
+            raise UnknownNameError(name, names)
+
+    async def _run(self, req: _Request, run_id: str, call: Awaitable[Any]) -> Any:
+        """Await a deck call that plays run ``run_id``. Its failure becomes ``_RunFailed`` (500);
+        a refusal keeps its own type (a refused start wrote nothing: no x-kit-run-id then)."""
+        try:
+            result = await call
+        except Exception as exc:
+            status = await self.deck.status(run_id)
+            req.run_id = None if status is None else run_id
+            if status is RunStatus.FAILED:
+                raise _RunFailed(run_id, exc) from None
+            raise
+        req.run_id = run_id
+        return result
+
+    # ------------------------------------------------------------------------- handlers --
+    async def _health(self, req: _Request) -> None:
+        await _respond(req, 200, {"status": "ok", "agents": sorted(self._agents),
+                                  "workflows": sorted(self._workflows), "skills": self._skills})
+
+    async def _agent_chat(self, req: _Request, name: str) -> None:
+        body = await req.json()
+        message, session_id = _field(body, "message", str, required=True), _field(body, "session_id", str)
+        self._check(name, self._agents)
+        if _flag(req, "stream"):
+            return await self._stream_run(req, self.deck.stream(name, message, session_id=session_id),
+                                          _v1_frame)
+        run_id = kit_runtime.new_run_id()  # known before the run ends, for x-kit-run-id
+        result = await self._run(req, run_id, self.deck.run(name, message, session_id=session_id,
+                                                              run_id=run_id))
+        await _respond(req, 200, {"output": result.output})
+
+    async def _workflow(self, req: _Request, name: str) -> None:
+        body = await req.json()
+        state, thread_id = _field(body, "input", dict) or {}, _field(body, "thread_id", str)
+        self._check(name, self._workflows)
+        if _flag(req, "stream"):
+            return await self._stream_run(req, self.deck.stream(name, state, session_id=thread_id),
+                                          _v1_workflow_frame)
+        run_id = kit_runtime.new_run_id()
+        result = await self._run(req, run_id, self.deck.run(name, state, session_id=thread_id,
+                                                            run_id=run_id))
+        await _respond(req, 200, _workflow_body(result, run_id, thread_id or run_id))
+
+    async def _pending(self, req: _Request) -> None:
+        await _respond(req, 200, {"pending": [
+            {"run_id": p.run_id, "workflow": p.workflow, "thread_id": p.thread_id, "payload": p.payload}
+            for p in await self.deck.pending()]})
+
+    async def _workflow_resume(self, req: _Request, name: str, thread_id: str) -> None:
+        value = (await req.json()).get("value")
+        self._check(name, self._workflows)
+        for p in await self.deck.pending():
+            if p.workflow == name and p.thread_id == thread_id:
+                info = await self.deck._runtime.store.run_info(p.run_id)
+                if info is not None and info.namespace is None:  # HTTP threads have none
+                    result = await self._run(req, p.run_id, self.deck.answer(p.run_id, value))
+                    return await _respond(req, 200, _workflow_body(result, p.run_id, thread_id))
+        raise ThreadNotWaitingError(f"no run of workflow {name!r} waits on thread {thread_id!r}")
+
+    async def _control(self, req: _Request, run_id: str, action: str) -> None:
+        reason = _field(await req.json(optional=True), "reason", str)
+        await (self.deck.pause if action == "pause" else self.deck.cancel)(run_id, reason=reason)
+        req.run_id = run_id
+        await _respond(req, 202, {"run_id": run_id, "requested": action})
+
+    async def _resume_run(self, req: _Request, run_id: str) -> None:
+        await req.json(optional=True)
+        events = await self._run(req, run_id, self.deck.resume(run_id))
+        if not events:
+            raise NotResumableError(f"run {run_id} is not paused: nothing to resume")
+        await _respond(req, 200, {"run_id": run_id, "events": [e.to_json() for e in events]})
+
+    async def _events(self, req: _Request, run_id: str) -> None:
+        raw = req.header(b"last-event-id")
+        raw = (req.query.get("after") or [""])[-1] if raw is None else raw
+        try:
+            after = int(raw) if raw.strip() else -1
+        except ValueError:
+            raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {raw!r}") from None
+        status = await self.deck.status(run_id)
+        if status is None:
+            raise UnknownRunError(run_id)
+        store, req.run_id = self.deck._runtime.store, run_id
+        if status in _TERMINAL and not await store.read(run_id, after):
+            return await _respond(req, 204, None)  # past the end: 204 stops EventSource retrying
+        await self._sse(req, run_id, None, store.follow(run_id, after), _native_frame)
+
+    async def _native_chat(self, req: _Request, name: str) -> None:
+        body = await req.json()
+        value, session_id = body.get("input"), _field(body, "session_id", str)
+        if name in self._agents:
+            if isinstance(value, list):
+                value = [kit.block_from_json(b) for b in value]  # ContentError: 400
+            elif not isinstance(value, str):
+                raise MalformedRequestError("'input' must be a string or a list of content blocks")
+        elif name in self._workflows:
+            value = {} if value is None else value
+            if not isinstance(value, dict):
+                raise MalformedRequestError("'input' must be a JSON object for a workflow")
+        else:
+            raise UnknownNameError(name, self._agents | self._workflows)
+        await self._stream_run(req, self.deck.stream(name, value, session_id=session_id), _native_frame)
+
+    # ---------------------------------------------------------------------------- streams --
+    async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf) -> None:
+        # The first event (run.started) gives the run id before the headers go out; a start
+        # the deck refuses (409 busy session, 400 bad input) is still a JSON answer.
+        first = await events.__anext__()
+        req.run_id = first.run_id
+        await self._sse(req, first.run_id, first, events, frame_of)
+
+    async def _sse(self, req: _Request, run_id: str, first: Event | None,
+                   events: AsyncIterator[Event], frame_of: FrameOf) -> None:
+        """The SSE response helper: headers, then the frames of ``first`` and ``events``."""
+        headers = _SSE_HEADERS + ([(b"x-kit-run-id", run_id.encode())]
+                                  if _HEADER_SAFE.fullmatch(run_id) else [])
+        stream = _Stream()
+        send_frames, frames = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
+        self._streams.add(stream)
+        if self._stopping:  # shutdown() began after this request was let in
+            stream.stop()
+        try:
+            req.started = True
+            await req.send({"type": "http.response.start", "status": 200, "headers": headers})
+            async with anyio.create_task_group() as tg:
+                stream.scope = tg.cancel_scope
+                tg.start_soon(_watch, req.receive, tg.cancel_scope)
+                tg.start_soon(_read, first, events, frame_of, send_frames, stream)
+                await _write(req.send, frames, stream, run_id)
+                tg.cancel_scope.cancel()
+        finally:
+            self._streams.discard(stream)
+            frames.close()
+            send_frames.close()
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:  # ends the stream, never the run: Deck.stream's runs are the deck's
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def _flag(req: _Request, name: str) -> bool:
+    return (req.query.get(name) or [""])[-1].lower() in ("true", "1")
+
+
+async def _watch(receive: Receive, scope: anyio.CancelScope) -> None:
+    """The disconnect watcher: Hypercorn says a client left only through ``receive()``."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: FrameOf, out: Any,
+                stream: _Stream) -> None:
+    """The reader: the frames of the run's events into the writer's channel, until the run ends
+    or parks; closing the channel tells the writer. An error becomes an ``event: error`` frame."""
+    with out, stream.reader:
+        try:
+            if first is not None and (frame := frame_of(first)) is not None:
+                await out.send(frame)
+            async for ev in events:  # left to end by itself: a generator it holds is closed
+                if (frame := frame_of(ev)) is not None:
+                    try:  # no loop pass per frame: the writer wakes once a burst is in
+                        out.send_nowait(frame)
+                    except anyio.WouldBlock:
+                        await out.send(frame)
+                stream.finished = stream.finished or ev.payload.ends is not None
+            stream.finished = True
+        except Exception as exc:
+            if not stream.finished:  # Deck.stream raises a failed run's error after run.failed
+                stream.finished = True
+                await out.send(sse_frame(_dumps({"error": type(exc).__name__}), event="error"))
+
+
+async def _write(send: Send, frames: Any, stream: _Stream, run_id: str) -> None:
+    """The writer: every frame that is ready goes out in one body message; a ping when quiet."""
+    ended = False
+    while not ended:
+        batch: list[bytes] = []
+        with anyio.move_on_after(PING_INTERVAL):
+            try:
+                batch.append(await frames.receive())
+            except anyio.EndOfStream:
+                break
+        if not batch:
+            await _send(send, _PING, stream)
+            continue
+        while True:
+            try:
+                batch.append(frames.receive_nowait())
+            except anyio.WouldBlock:
+                break
+            except anyio.EndOfStream:
+                ended = True
+                break
+        await _send(send, {"type": "http.response.body", "body": b"".join(batch), "more_body": True},
+                    stream)
+    tail = b""
+    if stream.stopping and not stream.finished:  # the client picks the run up later
+        tail = sse_frame(_dumps({"run_id": run_id}), event="server.shutdown")
+    await _send(send, {"type": "http.response.body", "body": tail, "more_body": False}, stream)
+
+
+async def _send(send: Send, message: Message, stream: _Stream) -> None:
+    try:
+        await send(message)
+    except OSError:  # servers that follow ASGI 2.4 raise on a closed connection: a disconnect
+        if stream.scope is not None:
+            stream.scope.cancel()
+        await anyio.lowlevel.checkpoint()
+
+
+# ====================================================================================== serve ====
+
+async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000,
+                shutdown_trigger: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """Serve ``app`` under Hypercorn on the running backend (asyncio or trio) until
+    ``shutdown_trigger`` returns (default: SIGINT or SIGTERM), then end its streams itself.
+
+    Needs the ``serve`` extra. Raises Hypercorn's ``LifespanFailureError`` when the deck does
+    not open, ``OSError`` when the address is taken.
+    """
+    from hypercorn.config import Config
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.backlog = 1024  # bursts of connections, such as 1,000 streams at once (CONVENTIONS A7)
+
+    async def trigger() -> None:
+        if shutdown_trigger is not None:
+            await shutdown_trigger()
+        else:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    break
+        await app.shutdown()
+
+    if sniffio.current_async_library() == "trio":
+        from hypercorn.trio import serve as hypercorn_serve
+    else:
+        from hypercorn.asyncio import serve as hypercorn_serve
+    await hypercorn_serve(app, config, shutdown_trigger=trigger)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kit-serve`` / ``python -m kit_http``: serve the project at ``KIT_PROJECT`` (default
+    ``.kit``) on ``HOST``:``PORT`` (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio
+    or trio). Returns 0 after SIGINT/SIGTERM, 1 when the project cannot be served, 2 on usage."""
+    env = os.environ
+    parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
+                                     "and SSE. The API is unauthenticated.")
+    parser.add_argument("--host", default=env.get("HOST", "0.0.0.0"), help="bind address (HOST)")
+    parser.add_argument("--port", default=env.get("PORT", "8000"), help="bind port (PORT)")
+    parser.add_argument("--worker", default=env.get("KIT_WORKER", "asyncio"),
+                        help="asyncio or trio (KIT_WORKER)")
+    args = parser.parse_args(argv)
+    if args.worker not in ("asyncio", "trio"):
+        parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
+    if not str(args.port).isdigit() or int(args.port) > 65535:
+        parser.error(f"the port must be a number from 0 to 65535, got {args.port!r}")
+    if importlib.util.find_spec("hypercorn") is None:
+        print("kit-serve: Hypercorn is missing: pip install 'kit[serve]'", file=sys.stderr)
+        return 1
+    try:
+        deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"))
+    except kit.KitError as exc:
+        print(f"kit-serve: {exc}", file=sys.stderr)
+        return 1
+    print(f"kit-serve: listening on http://{args.host}:{args.port} ({args.worker} worker). The API "
+          "is unauthenticated: anyone who can reach this address can start, read, answer and "
+          "cancel runs.", file=sys.stderr, flush=True)
+    try:
+        anyio.run(lambda: serve(App(deck), host=args.host, port=int(args.port)), backend=args.worker)
+    except Exception as exc:  # the deck did not open, or the address is taken
+        print(f"kit-serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

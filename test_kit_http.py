@@ -1,0 +1,620 @@
+"""Tests of the HTTP surface (kit_http): a real Hypercorn on a loopback port with both workers,
+httpx and httpx-sse as the client, the bytes on the wire; the ASGI app driven directly for the
+lifespan and disconnects; ``kit-serve`` in a subprocess (asyncio and trio)."""
+from __future__ import annotations
+
+import json
+import operator
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Annotated, TypedDict
+
+import anyio
+import httpx
+import pytest
+from httpx_sse import aconnect_sse
+from langgraph.graph import END, START, StateGraph
+
+import kit
+import kit_http
+from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
+from kit_http import App, sse_frame
+
+pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
+JSON = {"content-type": "application/json"}
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-store",
+               "x-accel-buffering": "no"}
+
+
+@pytest.fixture(autouse=True)
+def memory_store(monkeypatch):
+    monkeypatch.setenv("KIT_STORE", "memory")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@asynccontextmanager
+async def served(deck: Deck, *, native: bool = False):
+    """A real Hypercorn (the worker of the test's backend) serving ``App(deck)`` on loopback."""
+    app, port, stop = App(deck, native=native), free_port(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(kit_http.serve, app, host="127.0.0.1", port=port,
+                              shutdown_trigger=stop.wait))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                with anyio.fail_after(10):
+                    while True:
+                        try:
+                            if (await client.get("/health")).status_code == 200:
+                                break
+                        except httpx.TransportError:
+                            pass
+                        await anyio.sleep(0.02)
+                yield client, app
+        finally:
+            stop.set()
+
+
+class Gate:
+    """A tool that blocks until released; tools run on the engine side (a thread under trio)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def tool(self):
+        def wait(step: int) -> str:
+            """Wait for the gate."""
+            self.entered.set()
+            self.release.wait(10)
+            return f"step {step} done"
+        return wait
+
+    async def until_entered(self) -> None:
+        assert await anyio.to_thread.run_sync(self.entered.wait, 10)
+
+
+class State(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+
+
+async def plan(state: State) -> dict:
+    return {"log": ["plan"]}
+
+
+async def ask(state: State) -> dict:
+    answer = kit.interrupt({"question": "ship it?"})
+    return {"log": [f"answer={answer}"]}
+
+
+def graph(*nodes) -> StateGraph:
+    g = StateGraph(State)
+    previous = START
+    for fn in nodes:
+        g.add_node(fn.__name__, fn)
+        g.add_edge(previous, fn.__name__)
+        previous = fn.__name__
+    g.add_edge(previous, END)
+    return g
+
+
+def echo() -> Agent:
+    return Agent("echo", "Be brief.", model=ScriptedModel(["hello there world"], cycle=True))
+
+
+def catalog(*extra: Agent) -> Deck:
+    return Deck([echo(), *extra], [Workflow("plain", graph(plan)), Workflow("approve", graph(plan, ask))])
+
+
+async def wire(client: httpx.AsyncClient, method: str, url: str, **kw) -> tuple[httpx.Response, bytes]:
+    async with client.stream(method, url, **kw) as response:
+        body = b"".join([chunk async for chunk in response.aiter_raw()])
+    return response, body
+
+
+async def first_frame_then_drop(client: httpx.AsyncClient, path: str, body: dict) -> tuple[str, bytes]:
+    """POST over a raw socket, read up to the first SSE frame, then hang up (a lost client)."""
+    data = json.dumps(body).encode()
+    async with await anyio.connect_tcp("127.0.0.1", client.base_url.port) as conn:
+        await conn.send(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+        reply = b""
+        with anyio.fail_after(5):
+            while b"\n\n" not in reply.partition(b"\r\n\r\n")[2]:
+                reply += await conn.receive()
+    head, _, rest = reply.partition(b"\r\n\r\n")
+    run_id = re.search(rb"x-kit-run-id: (\w+)", head).group(1).decode()
+    frame = rest.partition(b"\r\n")[2]  # after the chunk size line
+    return run_id, frame[:frame.index(b"\n\n") + 2]
+
+
+# ----------------------------------------------------------------------------- framing ----
+
+def test_sse_frame_byte_for_byte():
+    assert sse_frame('{"delta":"hi"}') == b'data: {"delta":"hi"}\n\n'
+    assert sse_frame("{}", event="done", id="7") == b"id: 7\nevent: done\ndata: {}\n\n"
+    assert sse_frame('"x"', id="") == b'id: \ndata: "x"\n\n'
+    assert sse_frame('{"t":"\u00e9\u2028"}', event="e") == 'event: e\ndata: {"t":"\u00e9\u2028"}\n\n'.encode()
+    for bad in ("a\nb", "a\rb", "a\0b"):
+        with pytest.raises(ValueError, match="CR, LF or NUL"):
+            sse_frame("{}", event=bad)
+        with pytest.raises(ValueError, match="CR, LF or NUL"):
+            sse_frame("{}", id=bad)
+    with pytest.raises(ValueError, match="single line"):
+        sse_frame("{}\ndata: forged")
+
+
+def test_public_surface_is_declared_and_hypercorn_is_not_imported():
+    defined = {n for n, v in vars(kit_http).items() if not n.startswith("_")
+               and getattr(v, "__module__", None) == "kit_http"}
+    constants = {n for n in vars(kit_http) if n.isupper() and not n.startswith("_")}
+    assert set(kit_http.__all__) == defined | constants
+    out = subprocess.run([sys.executable, "-c", "import kit, sys; deck = kit.Deck(); app = deck.asgi(); "
+                          "import kit_http; assert isinstance(app, kit_http.App) and app.deck is deck; "
+                          "print('hypercorn' in sys.modules)"], cwd=HERE, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# ------------------------------------------------------------------------ agents, JSON ----
+
+async def test_health_chat_and_sessions_over_json():
+    async with served(catalog()) as (client, app):
+        health = await client.get("/health")
+        assert health.json() == {"status": "ok", "agents": ["echo"], "workflows": ["approve", "plain"],
+                                 "skills": []}
+        r = await client.post("/agents/echo/chat", json={"message": "hi"})
+        assert (r.status_code, r.json()) == (200, {"output": "hello there world"})
+        assert r.headers["content-type"] == "application/json"
+        run_id = r.headers["x-kit-run-id"]
+        assert await app.deck.status(run_id) is RunStatus.COMPLETED
+        r = await client.post("/agents/echo/chat", json={"session_id": "s1", "message": "again"})
+        assert r.json() == {"output": "hello there world"}
+        info = await app.deck._runtime.store.run_info(r.headers["x-kit-run-id"])
+        assert (info.session_id, info.namespace) == ("s1", None)
+
+
+async def test_unknown_names_routes_and_methods():
+    async with served(catalog()) as (client, _):
+        r = await client.post("/agents/nobody/chat", json={"message": "hi"})
+        assert (r.status_code, r.json()["error"]) == (404, "UnknownNameError")
+        r = await client.post("/agents/plain/chat", json={"message": "hi"})  # a workflow's name
+        assert r.status_code == 404
+        r = await client.post("/workflows/nobody", json={"input": {}})
+        assert (r.status_code, r.json()["error"]) == (404, "UnknownNameError")
+        r = await client.get("/nowhere")
+        assert (r.status_code, r.json()["error"]) == (404, "RouteNotFoundError")
+        r = await client.get("/agents/echo/chat")
+        assert (r.status_code, r.json()["error"], r.headers["allow"]) == (405, "MethodNotAllowedError", "POST")
+        r = await client.post("/v2/invocables/echo/chat", json={"input": "hi"})
+        assert r.status_code == 404  # the native surface is not mounted by default
+        r = await client.post("/runs/nope/pause", json={})
+        assert (r.status_code, r.json()["error"]) == (404, "UnknownRunError")
+        assert (await client.post("/runs/nope/resume")).status_code == 404
+        assert (await client.get("/runs/nope/events")).status_code == 404
+
+
+@pytest.mark.parametrize("body, headers, status, error", [
+    (b'{"message": "\xff\xfe"}', JSON, 400, "MalformedRequestError"),  # invalid UTF-8
+    (b"[" * 100_000, JSON, 400, "MalformedRequestError"),  # RecursionError in the parser
+    (b'{"message": ' + b"1" * 5000 + b"}", JSON, 400, "MalformedRequestError"),  # >4300 digits
+    (b'{"a":' * 100 + b"1" + b"}" * 100, JSON, 400, "MalformedRequestError"),  # over MAX_JSON_DEPTH
+    (b'{"message": NaN}', JSON, 400, "MalformedRequestError"),
+    (b'["hi"]', JSON, 400, "MalformedRequestError"),  # not an object
+    (b'{"message": 42}', JSON, 400, "MalformedRequestError"),
+    (b"{}", JSON, 400, "MalformedRequestError"),  # no message
+    (b'{"message": "hi"}', {"content-type": "text/plain"}, 415, "UnsupportedMediaTypeError"),
+    (b'{"message": "hi"}', {}, 415, "UnsupportedMediaTypeError"),
+])
+async def test_hostile_bodies_are_4xx_never_500(body, headers, status, error):
+    async with served(catalog()) as (client, _):
+        r = await client.post("/agents/echo/chat", content=body, headers=headers)
+        assert (r.status_code, r.json()["error"]) == (status, error)
+        assert set(r.json()) == {"error", "message"}
+        assert (await client.post("/agents/echo/chat", json={"message": "hi"})).status_code == 200
+
+
+async def test_a_body_over_the_cap_is_413_before_it_is_read():
+    async with served(catalog()) as (client, _):
+        port = client.base_url.port
+        async with await anyio.connect_tcp("127.0.0.1", port) as conn:  # httpx would send it all
+            await conn.send(b"POST /agents/echo/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                            b"\r\ncontent-length: %d\r\n\r\n{" % (kit_http.MAX_BODY_BYTES + 1))
+            reply = b""
+            with anyio.fail_after(5):
+                while b'"}' not in reply:
+                    reply += await conn.receive()
+        assert reply.startswith(b"HTTP/1.1 413 ") and b'{"error":"BodyTooLargeError"' in reply
+        assert (await client.post("/agents/echo/chat", json={"message": "hi"})).status_code == 200
+
+
+async def test_a_failed_run_is_a_500_with_its_type_and_run_id():
+    broken = Agent("broken", model=ScriptedModel([RuntimeError("secret-token-123")], cycle=True))
+    async with served(catalog(broken)) as (client, app):
+        r = await client.post("/agents/broken/chat", json={"message": "hi"})
+        assert r.status_code == 500 and r.json()["error"] == "RuntimeError"
+        assert "secret-token-123" not in r.text
+        assert await app.deck.status(r.headers["x-kit-run-id"]) is RunStatus.FAILED
+        r, body = await wire(client, "POST", "/agents/broken/chat?stream=true", json={"message": "hi"})
+        assert body == b'id: 1\nevent: error\ndata: {"error":"RuntimeError"}\n\n'
+
+
+async def test_an_unexpected_error_is_a_generic_500_logged_without_its_message(monkeypatch, capfd):
+    async with served(catalog()) as (client, app):
+        secret = "-".join(("sk", "live", "123"))  # not in the source: the log shows source lines
+
+        async def broken():
+            raise ZeroDivisionError(f"the api key is {secret}")
+        monkeypatch.setattr(app.deck, "pending", broken)
+        r = await client.get("/workflows/pending")
+        assert r.status_code == 500
+        assert r.json() == {"error": "ZeroDivisionError",
+                            "message": "internal error; the server log has the details"}
+        assert (await client.get("/health")).status_code == 200
+    err = capfd.readouterr().err
+    assert "GET /workflows/pending failed with ZeroDivisionError" in err and "sk-live-123" not in err
+
+
+async def test_a_busy_session_is_409():
+    gate = Gate()
+    worker = Agent("worker", tools=[gate.tool()],
+                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
+    async with served(catalog(worker)) as (client, _):
+        async with anyio.create_task_group() as tg:
+            first: list[httpx.Response] = []
+
+            async def hold() -> None:
+                first.append(await client.post("/agents/worker/chat", json={"session_id": "s", "message": "go"}))
+            tg.start_soon(hold)
+            await gate.until_entered()
+            r = await client.post("/agents/worker/chat", json={"session_id": "s", "message": "too"})
+            assert (r.status_code, r.json()["error"]) == (409, "SessionBusyError")
+            assert "x-kit-run-id" not in r.headers  # a refused start writes nothing
+            r = await client.post("/agents/worker/chat?stream=true", json={"session_id": "s", "message": "too"})
+            assert (r.status_code, r.json()["error"]) == (409, "SessionBusyError")
+            gate.release.set()
+        assert first[0].json() == {"output": "done"}
+
+
+# -------------------------------------------------------------------------- agents, SSE ----
+
+async def test_agent_stream_bytes_on_the_wire():
+    async with served(catalog()) as (client, app):
+        r, body = await wire(client, "POST", "/agents/echo/chat", params={"stream": "true"},
+                             json={"message": "hi"})
+        assert r.status_code == 200
+        assert {k: r.headers[k] for k in SSE_HEADERS} == SSE_HEADERS
+        assert body == (b'id: 1\ndata: {"delta":"hello"}\n\n'
+                        b'id: 2\ndata: {"delta":" there"}\n\n'
+                        b'id: 3\ndata: {"delta":" world"}\n\n'
+                        b'id: 6\nevent: done\ndata: {"output":"hello there world",'
+                        b'"usage":{"input_tokens":3,"output_tokens":3,"usd":null}}\n\n')
+        assert await app.deck.status(r.headers["x-kit-run-id"]) is RunStatus.COMPLETED
+
+
+async def test_reconnect_with_last_event_id_replays_the_rest_then_204(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{tmp_path / 'kit.db'}")
+    async with served(catalog()) as (client, _):
+        run_id, first = await first_frame_then_drop(client, "/agents/echo/chat?stream=true", {"message": "hi"})
+        assert first == b'id: 1\ndata: {"delta":"hello"}\n\n'
+        async with aconnect_sse(client, "GET", f"/runs/{run_id}/events",
+                                headers={"Last-Event-ID": "1"}) as es:
+            assert es.response.headers["x-kit-run-id"] == run_id
+            got = [(s.id, s.event, json.loads(s.data)) async for s in es.aiter_sse()]
+        assert [i for i, _, _ in got] == ["2", "3", "4", "5", "6"]
+        assert [e for _, e, _ in got] == ["text.delta", "text.delta", "message.completed",
+                                         "model.completed", "run.completed"]
+        assert got[0][2]["payload"] == {"text": " there"} and got[-1][2]["seq"] == 6
+        r, body = await wire(client, "GET", f"/runs/{run_id}/events?after=4")
+        assert body.startswith(b"id: 5\nevent: model.completed\ndata: {")
+        assert body.count(b"\n\n") == 2
+        r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": "6"})
+        assert (r.status_code, r.content) == (204, b"")
+        r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": "x"})
+        assert r.status_code == 400
+
+
+async def test_a_client_disconnect_ends_the_stream_never_the_run():
+    gate = Gate()
+    worker = Agent("worker", tools=[gate.tool()],
+                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "finished"]))
+    async with served(catalog(worker)) as (client, app):
+        async with client.stream("POST", "/agents/worker/chat?stream=true", json={"message": "go"}) as r:
+            run_id = r.headers["x-kit-run-id"]
+            await gate.until_entered()
+        with anyio.fail_after(5):  # the watcher saw the disconnect and ended the stream
+            while app._streams:
+                await anyio.sleep(0.01)
+        gate.release.set()
+        async with aconnect_sse(client, "GET", f"/runs/{run_id}/events") as es:
+            kinds = [s.event async for s in es.aiter_sse()]
+        assert kinds[0] == "run.started" and kinds[-1] == "run.completed"
+        assert "run.cancelled" not in kinds
+
+
+# --------------------------------------------------------------------------- workflows ----
+
+async def test_workflow_json_interrupt_pending_resume_and_stale_resume():
+    async with served(catalog()) as (client, _):
+        r = await client.post("/workflows/plain", json={"input": {"log": []}})
+        run_id = r.headers["x-kit-run-id"]
+        assert r.json() == {"output": {"log": ["plan"]}, "thread_id": run_id, "run_id": run_id}
+        r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})
+        run_id = r.headers["x-kit-run-id"]
+        assert r.json() == {"type": "interrupt", "payload": {"question": "ship it?"},
+                            "thread_id": "t1", "run_id": run_id}
+        r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})
+        assert r.status_code == 409  # a waiting thread keeps its claim
+        r = await client.get("/workflows/pending")
+        assert r.json() == {"pending": [{"run_id": run_id, "workflow": "approve", "thread_id": "t1",
+                                         "payload": {"question": "ship it?"}}]}
+        r = await client.post("/workflows/approve/t1/resume", json={"value": "yes"})
+        assert r.json() == {"output": {"log": ["plan", "answer=yes"]}, "thread_id": "t1", "run_id": run_id}
+        assert r.headers["x-kit-run-id"] == run_id
+        r = await client.post("/workflows/approve/t1/resume", json={"value": "again"})
+        assert (r.status_code, r.json()["error"]) == (404, "ThreadNotWaitingError")
+        assert (await client.get("/workflows/pending")).json() == {"pending": []}
+
+
+async def test_workflow_stream_bytes_on_the_wire():
+    async with served(catalog()) as (client, _):
+        r, body = await wire(client, "POST", "/workflows/approve?stream=true",
+                             json={"input": {}, "thread_id": "t2"})
+        run_id = r.headers["x-kit-run-id"]
+        assert {k: r.headers[k] for k in SSE_HEADERS} == SSE_HEADERS
+        assert body == (b'id: 1\ndata: {"node":"plan","update":{"log":["plan"]}}\n\n'
+                        b'id: 2\nevent: interrupt\ndata: {"type":"interrupt","payload":'
+                        b'{"question":"ship it?"},"thread_id":"t2","run_id":"' + run_id.encode()
+                        + b'"}\n\n')
+        r, body = await wire(client, "POST", "/workflows/plain?stream=true", json={"input": {}})
+        assert body == (b'id: 1\ndata: {"node":"plan","update":{"log":["plan"]}}\n\n'
+                        b'id: 2\nevent: done\ndata: {"output":{"log":["plan"]}}\n\n')
+
+
+# ------------------------------------------------------------------------- run control ----
+
+async def test_pause_resume_and_cancel_routes():
+    gate = Gate()
+    worker = Agent("worker", tools=[gate.tool()], model=ScriptedModel(
+        [{"tool": "wait", "args": {"step": 1}}, "done", {"tool": "wait", "args": {"step": 2}}, "x"]))
+    async with served(catalog(worker)) as (client, app):
+        async with anyio.create_task_group() as tg:
+            first: list[httpx.Response] = []
+
+            async def play() -> None:
+                first.append(await client.post("/agents/worker/chat", json={"session_id": "s", "message": "go"}))
+            tg.start_soon(play)
+            await gate.until_entered()
+            [info] = await app.deck._runtime.store.runs(status=RunStatus.RUNNING)
+            r = await client.post(f"/runs/{info.run_id}/pause", json={"reason": "lunch"})
+            assert (r.status_code, r.json()) == (202, {"run_id": info.run_id, "requested": "pause"})
+            gate.release.set()
+        assert (first[0].status_code, first[0].json()["error"]) == (409, "RunStoppedError")
+        assert first[0].headers["x-kit-run-id"] == info.run_id
+        r = await client.post(f"/runs/{info.run_id}/resume")
+        assert r.status_code == 200 and r.json()["run_id"] == info.run_id
+        assert [e["kind"] for e in r.json()["events"]][-1] == "run.completed"
+        r = await client.post(f"/runs/{info.run_id}/resume", json={})
+        assert (r.status_code, r.json()["error"]) == (409, "NotResumableError")
+        r = await client.post("/agents/worker/chat", json={"session_id": "s2", "message": "go"})
+        assert r.status_code == 200
+        r = await client.post(f"/runs/{r.headers['x-kit-run-id']}/cancel")
+        assert r.status_code == 202 and r.json()["requested"] == "cancel"
+
+
+# ------------------------------------------------------------------------------ native ----
+
+async def test_native_routes_stream_raw_envelopes():
+    async with served(catalog(), native=True) as (client, _):
+        async with aconnect_sse(client, "POST", "/v2/invocables/echo/chat", json={"input": "hi"}) as es:
+            got = [(s.id, s.event, json.loads(s.data)) async for s in es.aiter_sse()]
+        assert [e for _, e, _ in got] == ["run.started", "text.delta", "text.delta", "text.delta",
+                                         "message.completed", "model.completed", "run.completed"]
+        assert all(i == str(d["seq"]) and e == d["kind"] for i, e, d in got)
+        r, body = await wire(client, "POST", "/v2/invocables/plain/chat", json={"input": {}})
+        assert body.count(b"\nevent: ") == 3 and body.endswith(b"}\n\n")
+
+
+# ------------------------------------------------------------------------------ shutdown ----
+
+async def test_shutdown_ends_open_streams_itself():
+    async with served(catalog()) as (client, app):
+        r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t3"})
+        run_id = r.headers["x-kit-run-id"]
+        # After its parking event a stream waits for the run to go on: it never ends by itself.
+        async with aconnect_sse(client, "GET", f"/runs/{run_id}/events",
+                                headers={"Last-Event-ID": "2"}) as es:
+            with anyio.fail_after(5):
+                while not app._streams:
+                    await anyio.sleep(0.01)
+                await app.shutdown()
+                got = [(s.event, s.data) async for s in es.aiter_sse()]
+        assert got == [("server.shutdown", json.dumps({"run_id": run_id}, separators=(",", ":")))]
+        r = await client.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "stopping"})
+
+
+async def test_shutdown_answers_in_flight_requests_503_after_the_grace(monkeypatch):
+    monkeypatch.setattr(kit_http, "STOP_GRACE", 0.1)
+    gate = Gate()
+    worker = Agent("worker", tools=[gate.tool()],
+                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
+    async with served(catalog(worker)) as (client, app):
+        async with anyio.create_task_group() as tg:
+            got: list[httpx.Response] = []
+
+            async def play() -> None:
+                got.append(await client.post("/agents/worker/chat", json={"message": "go"}))
+            tg.start_soon(play)
+            await gate.until_entered()
+            with anyio.fail_after(5):
+                await app.shutdown()  # waits STOP_GRACE, cancels, waits STOP_GRACE
+            gate.release.set()  # a tool in a worker thread finishes before its run can stop
+        assert (got[0].status_code, got[0].json()["error"]) == (503, "ServerStoppingError")
+
+
+# -------------------------------------------------------------------- ASGI, no server ----
+
+class Scripted:
+    """Scripted ASGI receive/send: hands out messages and records what the app sends."""
+
+    def __init__(self, *messages) -> None:
+        self.inbox, self.sent = list(messages), []
+        self.more = anyio.Event()
+
+    async def receive(self):
+        while not self.inbox:
+            await self.more.wait()
+            self.more = anyio.Event()
+        return self.inbox.pop(0)
+
+    def push(self, message) -> None:
+        self.inbox.append(message)
+        self.more.set()
+
+    async def send(self, message) -> None:
+        self.sent.append(message)
+
+
+def http_scope(method: str, path: str, headers=(), root_path: str = "") -> dict:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+            "path": path, "root_path": root_path, "query_string": b"", "headers": list(headers)}
+
+
+class BrokenObserver:
+    def emit(self, event) -> None:
+        pass
+
+    def start(self) -> None:
+        raise RuntimeError("tracing backend unreachable")
+
+
+async def test_lifespan_opens_and_closes_the_deck_in_its_own_task():
+    deck = catalog()
+    app = App(deck)
+    early = Scripted({"type": "http.request", "body": b""})
+    await app(http_scope("GET", "/health"), early.receive, early.send)
+    assert early.sent[0]["status"] == 503 and json.loads(early.sent[1]["body"]) == {"status": "starting"}
+    life = Scripted({"type": "lifespan.startup"})
+    state: dict = {}
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app, {"type": "lifespan", "asgi": {"version": "3.0"}, "state": state},
+                          life.receive, life.send)
+            while not life.sent:
+                await anyio.sleep(0.01)
+            assert life.sent == [{"type": "lifespan.startup.complete"}] and state["kit.deck"] is deck
+            mounted = Scripted({"type": "http.request", "body": b""})
+            await app(http_scope("GET", "/kit/health", root_path="/kit"), mounted.receive, mounted.send)
+            assert mounted.sent[0]["status"] == 200
+            life.push({"type": "lifespan.shutdown"})
+    assert life.sent[-1] == {"type": "lifespan.shutdown.complete"}
+    assert deck._state == "CLOSED"
+
+
+async def test_lifespan_startup_failure_is_reported_and_frees_the_deck():
+    app = App(Deck([echo()], observers=[BrokenObserver()]))
+    life = Scripted({"type": "lifespan.startup"})
+    with anyio.fail_after(10):
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}}, life.receive, life.send)
+    [failed] = life.sent
+    assert failed["type"] == "lifespan.startup.failed" and "tracing backend unreachable" in failed["message"]
+    Deck([echo()]).build()  # the failed deck does not hold the one live-deck slot
+
+
+async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_streamed_body_is_counted(monkeypatch):
+    monkeypatch.setattr(kit_http, "PING_INTERVAL", 0.05)
+    deck = catalog()
+    app = App(deck)
+    life = Scripted({"type": "lifespan.startup"})
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app, {"type": "lifespan", "asgi": {"version": "3.0"}}, life.receive, life.send)
+            while not life.sent:
+                await anyio.sleep(0.01)
+            parked = await deck.run("approve", {}, session_id="t9", run_id="run-t9")
+            assert isinstance(parked, kit.InterruptResult)
+            client = Scripted({"type": "http.request", "body": b""})
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(app, http_scope("GET", "/runs/run-t9/events",
+                                                 [(b"last-event-id", b"2")]), client.receive, client.send)
+                while len(client.sent) < 2:
+                    await anyio.sleep(0.01)
+                assert client.sent[0]["status"] == 200
+                assert client.sent[1] == {"type": "http.response.body", "body": b": ping\n\n",
+                                          "more_body": True}
+                client.push({"type": "http.disconnect"})  # the app must return by itself
+            assert not app._streams and await deck.status("run-t9") is RunStatus.WAITING_HUMAN
+            chunk = b" " * (kit_http.MAX_BODY_BYTES // 4)
+            big = Scripted(*[{"type": "http.request", "body": chunk, "more_body": True}] * 5)
+            await app(http_scope("POST", "/agents/echo/chat", [(b"content-type", b"application/json")]),
+                      big.receive, big.send)
+            assert big.sent[0]["status"] == 413 and len(big.inbox) == 0
+            life.push({"type": "lifespan.shutdown"})
+
+
+# ----------------------------------------------------------------------------- kit-serve ----
+
+AGENT_BUNDLE = '''
+import asyncio
+import kit
+
+async def slow(seconds: int) -> str:
+    """Sleep."""
+    await asyncio.sleep(seconds)
+    return "slept"
+
+agent = kit.Agent("sleepy", tools=[slow],
+                  model=kit.ScriptedModel([{"tool": "slow", "args": {"seconds": 60}}, "done"], cycle=True))
+'''
+
+
+@pytest.mark.parametrize("worker", ["asyncio", "trio"])
+def test_kit_serve_serves_the_project_and_stops_its_streams_on_sigterm(tmp_path, worker):
+    if not hasattr(kit.Deck, "from_project"):
+        pytest.skip("kit.Deck.from_project is not there yet")
+    bundle = tmp_path / "proj" / "agents" / "sleepy" / "agent.py"
+    bundle.parent.mkdir(parents=True)
+    bundle.write_text(AGENT_BUNDLE)
+    port = free_port()
+    env = dict(os.environ, KIT_PROJECT=str(tmp_path / "proj"), KIT_STORE="memory", PORT=str(port),
+               HOST="127.0.0.1", KIT_WORKER=worker)
+    proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).json()["agents"] == ["sleepy"]:
+                    break
+            except (httpx.TransportError, ValueError, KeyError):
+                time.sleep(0.1)
+        with httpx.stream("POST", f"{base}/agents/sleepy/chat?stream=true", json={"message": "hi"},
+                          timeout=10) as r:
+            assert r.status_code == 200 and r.headers["x-kit-run-id"]
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            body = r.read()
+        assert body == b'event: server.shutdown\ndata: {"run_id":"%s"}\n\n' % r.headers["x-kit-run-id"].encode()
+        assert proc.wait(timeout=20) == 0 and time.monotonic() - started < 15
+        stderr = proc.stderr.read()
+        assert f"http://127.0.0.1:{port}" in stderr and "unauthenticated" in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
