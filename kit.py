@@ -1,11 +1,13 @@
 """kit: the public surface of the runtime (the names users type).
 
 Owns: the errors, the content blocks, the event envelope and its payload types, the results, the
-ports (``EventSinkPort``, ``EventStorePort``), the catalog objects (``Agent``), ``ScriptedModel`` and
-``Deck``, the composition root.
+ports (``EventSinkPort``, ``EventStorePort``), the catalog objects (``Agent``, ``Workflow``,
+``Skills``, ``MCP``), ``ScriptedModel`` and ``Deck``, the composition root.
 
 Must never: do I/O at import, start tasks, open sockets or files, or read the environment at import.
 It imports no sibling module at module level; ``Deck`` reaches ``kit_runtime`` only when it builds.
+``Skills`` and ``MCP`` read their files when constructed (never at import); MCP servers start
+only when a deck opens.
 
 Theory of operation: a ``Deck`` holds a catalog. ``build()`` checks every name and compiles each
 agent into an ``InvocableSpec``; ``async with deck`` opens a ``kit_runtime.Runtime`` over one event
@@ -53,8 +55,8 @@ __all__ = (
     # ports
     "EventSinkPort", "EventStorePort", "Claim", "ControlRequest",
     # catalog
-    "Agent", "Workflow", "interrupt", "sleep_until", "Context", "InvocableSpec", "ScriptedModel",
-    "Deck",
+    "Agent", "Workflow", "Skills", "Skill", "MAX_SKILL_BYTES", "MCP", "MCP_TIMEOUT", "interrupt",
+    "sleep_until", "Context", "InvocableSpec", "ScriptedModel", "Deck",
 )
 
 
@@ -856,6 +858,265 @@ class Workflow:
         return kit_runtime.workflow_tool(self, description, child_runs=False)
 
 
+#: SKILL.md limits of the Agent Skills spec (agentskills.io; notes/CONVENTIONS.md B2).
+_SKILL_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_SKILL_NAME_MAX, _SKILL_DESCRIPTION_MAX, _SKILL_COMPATIBILITY_MAX = 64, 1024, 500
+#: A SKILL.md is read whole and served to a model in one tool result; the spec recommends a body
+#: under 5,000 tokens, so a file this large is a mistake, not a skill.
+MAX_SKILL_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Skill:
+    """One skill of a ``Skills`` catalog: its ``SKILL.md`` front matter and Markdown body.
+
+    Prose for a model to read, served by an agent's ``load_skill`` tool; never executed.
+    """
+    name: str
+    description: str
+    path: Path  # the SKILL.md file
+    body: str = field(repr=False)
+
+
+class Skills(Mapping):
+    """A skill catalog (name -> ``Skill``) read from ``SKILL.md`` files.
+
+    ``paths`` is one path or a sequence of them; each is a skill directory (holding
+    ``SKILL.md``) or a directory of skill directories (``<path>/*/SKILL.md``). Each ``SKILL.md``
+    opens with YAML front matter between ``---`` lines: ``name`` (1-64 characters of lowercase
+    letters, digits and single hyphens, not at either end, equal to the directory's name) and
+    ``description`` (1-1024 characters: what the skill does and when to use it); the Markdown
+    after it is the body ``load_skill`` serves. Files are read here, once.
+
+    Raises ``ConfigError`` naming the file for a missing or malformed front matter, a bad name
+    or description, a file over ``MAX_SKILL_BYTES``, or two skills of the same name; and for a
+    path that is not a directory.
+    """
+
+    def __init__(self, paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = ()) -> None:
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        self._skills: dict[str, Skill] = {}
+        for p in paths:
+            root = Path(p)
+            if (root / "SKILL.md").is_file():
+                files = [root / "SKILL.md"]
+            elif root.is_dir():
+                files = sorted(root.glob("*/SKILL.md"))
+            else:
+                raise ConfigError(f"no skills at {str(root)!r}: expected a skill directory (with "
+                                  "SKILL.md) or a directory of them")
+            for file in files:
+                skill = _read_skill(file)
+                if skill.name in self._skills:
+                    raise ConfigError(f"two skills are named {skill.name!r}: "
+                                      f"{self._skills[skill.name].path} and {file}")
+                self._skills[skill.name] = skill
+
+    def __getitem__(self, name: str) -> Skill:
+        return self._skills[name]
+
+    def __iter__(self) -> typing.Iterator[str]:
+        return iter(self._skills)
+
+    def __len__(self) -> int:
+        return len(self._skills)
+
+    def __repr__(self) -> str:
+        return f"Skills({list(self._skills)})"
+
+
+def _read_skill(file: Path) -> Skill:
+    """Parse and validate one ``SKILL.md`` (safe YAML front matter, then the body)."""
+    import yaml
+    try:
+        if file.stat().st_size > MAX_SKILL_BYTES:
+            raise ConfigError(f"{file} is larger than {MAX_SKILL_BYTES} bytes; keep SKILL.md short "
+                              "and put long material in files it references")
+        text = file.read_text(encoding="utf-8").removeprefix("\ufeff")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file} cannot be read: {exc}") from None
+    lines = text.splitlines(keepends=True)
+    end = next((i for i in range(1, len(lines)) if lines[i].strip() == "---"), None) \
+        if lines and lines[0].strip() == "---" else None
+    if end is None:
+        raise ConfigError(f"{file} must open with YAML front matter between '---' lines "
+                          "(name and description)")
+    try:
+        meta = yaml.safe_load("".join(lines[1:end]))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: the front matter is not valid YAML: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{file}: the front matter must be a mapping with name and description")
+    name, description = meta.get("name"), meta.get("description")
+    if not isinstance(name, str) or not 1 <= len(name) <= _SKILL_NAME_MAX \
+            or not _SKILL_NAME.match(name):
+        raise ConfigError(f"{file}: name must be 1-{_SKILL_NAME_MAX} characters of lowercase "
+                          "letters, digits and single hyphens, not starting or ending with one; "
+                          f"got {name!r}")
+    if name != file.parent.name:
+        raise ConfigError(f"{file}: name {name!r} must equal its directory's name "
+                          f"{file.parent.name!r}")
+    if not isinstance(description, str) or not description.strip() \
+            or len(description) > _SKILL_DESCRIPTION_MAX:
+        raise ConfigError(f"{file}: description is required: 1-{_SKILL_DESCRIPTION_MAX} characters "
+                          "saying what the skill does and when to use it")
+    compatibility = meta.get("compatibility")
+    if compatibility is not None and (not isinstance(compatibility, str)
+                                      or len(compatibility) > _SKILL_COMPATIBILITY_MAX):
+        raise ConfigError(f"{file}: compatibility must be text of at most "
+                          f"{_SKILL_COMPATIBILITY_MAX} characters")
+    metadata = meta.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise ConfigError(f"{file}: metadata must map strings to strings")
+    return Skill(name, description.strip(), file, "".join(lines[end + 1:]).strip())
+
+
+#: The per-request read timeout of an MCP server (seconds) unless its config says ``timeout``.
+#: The SDK's own default, 5 s, fails ordinary slow tools (notes/ENGINES.md 7).
+MCP_TIMEOUT = 30.0
+_MCP_KINDS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
+              "streamableHttp": "http", "sse": "sse"}
+_VAR = re.compile(r"\$\{([^}]*)\}")
+_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class MCP:
+    """External tool servers (MCP): a ``.mcp.json`` file's path, or its content as a mapping.
+
+    The formats of Claude Code and Cursor (top-level ``mcpServers``) and VS Code (``servers``)
+    are read, or a mapping of server name -> config. A server with ``command`` (``args``,
+    ``env``, ``cwd``) is stdio; with ``url`` (``headers``) streamable HTTP; SSE only when
+    ``"type": "sse"``. ``${VAR}``, ``${env:VAR}`` and ``${VAR:-default}`` are expanded from the
+    environment in command, args, env, url and headers, here, once. ``timeout`` (seconds,
+    default ``MCP_TIMEOUT``) bounds each request to the server. A stdio server with ``env``
+    gets the process environment plus those keys; without, the SDK's minimal one (HOME, PATH,
+    ...). An agent's tools from server ``time`` are named ``mcp_time__<tool>``.
+
+    Nothing starts here or at ``build()``: opening the deck connects every server, closing it
+    tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config, an
+    unknown ``type``, a variable that is unset and has no default, or ``${input:...}``.
+    """
+
+    def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        if isinstance(config, (str, os.PathLike)):
+            self.source = str(config)
+            try:
+                data = json.loads(Path(config).read_text(encoding="utf-8"))
+            except OSError as exc:
+                raise ConfigError(f"cannot read MCP config {self.source}: {exc}") from None
+            except ValueError as exc:
+                raise ConfigError(f"MCP config {self.source} is not valid JSON: {exc}") from None
+        elif isinstance(config, Mapping):
+            self.source, data = "MCP(...)", config
+        else:
+            raise ConfigError(f"MCP(...) takes a path to a .mcp.json or a mapping, "
+                              f"got {type(config).__name__}")
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{self.source}: an MCP config is a JSON object")
+        if "mcpServers" in data and "servers" in data:
+            raise ConfigError(f"{self.source} has both 'mcpServers' and 'servers'; keep one")
+        servers = data.get("mcpServers", data.get("servers", data))
+        if not isinstance(servers, Mapping):
+            raise ConfigError(f"{self.source}: the servers must be an object of name -> config")
+        self.servers: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
+            _check_name("MCP server", n): _mcp_server(self.source, n, s)
+            for n, s in servers.items()})
+
+    def __repr__(self) -> str:
+        return f"MCP({list(self.servers)})"
+
+    def _sdk_servers(self) -> dict[str, Any]:
+        """One unconnected SDK server object per configured server (``Deck.build``)."""
+        from agents.mcp import MCPServerSse, MCPServerStdio, MCPServerStreamableHttp
+        out: dict[str, Any] = {}
+        for name, s in self.servers.items():
+            kw = {"name": name, "client_session_timeout_seconds": s["timeout"]}
+            if s["type"] == "stdio":
+                params: dict[str, Any] = {"command": s["command"], "args": list(s["args"])}
+                if s["env"] is not None:  # the child inherits nothing unless given env
+                    params["env"] = {**os.environ, **s["env"]}
+                if s["cwd"] is not None:
+                    params["cwd"] = s["cwd"]
+                out[name] = MCPServerStdio(params=params, **kw)  # type: ignore[arg-type]
+            else:
+                cls = MCPServerSse if s["type"] == "sse" else MCPServerStreamableHttp
+                out[name] = cls(params={"url": s["url"], "headers": dict(s["headers"]),
+                                        "timeout": s["timeout"]}, **kw)  # type: ignore[arg-type]
+        return out
+
+
+def _expand(source: str, value: Any) -> Any:
+    """``${VAR}``, ``${env:VAR}`` and ``${VAR:-default}`` (default when unset or empty)."""
+    if isinstance(value, list):
+        return [_expand(source, v) for v in value]
+    if isinstance(value, dict):
+        return {k: _expand(source, v) for k, v in value.items()}
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match[str]) -> str:
+        expr = m.group(1).removeprefix("env:")
+        if expr.startswith("input:"):
+            raise ConfigError(f"{source}: {m.group(0)} asks for user input, which a server cannot "
+                              "prompt for; use an environment variable")
+        name, has_default, default = expr.partition(":-")
+        if not _VAR_NAME.match(name):
+            raise ConfigError(f"{source}: {m.group(0)} is not a variable reference")
+        found = os.environ.get(name)
+        if has_default:
+            return found or default
+        if found is None:
+            raise ConfigError(f"{source}: environment variable {name} is not set and "
+                              f"{m.group(0)} has no default (write ${{{name}:-default}})")
+        return found
+
+    return _VAR.sub(sub, value)
+
+
+def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
+    where = f"{source}: MCP server {name!r}"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} must be an object")
+    kind = raw.get("type") or ("stdio" if "command" in raw else "http" if "url" in raw else None)
+    if kind is None:
+        raise ConfigError(f"{where} needs a 'command' (stdio) or a 'url' (HTTP)")
+    if kind not in _MCP_KINDS:
+        raise ConfigError(f"{where} has unknown type {kind!r}; expected stdio, http or sse")
+    timeout = raw.get("timeout", MCP_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
+    out: dict[str, Any] = {"type": _MCP_KINDS[kind], "timeout": float(timeout)}
+
+    def strings(key: str, shape: type) -> Any:
+        value = raw.get(key)
+        ok = (isinstance(value, list) and all(isinstance(v, str) for v in value)) if shape is list \
+            else (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in value.items()))
+        if value is not None and not ok:
+            raise ConfigError(f"{where}: {key} must be "
+                              f"{'a list of strings' if shape is list else 'an object of strings'}")
+        return None if value is None else _expand(where, value)
+
+    if out["type"] == "stdio":
+        command = raw.get("command")
+        if not isinstance(command, str) or not command:
+            raise ConfigError(f"{where}: a stdio server needs a 'command' string")
+        cwd = raw.get("cwd")
+        if cwd is not None and not isinstance(cwd, str):
+            raise ConfigError(f"{where}: cwd must be a string")
+        out.update(command=_expand(where, command), args=strings("args", list) or [],
+                   env=strings("env", dict), cwd=cwd)
+    else:
+        url = raw.get("url")
+        url = _expand(where, url) if isinstance(url, str) else url
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}: an {out['type']} server needs an http(s) 'url', got {url!r}")
+        out.update(url=url, headers=strings("headers", dict) or {})
+    return out
+
+
 def interrupt(payload: Any) -> Any:
     """Inside a workflow node: park the run until a human answers; returns the answer.
 
@@ -1020,6 +1281,10 @@ class Deck:
     Lifecycle (SPEC 3.1): NEW -> ``build()`` -> BUILT -> ``async with deck`` -> OPEN ->
     ``aclose()`` -> CLOSED, which is terminal. Only one deck may be live (not CLOSED) per process.
 
+    ``skills`` is a path, a sequence of paths or a ``Skills`` catalog; ``mcp`` a path to a
+    ``.mcp.json``, a mapping or an ``MCP``: the skills and tool servers agents name in
+    ``skills=`` and ``mcp_servers=``. The deck holds the MCP servers: opening it connects every
+    one, closing it tears them down.
     ``context`` declares the type of the per-run context (a type, never an instance).
     ``session_factory(session_id) -> Session`` replaces the conversation-memory sessions;
     ``store`` is an open ``EventStorePort`` (the deck never closes a store passed in); without one
@@ -1027,10 +1292,13 @@ class Deck:
     ``observers``: None (settings decide: the tracing observer when both ``KIT_TRACING_*`` keys
     are set), a sequence (exactly those, in order) or ``()`` (none); see ``kit_observers``.
 
-    Raises ``ConfigError`` when another deck is live or ``context`` is an instance.
+    Raises ``ConfigError`` when another deck is live or ``context`` is an instance, and as
+    ``Skills`` and ``MCP`` do for files or configs they refuse.
     """
 
     def __init__(self, agents: Sequence[Agent] = (), workflows: Sequence[Workflow] = (), *,
+                 skills: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Skills | None = (),
+                 mcp: str | os.PathLike[str] | Mapping[str, Any] | MCP | None = None,
                  context: type | None = None, session_factory: Callable[[str], Any] | None = None,
                  store: EventStorePort | None = None,
                  observers: Sequence[EventSinkPort] | None = None) -> None:
@@ -1052,11 +1320,14 @@ class Deck:
             if not isinstance(w, Workflow):
                 raise ConfigError(f"Deck(workflows=...) takes kit.Workflow objects, got {w!r}")
         self._agents, self._workflows = tuple(agents), tuple(workflows)
+        self._skills = skills if isinstance(skills, Skills) else Skills(skills or ())
+        self._mcp = mcp if isinstance(mcp, MCP) or mcp is None else MCP(mcp)
         self._observers = observers
         self._default_store = "memory"  # from_project: a SQLite file inside the project
         self.context_type = context
         self._session_factory, self._store = session_factory, store
         self._specs: dict[str, InvocableSpec] = {}
+        self._mcp_servers: dict[str, Any] = {}
         self._state = "NEW"
         self._runtime: Any = None
         _live_deck = weakref.ref(self)
@@ -1064,12 +1335,15 @@ class Deck:
     @classmethod
     def from_project(cls, path: str | os.PathLike[str] = ".kit", **kwargs: Any) -> Deck:
         """A deck of the project at ``path``: ``agents/<bundle>/agent.py`` (each defines a
-        module-level ``agent``) and ``workflows/<bundle>/workflow.py`` (``workflow``).
+        module-level ``agent``), ``workflows/<bundle>/workflow.py`` (``workflow``),
+        ``skills/<name>/SKILL.md``, and the MCP servers of ``.mcp.json`` beside the project
+        directory (in its parent), when there is one.
 
         Bundles load from their files, in name order, with no ``sys.path`` change. Without
         ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other keyword
-        arguments go to the constructor. Raises ``ConfigError`` for a missing directory, or
-        naming the file of a bundle that fails to import or lacks its object.
+        arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
+        Raises ``ConfigError`` for a missing directory, naming the file of a bundle that fails
+        to import or lacks its object, and as ``Skills`` and ``MCP`` do.
         """
         root = Path(path)
         if not root.is_dir():
@@ -1078,6 +1352,11 @@ class Deck:
         agents = [_load_bundle(f, "agent", Agent) for f in sorted(root.glob("agents/*/agent.py"))]
         workflows = [_load_bundle(f, "workflow", Workflow)
                      for f in sorted(root.glob("workflows/*/workflow.py"))]
+        if "skills" not in kwargs and (root / "skills").is_dir():
+            kwargs["skills"] = Skills(root / "skills")
+        mcp_json = root.resolve().parent / ".mcp.json"
+        if "mcp" not in kwargs and mcp_json.is_file():
+            kwargs["mcp"] = MCP(mcp_json)
         deck = cls(agents, workflows, **kwargs)
         deck._project = f"project {str(root.resolve())!r}"
         deck._default_store = f"sqlite:///{(root / '.state' / 'kit.db').resolve()}"
@@ -1108,6 +1387,16 @@ class Deck:
         """The workflows by name (read-only)."""
         return types.MappingProxyType({w.name: w for w in self._workflows})
 
+    @property
+    def skills(self) -> Mapping[str, Skill]:
+        """The skills by name (read-only)."""
+        return types.MappingProxyType(dict(self._skills))
+
+    @property
+    def mcp(self) -> MCP | None:
+        """The deck's MCP servers (``MCP.servers`` maps name -> config), or None."""
+        return self._mcp
+
     # -------------------------------------------------------------------------- lifecycle --
     def build(self) -> Deck:
         """Check every name and compile the catalog; reads local files only, starts nothing.
@@ -1133,7 +1422,9 @@ class Deck:
                                   "names must be unique across agents and workflows")
             names[name] = kind
         workflows = {w.name: w for w in self._workflows}
-        catalogs: dict[str, Mapping[str, Any]] = {"skill": {}, "MCP server": {}, "workflow": workflows}
+        servers = self._mcp.servers if self._mcp is not None else {}
+        catalogs: dict[str, Mapping[str, Any]] = {"skill": self._skills, "MCP server": servers,
+                                                  "workflow": workflows}
         for a in self._agents:
             for what, wanted in (("skill", a.skills), ("MCP server", a.mcp_servers),
                                  ("workflow", a.workflows)):
@@ -1142,9 +1433,12 @@ class Deck:
                         known = ", ".join(catalogs[what]) or "none"
                         raise ConfigError(f"agent {a.name!r} names unknown {what} {n!r} "
                                           f"(the deck has: {known})")
+        # The SDK's server objects are made here, unconnected: opening the deck connects them.
+        self._mcp_servers = self._mcp._sdk_servers() if self._mcp is not None else {}
         self._specs = {w.name: kit_runtime.compile_workflow(w) for w in self._workflows}
-        self._specs.update({a.name: kit_runtime.compile_agent(a, [self._specs[n] for n in a.workflows])
-                            for a in self._agents})
+        self._specs.update({a.name: kit_runtime.compile_agent(
+            a, [self._specs[n] for n in a.workflows], skills=[self._skills[n] for n in a.skills],
+            mcp_servers=[self._mcp_servers[n] for n in a.mcp_servers]) for a in self._agents})
         if self.context_type is not None:
             kit_runtime.check_context(list(self._specs.values()), self.context_type)
         self._state = "BUILT"
@@ -1157,7 +1451,8 @@ class Deck:
         import kit_runtime
         runtime = kit_runtime.Runtime(self._specs, store=self._store,
                                       session_factory=self._session_factory,
-                                      observers=self._observers, default_store=self._default_store)
+                                      observers=self._observers, default_store=self._default_store,
+                                      mcp_servers=list(self._mcp_servers.values()))
         await runtime.open()
         self._runtime, self._state = runtime, "OPEN"
         return self
@@ -1166,7 +1461,8 @@ class Deck:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the deck for good: stop the Runtime, close the store it built. Idempotent."""
+        """Close the deck for good: stop the Runtime, tear down its MCP servers (no child process
+        is left), close the store it built. Idempotent."""
         global _live_deck
         if self._state == "OPEN":
             self._state = "CLOSED"

@@ -41,7 +41,7 @@ import re
 import signal
 import sys
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -405,8 +405,7 @@ class App:
                                     "message": f"{type(exc).__name__}: {exc}"})
                         return
                     self._agents, self._workflows = frozenset(self.deck.agents), frozenset(self.deck.workflows)
-                    skills = getattr(self.deck, "skills", None)
-                    self._skills = sorted(skills) if isinstance(skills, Mapping) else []
+                    self._skills = sorted(self.deck.skills)
                     if isinstance(scope.get("state"), dict):
                         scope["state"]["kit.deck"] = self.deck
                     self._open = True

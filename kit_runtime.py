@@ -2,7 +2,8 @@
 
 Owns: playing runs (sequencing their events, group-committing them to the event store, handing
 them live to streams), session claims (through the store), conversation-memory sessions, the two
-engine adapters (openai-agents for agents, LangGraph for workflows, with their checkpointers,
+engine adapters (openai-agents for agents, with their skills' ``load_skill`` tool and their MCP
+servers, connected while the deck is open; LangGraph for workflows, with their checkpointers,
 interrupts, answers and timed wake-ups) and the asyncio engine thread that lets the engines run
 under trio.
 
@@ -33,6 +34,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import hashlib
 import inspect
 import json
 import os
@@ -677,16 +679,67 @@ def _compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
                             strict_json_schema=schema.strict_json_schema)
 
 
-def _instructions(agent: kit.Agent) -> Any:
+def _instructions(agent: kit.Agent, suffix: str = "") -> Any:
+    """The agent's instructions for the SDK; ``suffix`` (the skill catalog) follows them,
+    whether they are text or a callable."""
     fn = agent.instructions
     if fn is None or isinstance(fn, str):
-        return fn
+        return f"{fn or ''}{suffix}".lstrip() if suffix else fn
 
     async def instructions(wrapper: Any, sdk_agent: Any) -> str:
         out = fn(Context(_data(wrapper)), sdk_agent)
-        return await out if inspect.isawaitable(out) else out
+        out = await out if inspect.isawaitable(out) else out
+        return f"{out or ''}{suffix}" if suffix else out
 
     return instructions
+
+
+# ---------------------------------------------------------------------------- skills ----
+
+def _skill_catalog(skills: Sequence[kit.Skill]) -> str:
+    """Tier 1 of the Agent Skills progressive disclosure: each skill's name and description."""
+    if not skills:
+        return ""
+    lines = ["", "", "## Skills",
+             "A skill holds instructions for one kind of task. When a task matches a skill's "
+             "description, call load_skill with its name first and follow what it says.", ""]
+    lines += [f"- {s.name}: {' '.join(s.description.split())}" for s in skills]
+    return "\n".join(lines)
+
+
+def _skill_tool(agent: str, skills: Sequence[kit.Skill]) -> sdk.FunctionTool:
+    """The generated ``load_skill(name)`` tool: returns the skill's body (prose, never run).
+
+    Each load appends ``skill.loaded`` with the SHA-256 of the text served. Only the agent's
+    own skills are served, looked up by exact name: a name carrying a path (``../x``) or any
+    other name is refused with an error string to the model; no path is ever built from it.
+    """
+    by_name = {s.name: s for s in skills}
+    schema = {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string", "enum": sorted(by_name),
+                                      "description": "The skill's name, as listed under Skills."}}}
+
+    async def invoke(tool_ctx: Any, args_json: str) -> str:
+        run = tool_ctx.context
+        try:
+            name = json.loads(args_json or "{}").get("name")
+        except (ValueError, AttributeError):
+            name = None
+        skill = by_name.get(name) if isinstance(name, str) else None
+        if skill is None:
+            if isinstance(run, _Run):
+                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+            why = "skill names never carry a path" if isinstance(name, str) and (
+                "/" in name or "\\" in name or ".." in name) else "no such skill for this agent"
+            return f"error: refused {name!r}: {why}; the skills are {', '.join(sorted(by_name))}"
+        if isinstance(run, _Run):
+            digest = hashlib.sha256(skill.body.encode("utf-8")).hexdigest()
+            run.emit(kit.SkillLoaded(skill.name, digest))
+        return skill.body
+
+    return sdk.FunctionTool(name="load_skill", description=(
+        "Load a skill: returns its full instructions, to follow for the task at hand."),
+        params_json_schema=schema, on_invoke_tool=invoke, strict_json_schema=True)
 
 
 _HOOK_METHODS = ("on_start", "on_end", "on_handoff", "on_tool_start", "on_tool_end",
@@ -766,22 +819,43 @@ def _model_input(blocks: Sequence[Any], chat: bool) -> str | list[dict[str, Any]
     return [{"role": "user", "content": parts}]
 
 
-def _sdk_agent(agent: kit.Agent, model: Any, extra_tools: Sequence[Any] = ()) -> sdk.Agent:
+def _sdk_agent(agent: kit.Agent, model: Any, extra_tools: Sequence[Any] = (), *,
+               skills: Sequence[kit.Skill] = (), mcp_servers: Sequence[Any] = ()) -> sdk.Agent:
+    tools = [t if isinstance(t, kit._SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
+    if skills:
+        tools.append(_skill_tool(agent.name, skills))
     return sdk.Agent(
-        name=agent.name, instructions=_instructions(agent),
-        tools=[t if isinstance(t, kit._SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
-        + list(extra_tools),
+        name=agent.name, instructions=_instructions(agent, _skill_catalog(skills)),
+        tools=tools + list(extra_tools),
         hooks=_UserHooks(agent.hooks) if agent.hooks is not None else None, model=model,
-        model_settings=agent.model_settings or sdk.ModelSettings(), output_type=agent.output_type)
+        model_settings=agent.model_settings or sdk.ModelSettings(), output_type=agent.output_type,
+        # Tool names qualified by server (mcp_<server>__<tool>): two servers may share a name.
+        # Without servers the SDK's default config: qualifying costs a tool scan per turn.
+        mcp_servers=list(mcp_servers), mcp_config={
+            "include_server_in_tool_names": True, "failure_error_function": _mcp_tool_error,
+        } if mcp_servers else {})
 
 
-def compile_agent(agent: kit.Agent, workflows: Sequence[InvocableSpec] = ()) -> InvocableSpec:
+def _mcp_tool_error(ctx: Any, error: Exception) -> str:
+    """An MCP tool call that failed (timed out, refused by the server): the SDK's error text
+    goes to the model, and the call's ``tool.completed`` says ``is_error``."""
+    run = getattr(ctx, "context", None)
+    if isinstance(run, _Run):
+        run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
+    return sdk.default_tool_error_function(ctx, error)
+
+
+def compile_agent(agent: kit.Agent, workflows: Sequence[InvocableSpec] = (), *,
+                  skills: Sequence[kit.Skill] = (), mcp_servers: Sequence[Any] = ()) -> InvocableSpec:
     """Compile an ``Agent`` for Deck runs (its model tapped so its output reaches the log);
-    each of ``workflows`` becomes a tool that plays it as a child run."""
+    each of ``workflows`` becomes a tool that plays it as a child run; ``skills`` give it the
+    catalog in its instructions and ``load_skill``; ``mcp_servers`` (the SDK's server objects,
+    connected when the deck opens) give it their tools."""
     model = agent.model or os.environ.get("KIT_MODEL") or None
     tools = [workflow_tool(w.source, None, child_runs=True) for w in workflows]
     return InvocableSpec(agent.name, "agent", agent, _AgentEngine(
-        _sdk_agent(agent, _TapModel(agent.name, model), tools), _wants_chat(model)))
+        _sdk_agent(agent, _TapModel(agent.name, model), tools, skills=skills,
+                   mcp_servers=mcp_servers), _wants_chat(model)))
 
 
 async def run_headless(agent: kit.Agent, input: Any, *, session: Any = None,
@@ -853,6 +927,18 @@ class _WorkflowEngine:
 
     def key(self, namespace: str | None, thread_id: str) -> str:
         return f"{self.workflow.name}:{namespace or ''}:{thread_id}"
+
+
+def checkpoint_path(store_path: str) -> str:
+    """The durable workflows' checkpoint file for a log file: ``kit.db`` -> ``kit.checkpoints.db``.
+
+    Not the log's own file: under asyncio the log commits inline on the loop thread, and the
+    checkpointer (aiosqlite) keeps a transaction open across an ``await`` until its commit,
+    which needs that loop; a log commit waiting for that lock would stall the loop for the
+    whole busy timeout and fail with "database is locked" (seen in bench_kit.py).
+    """
+    root, ext = os.path.splitext(store_path)
+    return f"{root}.checkpoints{ext or '.db'}"
 
 
 def _config(key: str) -> dict[str, Any]:
@@ -1166,8 +1252,12 @@ class Runtime:
 
     def __init__(self, specs: dict[str, InvocableSpec], *, store: Any = None,
                  session_factory: Callable[[str], Any] | None = None,
-                 observers: Sequence[Any] | None = None, default_store: str = "memory") -> None:
+                 observers: Sequence[Any] | None = None, default_store: str = "memory",
+                 mcp_servers: Sequence[Any] = ()) -> None:
         self.specs, self.store = specs, store
+        self._mcp = list(mcp_servers)
+        self._mcp_stop: Any = None  # engine side: set to tear the MCP servers down
+        self._mcp_done: anyio.Event | None = None
         self._default_store = default_store
         self._observers = observers
         self.hub: Any = None
@@ -1238,6 +1328,7 @@ class Runtime:
             self._seen_request = backlog[-1].id if backlog else 0
             self._tg.start_soon(self._watch_requests)
             await self._on_engine(self._compile_graphs)
+            await self._start_mcp()
         except BaseException:
             await self._teardown()
             raise
@@ -1255,6 +1346,7 @@ class Runtime:
 
     async def _teardown(self) -> None:
         with anyio.CancelScope(shield=True):
+            await self._stop_mcp()  # before the task group ends: the holder task lives there
             if self.engine is not None:
                 for item in self.engine.take():
                     await self._on_mail(item)
@@ -1288,12 +1380,13 @@ class Runtime:
     async def _compile_graphs(self) -> None:
         """Engine side: compile each workflow with its checkpointer.
 
-        Durable workflows share one ``AsyncSqliteSaver`` on the store's own SQLite file (so a
-        thread lives exactly as long as the log), with ``synchronous=NORMAL`` like the log; with
-        a store that has no file, and for the others, each has an in-memory saver.
+        Durable workflows share one ``AsyncSqliteSaver`` on a file beside the log
+        (``checkpoint_path``), with ``synchronous=NORMAL`` like the log; with a store that has
+        no file, and for the others, each has an in-memory saver.
         """
         from langgraph.checkpoint.memory import InMemorySaver
         path, durable = getattr(self.store, "path", None), None
+        path = checkpoint_path(path) if path else None
         for spec in self.specs.values():
             if spec.kind != "workflow":
                 continue
@@ -1310,6 +1403,63 @@ class Runtime:
             else:
                 saver = InMemorySaver()
             self.graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
+
+    async def _start_mcp(self) -> None:
+        """Connect every MCP server of the deck; returns once all are connected.
+
+        One holder task on the engine side connects them and, when ``_stop_mcp`` says so,
+        cleans them up: the MCP client's task groups must be left from the task that entered
+        them, or the child process may outlive the deck. Raises ``ConfigError`` naming a
+        server that fails to start (the ones already started are torn down).
+        """
+        if not self._mcp:
+            return
+        ready, done, box = anyio.Event(), anyio.Event(), {}
+        engine = self.engine
+        to_kit = (lambda fn: engine._token.run_sync_soon(fn)) if engine else (lambda fn: fn())
+
+        async def hold() -> None:  # engine side
+            self._mcp_stop = stop = asyncio.Event()
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    for server in self._mcp:
+                        box["server"] = server.name
+                        await server.connect()
+                        stack.push_async_callback(server.cleanup)
+                    to_kit(ready.set)
+                    await stop.wait()
+            except Exception as exc:  # reported by _start_mcp, not left to crash the group
+                box["error"] = exc
+            finally:
+                to_kit(ready.set)
+
+        async def holder() -> None:
+            try:
+                await self._on_engine(hold)
+            finally:
+                done.set()
+
+        self._mcp_done = done
+        self._tg.start_soon(holder)
+        await ready.wait()
+        if "error" in box:
+            exc = box["error"]
+            raise ConfigError(f"MCP server {box['server']!r} failed to start: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+    async def _stop_mcp(self) -> None:
+        """Tear the MCP servers down (their child processes exit) and wait, bounded."""
+        if self._mcp_done is None:
+            return
+        stop = self._mcp_stop
+        if stop is not None:
+            if self.engine is not None:
+                self.engine.loop.call_soon_threadsafe(stop.set)
+            else:
+                stop.set()
+        with anyio.move_on_after(CLOSE_TIMEOUT):
+            await self._mcp_done.wait()
+        self._mcp_done = None
 
     async def _close_model_clients(self) -> None:
         """Under trio, close the deck's model clients on the engine loop before it stops.

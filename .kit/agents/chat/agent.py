@@ -1,4 +1,5 @@
-"""The example chat agent: answers with the help of a clock tool.
+"""The example chat agent: answers with the help of a clock tool and the release-notes skill
+(``.kit/skills/release-notes/SKILL.md``, which it loads with its ``load_skill`` tool).
 
 Offline by default: without OPENAI_API_KEY it plays kit's ScriptedModel (a scripted reply,
 streamed word by word); with the key it uses KIT_MODEL (default gpt-4o-mini).
@@ -24,5 +25,6 @@ agent = kit.Agent(
     "chat",
     "You are a concise, friendly assistant. Use the current_time tool for anything about time.",
     tools=[current_time],
+    skills=["release-notes"],
     model=os.environ.get("KIT_MODEL", "gpt-4o-mini") if os.environ.get("OPENAI_API_KEY") else OFFLINE,
 )

@@ -1,0 +1,282 @@
+"""Tests of MCP tool servers: .mcp.json parsing, real servers over stdio (mcp-server-time from
+PyPI), streamable HTTP and SSE (FastMCP on loopback), their tools in the log, and the lifecycle:
+build() starts nothing, aclose() leaves no child process (asyncio and trio)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+from agents.mcp import MCPServerSse, MCPServerStdio, MCPServerStreamableHttp
+
+import kit
+from kit import MCP, Agent, ConfigError, Deck, ScriptedModel
+from kit_store import MemoryStore
+
+pytestmark = [
+    pytest.mark.anyio,
+    # openai-agents 0.17's MCPServerStreamableHttp still calls mcp's deprecated
+    # streamablehttp_client (mcp 1.30); not kit's to fix.
+    pytest.mark.filterwarnings("ignore:Use `streamable_http_client` instead:DeprecationWarning"),
+]
+
+TIME = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}
+
+SERVER = '''
+import sys
+from mcp.server.fastmcp import FastMCP
+
+mcp = FastMCP("local", host="127.0.0.1", port=int(sys.argv[1]), log_level="WARNING")
+
+
+@mcp.tool()
+def get_current_time(timezone: str) -> str:
+    """The time on the local test clock (the same tool name as mcp-server-time's)."""
+    return f"test clock: 12:00 in {timezone}"
+
+
+@mcp.tool()
+def shout(text: str) -> str:
+    """Upper-case the text."""
+    return text.upper() + "!"
+
+
+@mcp.tool()
+async def slow(seconds: float) -> str:
+    """Take a while."""
+    import anyio
+    await anyio.sleep(seconds)
+    return "finally"
+
+
+mcp.run(transport=sys.argv[2])
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children() -> set[int]:
+    """Live (non-zombie) child processes of this process, read from /proc."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+@asynccontextmanager
+async def fastmcp(tmp_path: Path, transport: str):
+    """A FastMCP server in a subprocess on a loopback port; yields its URL."""
+    script = tmp_path / "server.py"
+    script.write_text(textwrap.dedent(SERVER))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(script), str(port), transport],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with anyio.fail_after(20):
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert proc.poll() is None, "the FastMCP server exited"
+                    await anyio.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/" + ("sse" if transport == "sse" else "mcp")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def store():
+    async with MemoryStore() as s:
+        yield s
+
+
+# ---------------------------------------------------------------------------- parsing ----
+
+def test_mcp_json_formats_and_transports(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIT_T_TOKEN", "s3cret")
+    monkeypatch.delenv("KIT_T_UNSET", raising=False)
+    claude = {"mcpServers": {
+        "time": {"command": "${KIT_T_PY:-python3}", "args": ["-m", "${env:KIT_T_TOKEN}"],
+                 "env": {"TOKEN": "${KIT_T_TOKEN}", "MODE": "${KIT_T_UNSET:-dev}"}},
+        "web": {"url": "https://example.test/${KIT_T_TOKEN}/mcp",
+                "headers": {"Authorization": "Bearer ${KIT_T_TOKEN}"}, "timeout": 90},
+        "legacy": {"type": "sse", "url": "http://127.0.0.1:1/sse"},
+    }}
+    (tmp_path / ".mcp.json").write_text(json.dumps(claude))
+    mcp = MCP(tmp_path / ".mcp.json")
+    time, web, legacy = mcp.servers["time"], mcp.servers["web"], mcp.servers["legacy"]
+    assert (time["type"], time["command"], time["args"]) == ("stdio", "python3", ["-m", "s3cret"])
+    assert time["env"] == {"TOKEN": "s3cret", "MODE": "dev"} and time["timeout"] == kit.MCP_TIMEOUT
+    assert (web["type"], web["url"], web["timeout"]) == ("http", "https://example.test/s3cret/mcp", 90)
+    assert web["headers"] == {"Authorization": "Bearer s3cret"}
+    assert legacy["type"] == "sse"
+    built = mcp._sdk_servers()  # objects only: nothing connects
+    assert isinstance(built["time"], MCPServerStdio) and isinstance(built["legacy"], MCPServerSse)
+    assert isinstance(built["web"], MCPServerStreamableHttp)
+    assert built["web"].client_session_timeout_seconds == 90
+    assert built["time"].client_session_timeout_seconds == kit.MCP_TIMEOUT > 5
+    assert built["time"].params.env["TOKEN"] == "s3cret" and "PATH" in built["time"].params.env
+    vscode = MCP({"servers": {"web": {"type": "http", "url": "http://127.0.0.1:1/mcp"},
+                              "local": {"type": "stdio", "command": "srv"}}})
+    assert [s["type"] for s in vscode.servers.values()] == ["http", "stdio"]
+    assert MCP({"bare": {"command": "srv"}}).servers["bare"]["env"] is None
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"mcpServers": {"a": {"command": "${KIT_T_UNSET}"}}}, "KIT_T_UNSET is not set"),
+    ({"mcpServers": {"a": {"url": "http://h/${KIT_T_UNSET}"}}}, "KIT_T_UNSET is not set"),
+    ({"mcpServers": {"a": {"command": "x", "args": ["${input:key}"]}}}, "asks for user input"),
+    ({"mcpServers": {"a": {"command": "x"}}, "servers": {}}, "both 'mcpServers' and 'servers'"),
+    ({"mcpServers": {"a": {"type": "ws", "url": "ws://h"}}}, "unknown type 'ws'"),
+    ({"mcpServers": {"a": {"args": []}}}, "needs a 'command'"),
+    ({"mcpServers": {"a": {"type": "sse", "url": "ftp://h"}}}, "http\\(s\\) 'url'"),
+    ({"mcpServers": {"a": {"command": "x", "timeout": 0}}}, "timeout must be a positive"),
+    ({"mcpServers": {"a": {"command": "x", "args": "one"}}}, "list of strings"),
+    ({"mcpServers": {"a b": {"command": "x"}}}, "MCP server name"),
+    ({"mcpServers": []}, "name -> config"),
+])
+def test_bad_mcp_configs_are_config_errors(monkeypatch, config, match):
+    monkeypatch.delenv("KIT_T_UNSET", raising=False)
+    with pytest.raises(ConfigError, match=match):
+        MCP(config)
+
+
+def test_unreadable_files_and_unknown_names(tmp_path):
+    bad = tmp_path / ".mcp.json"
+    bad.write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON") as err:
+        Deck(mcp=bad)
+    assert str(bad) in str(err.value)
+    with pytest.raises(ConfigError, match="cannot read"):
+        MCP(tmp_path / "missing.json")
+    deck = Deck([Agent("a", mcp_servers=["time", "nope"])], mcp=MCP({"time": TIME}))
+    with pytest.raises(ConfigError, match=r"unknown MCP server 'nope' \(the deck has: time\)"):
+        deck.build()
+    anyio.run(deck.aclose)
+
+
+# ------------------------------------------------------------------------ real servers ----
+
+async def test_tools_of_stdio_and_http_servers_reach_the_model_and_the_log(tmp_path, store):
+    async with fastmcp(tmp_path, "streamable-http") as url:
+        model = ScriptedModel([
+            {"tool": "mcp_time__get_current_time", "args": {"timezone": "UTC"}},
+            [{"tool": "mcp_local__get_current_time", "args": {"timezone": "UTC"}},
+             {"tool": "mcp_local__shout", "args": {"text": "hi"}}],
+            "done"])
+        config = {"mcpServers": {"time": TIME, "local": {"url": url, "timeout": 20}}}
+        agent = Agent("clock", "Tell the time.", model=model, mcp_servers=["time", "local"])
+        with anyio.fail_after(60):
+            async with Deck([agent], mcp=config, store=store) as deck:
+                events = [e async for e in deck.stream("clock", "what time is it?")]
+    assert events[-1].kind == "run.completed" and events[-1].payload.output == "done"
+    tools = set(model.calls[0]["tools"])  # both servers' get_current_time, qualified
+    assert {"mcp_time__get_current_time", "mcp_local__get_current_time", "mcp_local__shout"} <= tools
+    outputs = {i["call_id"]: json.dumps(i["output"]) for i in model.calls[-1]["input"]
+               if isinstance(i, dict) and i.get("type") == "function_call_output"}
+    assert '\\"timezone\\": \\"UTC\\"' in outputs["call_1_0"]  # mcp-server-time's JSON reply
+    assert "test clock: 12:00 in UTC" in outputs["call_3_0"] and "HI!" in outputs["call_3_1"]
+    started = {e.payload.call_id: e.payload.tool for e in events if e.kind == "tool.started"}
+    completed = {e.payload.call_id: e.payload for e in events if e.kind == "tool.completed"}
+    assert started == {"call_1_0": "mcp_time__get_current_time",
+                       "call_3_0": "mcp_local__get_current_time", "call_3_1": "mcp_local__shout"}
+    assert set(completed) == set(started)
+    assert all(not c.is_error and c.tool == started[i] for i, c in completed.items())
+    assert "UTC" in json.dumps(completed["call_1_0"].output)
+    assert "HI!" in json.dumps(completed["call_3_1"].output)
+    for call_id in started:  # each call starts before it completes
+        seqs = [e.seq for e in events if getattr(e.payload, "call_id", None) == call_id]
+        kinds = [e.kind for e in events if getattr(e.payload, "call_id", None) == call_id]
+        assert kinds == ["tool.started", "tool.completed"] and seqs == sorted(seqs)
+    assert (await store.read(events[-1].run_id)) == events
+
+
+async def test_an_sse_server_when_the_type_says_so(tmp_path, store):
+    async with fastmcp(tmp_path, "sse") as url:
+        model = ScriptedModel([{"tool": "mcp_old__shout", "args": {"text": "sse"}}, "ok"])
+        agent = Agent("a", model=model, mcp_servers=["old"])
+        with anyio.fail_after(60):
+            async with Deck([agent], mcp={"servers": {"old": {"type": "sse", "url": url}}},
+                            store=store) as deck:
+                result = await deck.run("a", "go")
+    [done] = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+    assert "SSE!" in json.dumps(done.output)
+
+
+async def test_build_starts_nothing_and_aclose_leaves_no_process(store):
+    before = children()
+    model = ScriptedModel([{"tool": "mcp_time__get_current_time", "args": {"timezone": "UTC"}}, "ok"])
+    offline = Deck([Agent("a", model=model, mcp_servers=["time", "remote"])], store=store,
+                   mcp={"time": TIME, "remote": {"url": "http://127.0.0.1:9/mcp"}})
+    offline.build()  # no process, no connection (the remote one would refuse)
+    assert children() == before
+    await offline.aclose()
+    deck = Deck([Agent("a", model=model, mcp_servers=["time"])], mcp={"time": TIME}, store=store)
+    deck.build()
+    assert children() == before
+    with anyio.fail_after(60):
+        async with deck:
+            assert len(children() - before) == 1  # the stdio server, started at open
+            result = await deck.run("a", "go")
+    assert children() == before
+    [done] = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+    assert not done.is_error
+
+
+async def test_a_server_that_cannot_start_refuses_the_open(store):
+    before = children()
+    deck = Deck([Agent("a", model=ScriptedModel(["x"]), mcp_servers=["ok", "broken"])], store=store,
+                mcp={"ok": TIME, "broken": {"command": "/nonexistent/kit-mcp-server"}})
+    with anyio.fail_after(60):
+        with pytest.raises(ConfigError, match="MCP server 'broken' failed to start"):
+            await deck.__aenter__()
+        await deck.aclose()
+    assert children() == before  # the one that did start was torn down
+
+
+async def test_from_project_reads_the_mcp_json_beside_the_project(tmp_path, store):
+    root = tmp_path / "proj"
+    (root / "agents" / "a").mkdir(parents=True)
+    (root / "agents" / "a" / "agent.py").write_text(
+        "import kit\nagent = kit.Agent('a', model=kit.ScriptedModel([{'tool': "
+        "'mcp_time__get_current_time', 'args': {'timezone': 'UTC'}}, 'ok']), mcp_servers=['time'])\n")
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {"time": TIME}}))
+    with anyio.fail_after(60):
+        async with Deck.from_project(root, store=store) as deck:
+            assert list(deck.mcp.servers) == ["time"]
+            result = await deck.run("a", "go")
+    [done] = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+    assert "UTC" in json.dumps(done.output) and not done.is_error
+
+
+async def test_a_call_that_outlasts_the_server_timeout_is_an_error_to_the_model(tmp_path, store):
+    async with fastmcp(tmp_path, "streamable-http") as url:
+        model = ScriptedModel([{"tool": "mcp_local__slow", "args": {"seconds": 3}}, "ok"])
+        agent = Agent("a", model=model, mcp_servers=["local"])
+        with anyio.fail_after(60):
+            async with Deck([agent], mcp={"local": {"url": url, "timeout": 0.5}}, store=store) as deck:
+                result = await deck.run("a", "go")
+    [done] = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+    assert done.is_error and "Timed out" in json.dumps(done.output)
+    assert "Timed out" in json.dumps(list(model.calls[-1]["input"]))
