@@ -8,6 +8,8 @@ import socket
 
 import pytest
 
+from kit_store import SQLiteStore
+
 
 @pytest.fixture(params=[pytest.param("asyncio", id="asyncio"), pytest.param("trio", id="trio")])
 def anyio_backend(request):
@@ -29,3 +31,10 @@ def redis_url():
     """The machine's Redis (database 15, which the tests own)."""
     _service("Redis", 6379)
     return "redis://127.0.0.1:6379/15"
+
+
+@pytest.fixture
+async def store(tmp_path, anyio_backend):
+    """An open SQLite event store in a fresh file (test files may override it)."""
+    async with SQLiteStore(tmp_path / "kit.db") as s:
+        yield s

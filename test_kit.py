@@ -32,12 +32,6 @@ def kinds(events):
     return [e.kind for e in events]
 
 
-@pytest.fixture
-async def store(tmp_path):
-    async with SQLiteStore(tmp_path / "kit.db") as s:
-        yield s
-
-
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b

@@ -57,12 +57,6 @@ async def start_in_background(tg, deck, results, *args, **kw):
     tg.start_soon(play)
 
 
-@pytest.fixture
-async def store(tmp_path):
-    async with SQLiteStore(tmp_path / "kit.db") as s:
-        yield s
-
-
 async def running_run_id(store) -> str:
     with anyio.fail_after(10):
         while not (infos := await store.runs(status=RunStatus.RUNNING)):

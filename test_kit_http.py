@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from contextlib import asynccontextmanager
 from functools import partial
@@ -28,6 +27,7 @@ import kit
 import kit_http
 from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
 from kit_http import App, sse_frame
+from test_kit_control import Gate
 
 pytestmark = pytest.mark.anyio
 HERE = Path(__file__).parent
@@ -67,24 +67,6 @@ async def served(deck: Deck, *, native: bool = False):
                 yield client, app
         finally:
             stop.set()
-
-
-class Gate:
-    """A tool that blocks until released; tools run on the engine side (a thread under trio)."""
-
-    def __init__(self) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def tool(self):
-        def wait(step: int) -> str:
-            """Wait for the gate."""
-            self.entered.set()
-            self.release.wait(10)
-            return f"step {step} done"
-        return wait
-
-    async def until_entered(self) -> None:
-        assert await anyio.to_thread.run_sync(self.entered.wait, 10)
 
 
 class State(TypedDict, total=False):
@@ -269,7 +251,7 @@ async def test_an_unexpected_error_is_a_generic_500_logged_without_its_message(m
 
 async def test_a_busy_session_is_409():
     gate = Gate()
-    worker = Agent("worker", tools=[gate.tool()],
+    worker = Agent("worker", tools=[gate.wait_tool()],
                    model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
     async with served(catalog(worker)) as (client, _):
         async with anyio.create_task_group() as tg:
@@ -328,7 +310,7 @@ async def test_reconnect_with_last_event_id_replays_the_rest_then_204(tmp_path, 
 
 async def test_a_client_disconnect_ends_the_stream_never_the_run():
     gate = Gate()
-    worker = Agent("worker", tools=[gate.tool()],
+    worker = Agent("worker", tools=[gate.wait_tool()],
                    model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "finished"]))
     async with served(catalog(worker)) as (client, app):
         async with client.stream("POST", "/agents/worker/chat?stream=true", json={"message": "go"}) as r:
@@ -387,7 +369,7 @@ async def test_workflow_stream_bytes_on_the_wire():
 
 async def test_pause_resume_and_cancel_routes():
     gate = Gate()
-    worker = Agent("worker", tools=[gate.tool()], model=ScriptedModel(
+    worker = Agent("worker", tools=[gate.wait_tool()], model=ScriptedModel(
         [{"tool": "wait", "args": {"step": 1}}, "done", {"tool": "wait", "args": {"step": 2}}, "x"]))
     async with served(catalog(worker)) as (client, app):
         async with anyio.create_task_group() as tg:
@@ -449,7 +431,7 @@ async def test_shutdown_ends_open_streams_itself():
 async def test_shutdown_answers_in_flight_requests_503_after_the_grace(monkeypatch):
     monkeypatch.setattr(kit_http, "STOP_GRACE", 0.1)
     gate = Gate()
-    worker = Agent("worker", tools=[gate.tool()],
+    worker = Agent("worker", tools=[gate.wait_tool()],
                    model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
     async with served(catalog(worker)) as (client, app):
         async with anyio.create_task_group() as tg:

@@ -171,12 +171,6 @@ def stub():
     s.thread.join(5)
 
 
-@pytest.fixture
-async def store(tmp_path, anyio_backend):
-    async with SQLiteStore(tmp_path / "kit.db") as s:
-        yield s
-
-
 @contextlib.asynccontextmanager
 async def open_deck(stub: Stub, model_cls: type, store: SQLiteStore, tools=()):
     client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)

@@ -84,12 +84,6 @@ def kinds(events):
     return [e.kind for e in events]
 
 
-@pytest.fixture
-async def store(tmp_path):
-    async with SQLiteStore(tmp_path / "kit.db") as s:
-        yield s
-
-
 # ------------------------------------------------------------------------------- catalog ----
 
 def test_workflow_and_catalog_errors():
