@@ -16,6 +16,7 @@ from langgraph.graph import END, START, StateGraph
 import kit
 from kit import Agent, Context, ContextTypeError, Deck, ScriptedModel, Workflow
 from kit_store import SQLiteStore
+from test_kit_workflows import graph
 
 pytestmark = pytest.mark.anyio
 T = TypeVar("T")
@@ -162,13 +163,7 @@ async def nap(state: State, ctx: Context) -> dict:
 
 
 def flow(*nodes) -> StateGraph:
-    g = StateGraph(State)
-    names = [n.__name__ for n in nodes]
-    for n in nodes:
-        g.add_node(n.__name__, n)
-    for a, b in zip([START] + names, names + [END]):
-        g.add_edge(a, b)
-    return g
+    return graph(*nodes, state=State)
 
 
 async def test_nodes_get_the_context_by_reference_and_resumes_take_it_again(tmp_path):

@@ -12,6 +12,7 @@ from kit import Agent, ConfigError, Deck, Event, ScriptedModel, TextDelta
 from kit_observers import DISABLE_AFTER, ObserverHub, check_observers, resolve_observers
 from kit_store import MemoryStore
 from kit_tracing import TracingObserver
+from test_kit_tracing import play
 
 pytestmark = pytest.mark.anyio
 KEYS = {"KIT_TRACING_PUBLIC_KEY": "pk-lf-1", "KIT_TRACING_SECRET_KEY": "sk-lf-1"}
@@ -272,12 +273,7 @@ async def test_a_real_deck_run_flows_through_the_hub_in_log_order():
             async with Deck([Agent("calc", "Add.", tools=[add], model=model)], store=store) as deck:
                 result = await deck.run("calc", "what is 2 + 3?", session_id="s1")
             logged = await store.read(result.run_id)
-            hub = ObserverHub([rec])
-            async with anyio.create_task_group() as tg:
-                await hub.start(tg)
-                for ev in logged:
-                    hub.emit(ev)
-                await hub.close()
+            await play(rec, logged)
     assert rec.seen == logged
     assert [e.kind for e in rec.seen][:1] == ["run.started"] and rec.seen[-1].kind == "run.completed"
     assert {"model.completed", "tool.started", "tool.completed"} <= {e.kind for e in rec.seen}

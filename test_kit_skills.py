@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
-from functools import partial
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
 import kit
-import kit_http
 from kit import Agent, ConfigError, Deck, ScriptedModel, Skills
 from kit_store import MemoryStore
+from test_kit_http import served
 
 pytestmark = pytest.mark.anyio
 HERE = Path(__file__).parent
@@ -33,12 +30,6 @@ metadata:
 Group the changes under Added, Changed and Fixed.
 """
 BODY = "# Release notes\n\nGroup the changes under Added, Changed and Fixed."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def skill(root: Path, dirname: str, text: str) -> Path:
@@ -190,23 +181,8 @@ async def test_from_project_discovers_skills_and_health_lists_them(tmp_path, sto
         "skills=['triage'])\n")
     deck = Deck.from_project(root, store=store)
     assert list(deck.skills) == ["release-notes", "triage"]
-    app, stop, port = kit_http.App(deck), anyio.Event(), free_port()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(partial(kit_http.serve, app, host="127.0.0.1", port=port,
-                              shutdown_trigger=stop.wait))
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-                with anyio.fail_after(10):
-                    while True:
-                        try:
-                            health = await client.get("/health")
-                            if health.status_code == 200:
-                                break
-                        except httpx.TransportError:
-                            pass
-                        await anyio.sleep(0.02)
-        finally:
-            stop.set()
+    async with served(deck) as (client, _):
+        health = await client.get("/health")
     assert health.json() == {"status": "ok", "agents": ["a"], "workflows": [],
                              "skills": ["release-notes", "triage"]}
 

@@ -61,9 +61,9 @@ async def boom(state: State) -> dict:
     raise ValueError("node exploded")
 
 
-def graph(*nodes) -> StateGraph:
+def graph(*nodes, state: type = State) -> StateGraph:
     """A linear graph of the given node functions."""
-    g = StateGraph(State)
+    g = StateGraph(state)
     names = [n.__name__ for n in nodes]
     for n in nodes:
         g.add_node(n.__name__, n)
