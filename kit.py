@@ -1472,9 +1472,14 @@ class Deck:
             _live_deck = None
 
     # ------------------------------------------------------------------------------ turns --
-    def _spec(self, action: str, name: str) -> InvocableSpec:
+    def _open(self, action: str) -> Any:
+        """The Runtime, for an action that needs an open deck (``DeckStateError`` otherwise)."""
         if self._state != "OPEN":
             raise DeckStateError(self._state, action)
+        return self._runtime
+
+    def _spec(self, action: str, name: str) -> InvocableSpec:
+        self._open(action)
         spec = self._specs.get(name)
         if spec is None:
             raise UnknownNameError(name, self._specs)
@@ -1513,24 +1518,15 @@ class Deck:
 
     async def status(self, run_id: str) -> RunStatus | None:
         """The run's status folded from its events, or None when the log has no such run."""
-        if self._state != "OPEN":
-            raise DeckStateError(self._state, "read a status")
-        return await self._runtime.status(run_id)
+        return await self._open("read a status").status(run_id)
 
     def session_for(self, session_id: str, *, namespace: str | None = None) -> Any:
         """The conversation-memory session (an ``agents.memory.Session``) that turns on
         ``session_id`` use. Raises ``DeckStateError`` unless the deck is open."""
-        if self._state != "OPEN":
-            raise DeckStateError(self._state, "get a session")
-        return self._runtime.session_for(session_id, namespace)
+        return self._open("get a session").session_for(session_id, namespace)
 
 
     # ---------------------------------------------------------------- parked workflows --
-    def _open(self, action: str) -> Any:
-        if self._state != "OPEN":
-            raise DeckStateError(self._state, action)
-        return self._runtime
-
     async def pending(self) -> list[Pending]:
         """Every run waiting for a human, across all workflows, read off the log."""
         return await self._open("list pending runs").pending()
