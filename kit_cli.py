@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import anyio
 
-import kit
+from kit_core import ConfigError, EventStorePort, RunStatus, UnknownRunError
 from kit_store import store_from_url
 
 __all__ = ("main",)
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="action", required=True)
     ls = runs.add_parser("list", help="list runs, oldest first")
     ls.add_argument("--store", help="event store URL (default: $KIT_STORE), e.g. sqlite:///.kit/.state/kit.db")
-    ls.add_argument("--status", choices=[s.value for s in kit.RunStatus])
+    ls.add_argument("--status", choices=[s.value for s in RunStatus])
     ls.add_argument("--name", help="only runs of this agent or workflow")
     ls.add_argument("--session", help="only runs of this session id")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -47,15 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _signal(store: kit.EventStorePort, a: argparse.Namespace) -> None:
+async def _signal(store: EventStorePort, a: argparse.Namespace) -> None:
     async with store:  # type: ignore[attr-defined]
         request_id = await store.request(a.run_id, a.signal, a.reason, "cli")
     print(f"{a.signal} requested for run {a.run_id} (request {request_id})")
 
 
-async def _list(store: kit.EventStorePort, a: argparse.Namespace) -> None:
+async def _list(store: EventStorePort, a: argparse.Namespace) -> None:
     async with store:  # type: ignore[attr-defined]
-        infos = await store.runs(status=kit.RunStatus(a.status) if a.status else None,
+        infos = await store.runs(status=RunStatus(a.status) if a.status else None,
                                  name=a.name, session_id=a.session)
     for i in infos:
         if a.json:
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         store = store_from_url(url)
-    except kit.ConfigError as exc:
+    except ConfigError as exc:
         print(f"kit: {exc}", file=sys.stderr)
         return 2
     if url.startswith("sqlite:///") and not os.path.exists(url[len("sqlite:///"):]):
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         anyio.run(_list if a.action == "list" else _signal, store, a)
-    except kit.UnknownRunError as exc:
+    except UnknownRunError as exc:
         print(f"kit: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # the store could not be read: say why, exit 1

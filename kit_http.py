@@ -5,7 +5,9 @@ framing (``sse_frame``), the translation of a run's events into v1.2.1 wire fram
 for ``python -m kit_http`` / ``kit-serve`` under Hypercorn.
 
 Must never: hold business logic (a handler passes plain arguments to the Deck: a name, a session
-id, input; the Runtime makes the run's context, always ``None`` here), import a web framework,
+id, input; the Runtime makes the run's context, always ``None`` here), reach a deck by anything
+but its public methods, import kit.py outside ``main()`` (it sits above this module: a deck makes
+its app, ``deck.asgi()``), import a web framework,
 import Hypercorn at module import (``deck.asgi()`` works without the ``serve`` extra), or put the
 application context or secrets in a response or a log line. Every limit is a named constant.
 
@@ -42,6 +44,7 @@ import signal
 import sys
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+import typing
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -49,13 +52,15 @@ import anyio
 import orjson
 import sniffio
 
-import kit
-import kit_runtime
-from kit import (
-    ConfigError, ContentError, DeckStateError, Event, InterruptResult, LogConflictError,
-    NodeUpdated, RunCompleted, RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError,
-    TextDelta, UnknownNameError, UnknownRunError,
+from kit_core import (
+    ConfigError, ContentError, DeckStateError, Event, InterruptResult, KitError, LogConflictError,
+    NodeUpdated, RunCancelled, RunCompleted, RunFailed, RunInterrupted, RunNotWaitingError,
+    RunPaused, RunSleeping, RunStatus, RunStoppedError, SessionBusyError, TextDelta,
+    UnknownNameError, UnknownRunError, block_from_json, new_run_id,
 )
+
+if typing.TYPE_CHECKING:
+    from kit import Deck
 
 __all__ = (
     "App", "sse_frame", "serve", "main",
@@ -97,7 +102,7 @@ _HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,200}")  # a run id we echo in x-kit-ru
 
 # ===================================================================================== errors ====
 
-class HTTPError(kit.KitError):
+class HTTPError(KitError):
     """A request refused by kit_http itself, before the deck saw it (status in ``ERROR_STATUS``)."""
 
 
@@ -245,13 +250,13 @@ def _v1_frame(ev: Event, agent: bool = True) -> bytes | None:
     if isinstance(p, RunCompleted):
         done = {"output": p.output, "usage": p.usage.to_json()} if agent else {"output": p.output}
         return sse_frame(_dumps(done), event="done", id=seq)
-    if isinstance(p, (kit.RunInterrupted, kit.RunSleeping)):
-        payload = p.payload if isinstance(p, kit.RunInterrupted) else {"kind": "sleep", "until": p.until}
+    if isinstance(p, (RunInterrupted, RunSleeping)):
+        payload = p.payload if isinstance(p, RunInterrupted) else {"kind": "sleep", "until": p.until}
         return sse_frame(_dumps({"type": "interrupt", "payload": payload, "thread_id": p.thread_id,
                                  "run_id": ev.run_id}), event="interrupt", id=seq)
-    if isinstance(p, kit.RunFailed):
+    if isinstance(p, RunFailed):
         return sse_frame(_dumps({"error": p.error}), event="error", id=seq)
-    if isinstance(p, (kit.RunCancelled, kit.RunPaused)):  # what Deck.run raises for them
+    if isinstance(p, (RunCancelled, RunPaused)):  # what Deck.run raises for them
         return sse_frame(_dumps({"error": RunStoppedError.__name__}), event="error", id=seq)
     return None
 
@@ -368,7 +373,7 @@ class App:
     HTTP runs never carry a namespace or a context (SPEC 4.3).
     """
 
-    def __init__(self, deck: kit.Deck, *, native: bool = False) -> None:
+    def __init__(self, deck: Deck, *, native: bool = False) -> None:
         self.deck, self.native = deck, native
         self._open = self._stopping = False
         self._agents: frozenset[str] = frozenset()
@@ -520,7 +525,7 @@ class App:
         if _flag(req, "stream"):
             return await self._stream_run(req, self.deck.stream(name, message, session_id=session_id),
                                           _v1_frame)
-        run_id = kit_runtime.new_run_id()  # known before the run ends, for x-kit-run-id
+        run_id = new_run_id()  # known before the run ends, for x-kit-run-id
         result = await self._run(req, run_id, self.deck.run(name, message, session_id=session_id,
                                                               run_id=run_id))
         await _respond(req, 200, {"output": result.output})
@@ -532,7 +537,7 @@ class App:
         if _flag(req, "stream"):
             return await self._stream_run(req, self.deck.stream(name, state, session_id=thread_id),
                                           _v1_workflow_frame)
-        run_id = kit_runtime.new_run_id()
+        run_id = new_run_id()
         result = await self._run(req, run_id, self.deck.run(name, state, session_id=thread_id,
                                                             run_id=run_id))
         await _respond(req, 200, _workflow_body(result, run_id, thread_id or run_id))
@@ -547,7 +552,7 @@ class App:
         self._check(name, self._workflows)
         for p in await self.deck.pending():
             if p.workflow == name and p.thread_id == thread_id:
-                info = await self.deck._runtime.store.run_info(p.run_id)
+                info = await self.deck.store.run_info(p.run_id)
                 if info is not None and info.namespace is None:  # HTTP threads have none
                     result = await self._run(req, p.run_id, self.deck.answer(p.run_id, value))
                     return await _respond(req, 200, _workflow_body(result, p.run_id, thread_id))
@@ -576,7 +581,7 @@ class App:
         status = await self.deck.status(run_id)
         if status is None:
             raise UnknownRunError(run_id)
-        store, req.run_id = self.deck._runtime.store, run_id
+        store, req.run_id = self.deck.store, run_id
         if status in _TERMINAL and not await store.read(run_id, after):
             return await _respond(req, 204, None)  # past the end: 204 stops EventSource retrying
         await self._sse(req, run_id, None, store.follow(run_id, after), _native_frame)
@@ -586,7 +591,7 @@ class App:
         value, session_id = body.get("input"), _field(body, "session_id", str)
         if name in self._agents:
             if isinstance(value, list):
-                value = [kit.block_from_json(b) for b in value]  # ContentError: 400
+                value = [block_from_json(b) for b in value]  # ContentError: 400
             elif not isinstance(value, str):
                 raise MalformedRequestError("'input' must be a string or a list of content blocks")
         elif name in self._workflows:
@@ -752,12 +757,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
     if not str(args.port).isdigit() or int(args.port) > 65535:
         parser.error(f"the port must be a number from 0 to 65535, got {args.port!r}")
+    import kit  # the composition root: only the console entry point builds a deck itself
     if importlib.util.find_spec("hypercorn") is None:
         print("kit-serve: Hypercorn is missing: pip install 'kit[serve]'", file=sys.stderr)
         return 1
     try:
         deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"))
-    except kit.KitError as exc:
+    except KitError as exc:
         print(f"kit-serve: {exc}", file=sys.stderr)
         return 1
     print(f"kit-serve: listening on http://{args.host}:{args.port} ({args.worker} worker). The API "

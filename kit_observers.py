@@ -54,7 +54,7 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-from kit import ConfigError, Event, EventSinkPort
+from kit_core import ConfigError, Event, EventSinkPort
 
 __all__ = (
     "QUEUE_SIZE", "BATCH_MAX", "FAST_PER_EVENT", "LOOP_BATCH_MAX", "DISABLE_AFTER", "RETRY_MIN", "RETRY_MAX", "DRAIN_TIMEOUT",

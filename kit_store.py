@@ -33,7 +33,7 @@ import anyio
 import anyio.lowlevel
 import orjson
 
-from kit import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
+from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
 __all__ = ("SQLiteStore", "MemoryStore", "store_from_url")

@@ -54,7 +54,7 @@ from typing import Any
 
 from agents.tracing import TracingProcessor
 
-from kit import (
+from kit_core import (
     ConfigError, Event, ModelCompleted, NodeUpdated, RunCancelled, RunCompleted, RunFailed,
     RunInterrupted, RunResumed, RunStarted, SkillLoaded, ToolCompleted, ToolStarted,
 )

@@ -1,23 +1,37 @@
 """Tests of the ``kit`` console script against a real log file."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import dataclass
 
+import anyio
 import pytest
 
 import kit
+import kit_cli as cli
 from kit_store import SQLiteStore
 
 pytestmark = pytest.mark.anyio
-HERE = Path(__file__).parent
 
 
-def kit_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kit_cli", *args], cwd=HERE, capture_output=True,
-                          text=True, timeout=60)
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def kit_cli(*args: str) -> Ran:
+    """``kit ...`` in this process (``kit_cli.main``), its output captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 async def test_runs_list_reads_the_log(tmp_path):
@@ -28,12 +42,13 @@ async def test_runs_list_reads_the_log(tmp_path):
             ok = await deck.run("greeter", "hello", session_id="s1")
             with pytest.raises(RuntimeError):
                 await deck.run("greeter", "again", session_id="s2")
-    out = kit_cli("runs", "list", "--store", f"sqlite:///{db}")
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", f"sqlite:///{db}")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith(ok.run_id) and "COMPLETED" in lines[0]
     assert "FAILED" in lines[1] and "s2" in lines[1]
-    out = kit_cli("runs", "list", "--store", f"sqlite:///{db}", "--status", "FAILED", "--json")
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", f"sqlite:///{db}",
+                                         "--status", "FAILED", "--json")
     [row] = [json.loads(line) for line in out.stdout.splitlines()]
     assert (row["status"], row["name"], row["session_id"]) == ("FAILED", "greeter", "s2")
 

@@ -14,6 +14,7 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 import kit
+import kit_core
 from kit import Agent, Context, ContextTypeError, Deck, ScriptedModel, Workflow
 from kit_store import SQLiteStore
 from test_kit_workflows import graph
@@ -92,7 +93,7 @@ def test_build_time_check_one_case_per_row(row, required, provided, verdict):
             assert isinstance(err.value, kit.ConfigError)
             message = str(err.value)
             assert "tool needs of agent 'a'" in message
-            assert kit._type_name(provided) in message
+            assert kit_core.type_name(provided) in message
         else:
             deck.build()  # compatible, or deferred to invocation
     finally:
@@ -225,14 +226,14 @@ async def test_the_context_is_never_written_anywhere(tmp_path):
             await deck.run("sleepy", {"log": [], "wake_at": NOW.isoformat()}, session_id="n1", context=deps)
             assert [t.thread_id for t in await deck.tick(NOW)] == ["n1"]
             assert SEEN[-2:] == [deps, None]  # tick carries no context
-            sessions = deck._runtime._memory.db.iterdump()
+            sessions = deck._runtime.sessions.memory.db.iterdump()
             session_dump = "\n".join(sessions)
         assert all(v is deps for v in seen_by.values()) and set(seen_by) == {"tool", "instructions", "hook"}
         assert deps in SEEN
     assert "value of k" in session_dump  # the session store was written...
     assert MARKER not in session_dump  # ...and never with the context
-    import kit_runtime
-    with sqlite3.connect(kit_runtime.checkpoint_path(str(db))) as con:  # after the last close
+    import kit_workflows
+    with sqlite3.connect(kit_workflows.checkpoint_path(str(db))) as con:  # after the last close
         assert con.execute("SELECT COUNT(*) FROM checkpoints").fetchone()[0] > 0
     with sqlite3.connect(db) as con:
         assert con.execute("SELECT COUNT(*) FROM events").fetchone()[0] > 0

@@ -164,7 +164,7 @@ async def test_health_chat_and_sessions_over_json():
         assert await app.deck.status(run_id) is RunStatus.COMPLETED
         r = await client.post("/agents/echo/chat", json={"session_id": "s1", "message": "again"})
         assert r.json() == {"output": "hello there world"}
-        info = await app.deck._runtime.store.run_info(r.headers["x-kit-run-id"])
+        info = await app.deck.store.run_info(r.headers["x-kit-run-id"])
         assert (info.session_id, info.namespace) == ("s1", None)
 
 
@@ -379,7 +379,7 @@ async def test_pause_resume_and_cancel_routes():
                 first.append(await client.post("/agents/worker/chat", json={"session_id": "s", "message": "go"}))
             tg.start_soon(play)
             await gate.until_entered()
-            [info] = await app.deck._runtime.store.runs(status=RunStatus.RUNNING)
+            [info] = await app.deck.store.runs(status=RunStatus.RUNNING)
             r = await client.post(f"/runs/{info.run_id}/pause", json={"reason": "lunch"})
             assert (r.status_code, r.json()) == (202, {"run_id": info.run_id, "requested": "pause"})
             gate.release.set()

@@ -381,11 +381,11 @@ async def test_a_thread_whose_process_died_carries_on_from_its_checkpoint(tmp_pa
 ORPHAN = """
 import asyncio, sys, aiosqlite
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
-import kit_runtime
+import kit_workflows
 import test_kit_workflows as t
 
 async def main():  # a thread asleep in the checkpointer with no run in the log
-    async with aiosqlite.connect(kit_runtime.checkpoint_path(sys.argv[1])) as conn:
+    async with aiosqlite.connect(kit_workflows.checkpoint_path(sys.argv[1])) as conn:
         saver = AsyncSqliteSaver(conn)
         graph = t.durable_sleeper().graph.compile(checkpointer=saver)
         await graph.ainvoke({"log": [], "wake_at": t.NOW.isoformat()},
@@ -418,10 +418,11 @@ async def test_durable_checkpoints_live_beside_the_log_not_in_it(store, monkeypa
     locked" (seen once in bench_kit.py under load; too rare to reproduce here), so checkpoints
     live in a file of their own. This asserts that, and smoke-tests many quick durable runs."""
     import kit_runtime
+    import kit_workflows
     monkeypatch.setattr(kit_runtime, "FLUSH_DELAY", 0.0002)  # background commits, often
     async with Deck(workflows=[Workflow("w", graph(plan, done), durable=True)], store=store) as deck:
         with anyio.fail_after(30):
             for i in range(60):
                 assert (await deck.run("w", {"log": []}, session_id=f"t{i}"))["log"][-1] == "done"
-    checkpoints = Path(kit_runtime.checkpoint_path(store.path))
+    checkpoints = Path(kit_workflows.checkpoint_path(store.path))
     assert checkpoints.exists() and checkpoints != Path(store.path)

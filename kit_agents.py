@@ -1,0 +1,729 @@
+"""kit_agents: the openai-agents engine: agents compiled for the SDK and played on a run handle.
+
+Owns: compiling an ``Agent`` (``compile_agent``: its model tapped so every chunk reaches the log,
+its plain-function tools given SDK schemas with ``Context[...]`` parameters hidden and injected,
+its hooks handed a ``Context``, its skills' catalog and ``load_skill`` tool, its MCP servers),
+playing one turn (``AgentEngine.play``), the headless ``Agent.run`` (``run_headless``), the
+conversation-memory sessions (``Sessions``), the SDK's MCP server objects and their holder, and
+the SDK settings a deck applies (default API, trace processors, run config).
+
+Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
+given), import kit_runtime or anything above it, touch asyncio directly (kit_bridge does), or
+write the application context anywhere (it reaches tools, instructions and hooks by reference).
+
+Theory of operation
+-------------------
+Deck runs call the non-streamed ``Runner.run`` for both ``run`` and ``stream``: the tapped model
+(``_TapModel``) emits ``text.delta`` per chunk itself when the run streams, consuming the inner
+model's ``stream_response`` and building the same ``ModelResponse`` the runner would have. The
+hooks (``_KitHooks``) make ``tool.started`` durable before a tool runs, record ``tool.completed``
+after it, and hold the agents' safe point: before each model call a pause or cancel request
+stops the run there with every finished turn kept in the session (notes/ENGINES.md 4). The run
+handle travels as the SDK's run context (``context=run``); the caller's object is ``run.data``.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import hashlib
+import inspect
+import json
+import os
+import sqlite3
+import threading
+import typing
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import agents as sdk
+import anyio
+import anyio.lowlevel
+from agents.function_schema import function_schema
+from agents.memory import SessionABC
+
+from kit_bridge import on_asyncio
+from kit_context import HOOK_METHODS, is_context
+from kit_core import (
+    AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, ImageBlock,
+    InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock, RunCancelled, RunCompleted,
+    RunFailed, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta, ToolCompleted, ToolStarted,
+    as_blocks, jsonable,
+)
+
+if TYPE_CHECKING:
+    from kit_catalog import MCP, Agent, Skill
+
+__all__ = ("compile_agent", "run_headless", "AgentEngine", "Sessions", "MemorySession",
+           "MAX_ERROR_CHARS", "YIELD_EVERY")
+
+#: A streaming model call lets the loop run other tasks at least every this many events.
+YIELD_EVERY = 64
+#: Error messages recorded in run.failed are cut to this length.
+MAX_ERROR_CHARS = 2000
+#: The SDK's tool classes: an agent's tool that is one of these passes through as built.
+SDK_TOOLS = tuple(typing.get_origin(t) or t for t in typing.get_args(sdk.Tool))
+
+
+# ========================================================================= recording a turn ====
+
+#: The run a model call belongs to (set around Runner.run; the SDK's tasks inherit it).
+_CURRENT_RUN: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_run", default=None)
+_UNPRICED: set[str] = set()
+
+
+def _price(model: str, input_tokens: int, output_tokens: int) -> float | None:
+    """Estimated USD from genai-prices' bundled data (offline); None for an unknown model."""
+    if model in _UNPRICED:
+        return None
+    from genai_prices import Usage as PriceUsage, calc_price
+    try:
+        price = calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens),
+                           model_ref=model, provider_id="openai")
+    except LookupError:
+        _UNPRICED.add(model)
+        return None
+    return float(price.total_price)
+
+
+def _message_text(item: Any) -> str:
+    return "".join(getattr(part, "text", "") or "" for part in getattr(item, "content", ()) or ())
+
+
+class _TapModel(sdk.Model):
+    """Wraps an agent's model so its output is recorded as it is produced.
+
+    Deck runs use the non-streamed ``Runner.run`` for both ``run`` and ``stream``: when the run
+    streams, ``get_response`` consumes the inner model's ``stream_response`` itself, emitting a
+    ``text.delta`` per chunk in the engine's own order, and returns the same ``ModelResponse``
+    the runner would have built. That skips the SDK's stream-event machinery (a queue hop and two
+    wrapper objects per token) while keeping text, tools and usage exactly as the SDK sees them.
+    """
+
+    def __init__(self, agent: str, model: str | sdk.Model | None) -> None:
+        self.agent = agent
+        self._model = model
+        self._inner: sdk.Model | None = model if isinstance(model, sdk.Model) else None
+
+    def inner(self) -> sdk.Model:
+        if self._inner is None:  # resolved on first use: building the client needs settings
+            self._inner = sdk.MultiProvider().get_model(self._model)  # type: ignore[arg-type]
+        return self._inner
+
+    def inner_if_made(self) -> sdk.Model | None:
+        """The inner model if it exists already (closing a deck must not build a client)."""
+        return self._inner
+
+    def model_name(self) -> str:
+        inner = self.inner()
+        return str(getattr(inner, "model", None) or self._model or type(inner).__name__)
+
+    async def get_response(self, system_instructions, input, model_settings, tools, output_schema,
+                           handoffs, tracing, *, previous_response_id=None, conversation_id=None,
+                           prompt=None) -> Any:
+        run: RunHandle | None = _CURRENT_RUN.get()
+        inner = self.inner()
+        args = (system_instructions, input, model_settings, tools, output_schema, handoffs, tracing)
+        kw = dict(previous_response_id=previous_response_id, conversation_id=conversation_id,
+                  prompt=prompt)
+        if run is None:
+            return await inner.get_response(*args, **kw)
+        ids: dict[int, str] = {}
+        if run.streaming:
+            response = await self._stream(run, inner.stream_response(*args, **kw), ids)
+        else:
+            response = await inner.get_response(*args, **kw)
+            for i, item in enumerate(response.output):
+                if getattr(item, "type", None) == "message":
+                    ids[i] = run.message_id()
+                    run.emit(TextDelta(_message_text(item)), origin=self._origin(run),
+                             message_id=ids[i])
+        self._record(run, response, output_schema, ids)
+        return response
+
+    async def _stream(self, run: RunHandle, stream: AsyncIterator[Any], ids: dict[int, str]) -> Any:
+        origin, final, done_items = self._origin(run), None, []
+        async for ev in stream:
+            kind = getattr(ev, "type", None)
+            if run.seq % YIELD_EVERY == 0:
+                # A model whose stream never waits (a scripted one, a fast local one) would
+                # otherwise hold the loop for a whole reply: streams, observers and other runs
+                # get their turn every YIELD_EVERY events.
+                await anyio.lowlevel.checkpoint()
+            if kind == "response.output_text.delta":
+                mid = ids.get(ev.output_index)
+                if mid is None:
+                    mid = ids[ev.output_index] = run.message_id()
+                run.emit(TextDelta(ev.delta), origin=origin, message_id=mid)
+            elif kind == "response.output_item.done":
+                done_items.append(ev.item)
+            elif kind == "response.completed":
+                final = ev.response
+            elif kind in ("response.failed", "response.incomplete", "error", "response.error"):
+                raise sdk.ModelBehaviorError(f"the model stream ended with {kind}")
+        if final is None:
+            raise sdk.ModelBehaviorError("Model did not produce a final response!")
+        output = final.output or done_items  # some backends leave the final output empty
+        u = final.usage
+        usage = sdk.Usage(requests=1, input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+                          total_tokens=u.total_tokens, input_tokens_details=u.input_tokens_details,
+                          output_tokens_details=u.output_tokens_details) if u else sdk.Usage()
+        return sdk.ModelResponse(output=output, usage=usage, response_id=final.id)
+
+    def _origin(self, run: RunHandle) -> str:
+        return run.origin if self.agent == run.origin else f"{run.origin}/{self.agent}"
+
+    def _record(self, run: RunHandle, response: Any, output_schema: Any, ids: dict[int, str]) -> None:
+        origin = self._origin(run)
+        calls_tools = any(getattr(i, "type", None) == "function_call" for i in response.output)
+        for i, item in enumerate(response.output):
+            if getattr(item, "type", None) != "message":
+                continue
+            text, output = _message_text(item), None
+            if output_schema is not None and not output_schema.is_plain_text() and not calls_tools:
+                try:
+                    output = jsonable(output_schema.validate_json(text))
+                except Exception:  # the runner reports invalid output itself
+                    output = None
+            run.emit(MessageCompleted(text, output, self.agent), origin=origin,
+                     message_id=ids.get(i))
+        model = self.model_name()
+        u = response.usage
+        usd = _price(model, u.input_tokens, u.output_tokens)
+        run.add_usage(u.input_tokens, u.output_tokens, usd)
+        run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd), origin=origin)
+
+    async def stream_response(self, *args: Any, **kw: Any) -> AsyncIterator[Any]:
+        async for ev in self.inner().stream_response(*args, **kw):
+            yield ev
+
+
+class _Stop(sdk.AgentsException):
+    """Raised at a safe point to stop a run that was asked to pause or cancel."""
+
+    def __init__(self, action: str, reason: str | None) -> None:
+        super().__init__(f"{action} requested")
+        self.action, self.reason = action, reason
+
+
+class _KitHooks(sdk.RunHooks):
+    """Records tool calls (``tool.started`` durable before the tool runs, then
+    ``tool.completed``) and holds the agents' safe point: before each model call, a run asked to
+    pause or cancel stops there, with every finished turn kept (notes/ENGINES.md 4)."""
+
+    async def on_llm_start(self, context: Any, agent: Any, system_prompt: Any, input_items: Any) -> None:
+        run = context.context
+        requested = run.take_request() if isinstance(run, RunHandle) else None
+        if requested is not None:
+            action, reason, source = requested
+            run.emit(ControlRequested(action, reason, source))
+            raise _Stop(action, reason)
+
+    async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
+        run = context.context
+        if isinstance(run, RunHandle):
+            call_id = getattr(context, "tool_call_id", None) or uuid.uuid4().hex
+            await run.durable(ToolStarted(call_id, tool.name, getattr(context, "tool_arguments", "") or ""),
+                              origin=_tool_origin(run, agent, tool))
+
+    async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
+        run = context.context
+        if isinstance(run, RunHandle):
+            call_id = getattr(context, "tool_call_id", None) or ""
+            run.emit(ToolCompleted(call_id, tool.name, jsonable(result), call_id in run.tool_errors),
+                     origin=_tool_origin(run, agent, tool))
+
+
+def _tool_origin(run: RunHandle, agent: Any, tool: Any) -> str:
+    base = run.origin if agent.name == run.origin else f"{run.origin}/{agent.name}"
+    return f"{base}/{tool.name}"
+
+
+_HOOKS = _KitHooks()
+
+
+def _data(wrapper: Any) -> Any:
+    """The caller's context object for an SDK context wrapper (None on headless runs)."""
+    run = getattr(wrapper, "context", None)
+    return run.data if isinstance(run, RunHandle) else None
+
+
+def _compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
+    """A plain function as an SDK ``FunctionTool``; ``Context[...]`` parameters are injected.
+
+    The schema is the SDK's own (``function_schema``, docstring descriptions included) built
+    over the function's signature without its context parameters, so the model never sees them.
+    The tool's exception goes back to the model as an error string, not a failed run.
+    """
+    sig = inspect.signature(fn)
+    ctx_names = [p.name for p in sig.parameters.values() if is_context(p.annotation)]
+    if ctx_names and any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+        raise ConfigError(f"agent {agent!r}: tool {fn.__name__} takes *args and a Context parameter")
+    visible = [p for p in sig.parameters.values() if p.name not in ctx_names]
+
+    def proxy(*a: Any, **k: Any) -> Any:  # only its signature and docs are read
+        raise AssertionError
+
+    proxy.__name__, proxy.__qualname__, proxy.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    proxy.__module__ = fn.__module__
+    proxy.__signature__ = sig.replace(parameters=visible)  # type: ignore[attr-defined]
+    proxy.__annotations__ = {k: v for k, v in getattr(fn, "__annotations__", {}).items()
+                             if k not in ctx_names}
+    try:
+        schema = function_schema(proxy)
+    except Exception as exc:
+        raise ConfigError(f"agent {agent!r}: cannot build a schema for tool {fn.__name__}: {exc}") from None
+    names = [p.name for p in visible]
+    is_async = inspect.iscoroutinefunction(fn)
+
+    async def invoke(tool_ctx: Any, args_json: str) -> Any:
+        run = tool_ctx.context
+        if ctx_names and not isinstance(run, RunHandle):
+            raise ConfigError(f"tool {fn.__name__} requires a kit run context, but the run carries "
+                              f"{type(run).__name__} rather than a run context (headless Agent.run?)")
+        try:
+            parsed = schema.params_pydantic_model(**json.loads(args_json or "{}"))
+            args, kwargs = schema.to_call_args(parsed)
+            call = dict(zip(names, args)) if ctx_names else None
+            if call is not None:
+                call.update(kwargs)
+                call.update({n: Context(run.data) for n in ctx_names})
+                args, kwargs = (), call
+            if is_async:
+                return await fn(*args, **kwargs)
+            out = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+            return await out if inspect.isawaitable(out) else out
+        except Exception as exc:
+            if isinstance(run, RunHandle):
+                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+            return f"error: {type(exc).__name__}: {exc}"
+
+    return sdk.FunctionTool(name=schema.name, description=schema.description or "",
+                            params_json_schema=schema.params_json_schema, on_invoke_tool=invoke,
+                            strict_json_schema=schema.strict_json_schema)
+
+
+def _instructions(agent: Agent, suffix: str = "") -> Any:
+    """The agent's instructions for the SDK; ``suffix`` (the skill catalog) follows them,
+    whether they are text or a callable."""
+    fn = agent.instructions
+    if fn is None or isinstance(fn, str):
+        return f"{fn or ''}{suffix}".lstrip() if suffix else fn
+
+    async def instructions(wrapper: Any, sdk_agent: Any) -> str:
+        out = fn(Context(_data(wrapper)), sdk_agent)
+        out = await out if inspect.isawaitable(out) else out
+        return f"{out or ''}{suffix}" if suffix else out
+
+    return instructions
+
+
+# ---------------------------------------------------------------------------- skills ----
+
+def _skill_catalog(skills: Sequence[Skill]) -> str:
+    """Tier 1 of the Agent Skills progressive disclosure: each skill's name and description."""
+    if not skills:
+        return ""
+    lines = ["", "", "## Skills",
+             "A skill holds instructions for one kind of task. When a task matches a skill's "
+             "description, call load_skill with its name first and follow what it says.", ""]
+    lines += [f"- {s.name}: {' '.join(s.description.split())}" for s in skills]
+    return "\n".join(lines)
+
+
+def _skill_tool(agent: str, skills: Sequence[Skill]) -> sdk.FunctionTool:
+    """The generated ``load_skill(name)`` tool: returns the skill's body (prose, never run).
+
+    Each load appends ``skill.loaded`` with the SHA-256 of the text served. Only the agent's
+    own skills are served, looked up by exact name: a name carrying a path (``../x``) or any
+    other name is refused with an error string to the model; no path is ever built from it.
+    """
+    by_name = {s.name: s for s in skills}
+    schema = {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string", "enum": sorted(by_name),
+                                      "description": "The skill's name, as listed under Skills."}}}
+
+    async def invoke(tool_ctx: Any, args_json: str) -> str:
+        run = tool_ctx.context
+        try:
+            name = json.loads(args_json or "{}").get("name")
+        except (ValueError, AttributeError):
+            name = None
+        skill = by_name.get(name) if isinstance(name, str) else None
+        if skill is None:
+            if isinstance(run, RunHandle):
+                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+            why = "skill names never carry a path" if isinstance(name, str) and (
+                "/" in name or "\\" in name or ".." in name) else "no such skill for this agent"
+            return f"error: refused {name!r}: {why}; the skills are {', '.join(sorted(by_name))}"
+        if isinstance(run, RunHandle):
+            digest = hashlib.sha256(skill.body.encode("utf-8")).hexdigest()
+            run.emit(SkillLoaded(skill.name, digest))
+        return skill.body
+
+    return sdk.FunctionTool(name="load_skill", description=(
+        "Load a skill: returns its full instructions, to follow for the task at hand."),
+        params_json_schema=schema, on_invoke_tool=invoke, strict_json_schema=True)
+
+
+
+class _UserHooks(sdk.AgentHooks):
+    """The agent's own hooks object, called with a ``Context`` in place of the SDK's context."""
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+
+    async def _call(self, name: str, wrapper: Any, *args: Any) -> None:
+        method = getattr(self.user, name, None)
+        if method is not None:
+            out = method(Context(_data(wrapper)), *args)
+            if inspect.isawaitable(out):
+                await out
+
+
+def _hook_method(name: str) -> Callable[..., Any]:
+    async def method(self: _UserHooks, context: Any, *args: Any) -> None:
+        await self._call(name, context, *args)
+    method.__name__ = name
+    return method
+
+
+for _name in HOOK_METHODS:
+    setattr(_UserHooks, _name, _hook_method(_name))
+
+
+def _wants_chat(model: Any) -> bool:
+    if isinstance(model, sdk.Model):
+        return isinstance(model, sdk.OpenAIChatCompletionsModel)
+    return os.environ.get("KIT_OPENAI_API", "responses") == "chat_completions"
+
+
+def _model_input(blocks: Sequence[Any], chat: bool) -> str | list[dict[str, Any]]:
+    """Content blocks as one user message of the Responses input format.
+
+    Resource and data blocks are recorded in the log but not sent (SPEC 8). Raises
+    ``ConfigError`` naming a block this engine path cannot express (audio off the
+    chat-completions path), ``ContentError`` when nothing is left to send.
+    """
+    if len(blocks) == 1 and isinstance(blocks[0], TextBlock):
+        return blocks[0].text
+    parts: list[dict[str, Any]] = []
+    for b in blocks:
+        if isinstance(b, TextBlock):
+            parts.append({"type": "input_text", "text": b.text})
+        elif isinstance(b, ImageBlock):
+            parts.append({"type": "input_image", "detail": "auto",
+                          "image_url": f"data:{b.media_type};base64,{b.data_b64}"})
+        elif isinstance(b, AudioBlock):
+            if not chat:
+                raise ConfigError("AudioBlock cannot be sent on the Responses API path: set "
+                                  "KIT_OPENAI_API=chat_completions or give the agent an "
+                                  "OpenAIChatCompletionsModel")
+            fmt = b.media_type.split("/", 1)[1].removeprefix("x-")
+            parts.append({"type": "input_audio", "input_audio": {
+                "data": b.data_b64, "format": {"mpeg": "mp3"}.get(fmt, fmt)}})
+        elif not isinstance(b, (ResourceBlock, DataBlock)):
+            raise ConfigError(f"the agents engine cannot express a {type(b).__name__}")
+    if not parts:
+        raise ContentError("nothing to send to the model: resource and data blocks are recorded "
+                           "but not sent; add a TextBlock")
+    return [{"role": "user", "content": parts}]
+
+
+def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
+               skills: Sequence[Skill] = (), mcp_servers: Sequence[Any] = ()) -> sdk.Agent:
+    tools = [t if isinstance(t, SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
+    if skills:
+        tools.append(_skill_tool(agent.name, skills))
+    return sdk.Agent(
+        name=agent.name, instructions=_instructions(agent, _skill_catalog(skills)),
+        tools=tools + list(extra_tools),
+        hooks=_UserHooks(agent.hooks) if agent.hooks is not None else None, model=model,
+        model_settings=agent.model_settings or sdk.ModelSettings(), output_type=agent.output_type,
+        # Tool names qualified by server (mcp_<server>__<tool>): two servers may share a name.
+        # Without servers the SDK's default config: qualifying costs a tool scan per turn.
+        mcp_servers=list(mcp_servers), mcp_config={
+            "include_server_in_tool_names": True, "failure_error_function": _mcp_tool_error,
+        } if mcp_servers else {})
+
+
+def _mcp_tool_error(ctx: Any, error: Exception) -> str:
+    """An MCP tool call that failed (timed out, refused by the server): the SDK's error text
+    goes to the model, and the call's ``tool.completed`` says ``is_error``."""
+    run = getattr(ctx, "context", None)
+    if isinstance(run, RunHandle):
+        run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
+    return sdk.default_tool_error_function(ctx, error)
+
+
+# ================================================================================ compiling ====
+
+class AgentEngine:
+    """A compiled agent: the SDK agent, how content blocks become its input, and how it plays."""
+
+    def __init__(self, sdk_agent: sdk.Agent, chat: bool) -> None:
+        self.sdk_agent, self.chat = sdk_agent, chat
+
+    def to_input(self, blocks: Sequence[Any]) -> str | list[dict[str, Any]]:
+        """The model input for ``blocks``; raises ``ConfigError``/``ContentError`` as
+        ``_model_input`` does (before anything is written)."""
+        return _model_input(blocks, self.chat)
+
+    async def play(self, run: RunHandle, items: Any, session: Any, run_config: Any) -> Event:
+        """Engine side: play one turn on ``run``, ending it with its terminal or parking event
+        (durable when this returns). A run's failure is recorded, then re-raised."""
+        token = _CURRENT_RUN.set(run)
+        try:
+            result = await sdk.Runner.run(self.sdk_agent, items, context=run, hooks=_HOOKS,
+                                          run_config=run_config, session=session)
+        except _Stop as stop:
+            if stop.action == "cancel":
+                return await run.durable(RunCancelled(stop.reason))
+            kept = None
+            if session is None and stop.run_data is not None:  # the conversation to resume from
+                data = stop.run_data
+                kept = ([{"role": "user", "content": data.input}] if isinstance(data.input, str)
+                        else list(data.input)) + [i.to_input_item() for i in data.new_items]
+            return await run.durable(RunPaused(stop.reason, jsonable(kept)))
+        except anyio.get_cancelled_exc_class():
+            run.emit(RunCancelled("the deck closed" if run.closing else "the caller was cancelled"))
+            raise
+        except Exception as exc:
+            run.error = exc  # a stream's consumer raises it after run.failed
+            await run.durable(RunFailed(type(exc).__name__, str(exc)[:MAX_ERROR_CHARS]))
+            raise
+        finally:
+            _CURRENT_RUN.reset(token)
+        return await run.durable(RunCompleted(jsonable(result.final_output), run.usage()))
+
+
+def compile_agent(agent: Agent, *, tools: Sequence[Any] = (), skills: Sequence[Skill] = (),
+                  mcp_servers: Sequence[Any] = ()) -> InvocableSpec:
+    """Compile an ``Agent`` for Deck runs: its model tapped so its output reaches the log.
+
+    ``tools`` are added to the agent's own (its workflows as child-run tools); ``skills`` give it
+    the catalog in its instructions and ``load_skill``; ``mcp_servers`` (the SDK's server
+    objects, connected when the deck opens) give it their tools. Raises ``ConfigError`` for a
+    tool whose schema cannot be built.
+    """
+    model = agent.model or os.environ.get("KIT_MODEL") or None
+    return InvocableSpec(agent.name, "agent", agent, AgentEngine(
+        _sdk_agent(agent, _TapModel(agent.name, model), tools, skills=skills,
+                   mcp_servers=mcp_servers), _wants_chat(model)))
+
+
+def compile_headless(agent: Agent) -> AgentEngine:
+    """The agent as ``Agent.run`` plays it: its own model, untapped; no log."""
+    model = agent.model or os.environ.get("KIT_MODEL") or None
+    return AgentEngine(_sdk_agent(agent, model), _wants_chat(model))
+
+
+async def run_headless(engine: AgentEngine, input: Any, *, session: Any = None,
+                       max_turns: int | None = None) -> Any:
+    """``Agent.run``: the SDK's own run of the agent, no log, no deck; returns its RunResult."""
+    items = engine.to_input(as_blocks(input))
+    kw: dict[str, Any] = {"session": session}
+    if max_turns is not None:
+        kw["max_turns"] = max_turns
+    return await on_asyncio(functools.partial(sdk.Runner.run, engine.sdk_agent, items, **kw))
+
+
+# ====================================================================== the SDK, per deck ====
+
+def use_api(api: str | None) -> None:
+    """Apply ``KIT_OPENAI_API`` (``responses`` or ``chat_completions``); raises ``ConfigError``."""
+    if api is not None and api not in ("responses", "chat_completions"):
+        raise ConfigError(f"KIT_OPENAI_API must be 'responses' or 'chat_completions', got {api!r}")
+    if api is not None:
+        sdk.set_default_openai_api(api)  # type: ignore[arg-type]
+
+
+def use_trace_processors(processors: Sequence[Any]) -> bool:
+    """Send the SDK's own spans to ``processors`` (a tracing observer's ``sdk_spans``), or stop
+    sending them (``[]``). Returns whether any are set."""
+    sdk.set_trace_processors(list(processors))
+    return bool(processors)
+
+
+def run_config(traced: bool, run_id: str | None = None, session_id: str | None = None) -> Any:
+    """The SDK run config of a deck run: SDK tracing off (the log is the record) unless a
+    tracing observer asked for the SDK's spans, then tagged with the run id."""
+    if not traced:
+        return _UNTRACED
+    return sdk.RunConfig(trace_metadata={"kit.run_id": run_id}, group_id=session_id)
+
+
+_UNTRACED = sdk.RunConfig(tracing_disabled=True)
+
+
+def model_clients(specs: Sequence[InvocableSpec]) -> list[Any]:
+    """The HTTP clients of the deck's model objects (to close on the loop that used them)."""
+    out = []
+    for spec in specs:
+        if spec.kind == "agent":
+            tap = spec.engine.sdk_agent.model
+            client = getattr(tap.inner_if_made(), "_client", None)
+            if client is not None and callable(getattr(client, "close", None)):
+                out.append(client)
+    return out
+
+
+# ================================================================================ MCP servers ====
+
+def mcp_servers(mcp: MCP | None) -> dict[str, Any]:
+    """One unconnected SDK server object per server of ``mcp`` (connected when the deck opens)."""
+    from agents.mcp import MCPServerSse, MCPServerStdio, MCPServerStreamableHttp
+    out: dict[str, Any] = {}
+    for name, s in (mcp.servers if mcp is not None else {}).items():
+        kw = {"name": name, "client_session_timeout_seconds": s["timeout"]}
+        if s["type"] == "stdio":
+            params: dict[str, Any] = {"command": s["command"], "args": list(s["args"])}
+            if s["env"] is not None:  # the child inherits nothing unless given env
+                params["env"] = {**os.environ, **s["env"]}
+            if s["cwd"] is not None:
+                params["cwd"] = s["cwd"]
+            out[name] = MCPServerStdio(params=params, **kw)  # type: ignore[arg-type]
+        else:
+            cls = MCPServerSse if s["type"] == "sse" else MCPServerStreamableHttp
+            out[name] = cls(params={"url": s["url"], "headers": dict(s["headers"]),
+                                    "timeout": s["timeout"]}, **kw)  # type: ignore[arg-type]
+    return out
+
+
+class ServerHolder:
+    """Connects a deck's MCP servers and holds them open until ``stop``.
+
+    ``hold`` runs on the engine side as one task: the MCP client's task groups must be left from
+    the task that entered them, or a server's child process may outlive the deck. ``ready`` (a
+    kit-side event, set through ``to_kit``) fires once every server is connected or one failed:
+    then ``error`` and ``failed`` (the server's name) say which. ``stop`` is called on the engine
+    side (through the bridge under trio).
+    """
+
+    def __init__(self, servers: Sequence[Any], to_kit: Callable[[Callable[[], Any]], Any]) -> None:
+        self.servers, self._to_kit = list(servers), to_kit
+        self.ready = anyio.Event()
+        self.error: BaseException | None = None
+        self.failed: str | None = None
+        self._stop: anyio.Event | None = None
+
+    async def hold(self) -> None:
+        self._stop = stop = anyio.Event()
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for server in self.servers:
+                    self.failed = server.name
+                    await server.connect()
+                    stack.push_async_callback(server.cleanup)
+                self.failed = None
+                self._to_kit(self.ready.set)
+                await stop.wait()
+        except Exception as exc:  # reported by the Runtime, not left to crash its task group
+            self.error = exc
+        finally:
+            self._to_kit(self.ready.set)
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+
+# =================================================================================== sessions ====
+
+class _MemoryDB:
+    """Every conversation-memory session of the process in ONE in-memory SQLite database.
+
+    The SDK's ``SQLiteSession(":memory:")`` costs ~64 KiB per session (a private database each,
+    PERF.md section 1); here a session is a key into one shared table. Lost on process exit.
+    """
+
+    def __init__(self) -> None:
+        self.db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+        self.db.execute("CREATE TABLE items(id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                        "session TEXT NOT NULL, data TEXT NOT NULL)")
+        self.db.execute("CREATE INDEX items_session ON items(session, id)")
+        self.lock = threading.Lock()  # the engine thread and the kit side may both call in
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class MemorySession(SessionABC):
+    """An ``agents.memory.Session`` over the shared in-memory database."""
+
+    def __init__(self, store: _MemoryDB, session_id: str) -> None:
+        self.session_id, self.session_settings, self._s = session_id, None, store
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        with self._s.lock:
+            if limit is None:
+                rows = self._s.db.execute("SELECT data FROM items WHERE session=? ORDER BY id",
+                                          (self.session_id,)).fetchall()
+            else:
+                rows = self._s.db.execute(
+                    "SELECT data FROM (SELECT id, data FROM items WHERE session=? ORDER BY id DESC "
+                    "LIMIT ?) ORDER BY id", (self.session_id, limit)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    async def add_items(self, items: list[Any]) -> None:
+        rows = [(self.session_id, json.dumps(i, default=str)) for i in items]
+        with self._s.lock:
+            self._s.db.executemany("INSERT INTO items(session, data) VALUES (?, ?)", rows)
+
+    async def pop_item(self) -> Any:
+        with self._s.lock:
+            row = self._s.db.execute("SELECT id, data FROM items WHERE session=? ORDER BY id DESC "
+                                     "LIMIT 1", (self.session_id,)).fetchone()
+            if row is None:
+                return None
+            self._s.db.execute("DELETE FROM items WHERE id=?", (row[0],))
+        return json.loads(row[1])
+
+    async def clear_session(self) -> None:
+        with self._s.lock:
+            self._s.db.execute("DELETE FROM items WHERE session=?", (self.session_id,))
+
+
+class Sessions:
+    """The conversation-memory sessions (``agents.memory.Session``) of a deck's agent runs.
+
+    ``factory(key)`` when given; else the SDK's ``RedisSession`` when ``url`` is a Redis URL
+    (``KIT_SESSION``); else ``MemorySession``s in one in-process database, lost on exit. One
+    object per key (``<namespace>:<session_id>``, or the session id). Raises ``ConfigError`` for
+    another URL scheme.
+    """
+
+    def __init__(self, url: str | None, factory: Callable[[str], Any] | None) -> None:
+        if url and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"KIT_SESSION must be a redis:// URL, got {url!r}")
+        self._factory, self._url = factory, url
+        self._sessions: dict[str, Any] = {}
+        self._redis: Any = None
+        self.memory: _MemoryDB | None = None
+        if url:
+            import redis.asyncio
+            self._redis = redis.asyncio.from_url(url)
+        elif factory is None:
+            self.memory = _MemoryDB()
+
+    def get(self, session_id: str, namespace: str | None = None) -> Any:
+        key = session_id if namespace is None else f"{namespace}:{session_id}"
+        session = self._sessions.get(key)
+        if session is None:
+            if self._factory is not None:
+                session = self._factory(key)
+            elif self._redis is not None:
+                from agents.extensions.memory.redis_session import RedisSession
+                session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
+            else:
+                session = MemorySession(self.memory, key)  # type: ignore[arg-type]
+            self._sessions[key] = session
+        return session
+
+    async def aclose(self) -> None:
+        """Engine side: close the Redis client (its connections belong to the engine's loop)."""
+        if self._redis is not None:
+            await self._redis.aclose()
+        if self.memory is not None:
+            self.memory.close()

@@ -1,0 +1,190 @@
+"""kit_bridge: the asyncio loop that plays the engines when kit runs under trio.
+
+Owns: ``Bridge`` (one asyncio loop in a daemon thread, the calls into it and the mailbox out of
+it) and ``on_asyncio`` (await an engine coroutine from asyncio or trio alike). This is the only
+kit module that touches asyncio directly.
+
+Must never: know what a run, an event or a store is (it carries opaque items), block the trio
+side, or wake the trio side once per item.
+
+Theory of operation
+-------------------
+openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9). Under trio the Runtime
+starts one ``Bridge`` and every SDK object lives on its loop. ``call`` runs a coroutine function
+there and waits for it from trio; cancelling the trio caller cancels the asyncio task and waits,
+bounded by ``CANCEL_TIMEOUT``, for it to unwind (so a run records how it ended before its caller
+goes on). Items travel the other way through a mailbox: ``post`` (engine side) appends and wakes
+the trio side at most once per batch: an ordinary item waits up to ``WAKE_DELAY`` so one wake-up
+carries many (about 0.4 us per item instead of 16-70 us per crossing, notes/PERF.md section 5); an
+urgent one wakes it at once. ``pump`` (trio side) hands each item to its handler in order.
+``post_and_wait`` is ``post`` for an item whose handler must finish before the engine goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import sniffio
+
+from kit_core import DeckStateError
+
+__all__ = ("Bridge", "on_asyncio", "WAKE_DELAY", "CANCEL_TIMEOUT", "STOP_TIMEOUT")
+
+#: Ordinary items wait up to this long before waking the trio side, so one wake-up carries many
+#: (PERF.md section 5, strategy D); urgent items wake it at once.
+WAKE_DELAY = 0.002
+#: How long a cancelled ``call`` waits for its asyncio task to unwind (a run recording its end).
+CANCEL_TIMEOUT = 10.0
+#: How long ``stop`` waits for the loop's thread to finish its tasks before abandoning it (a
+#: daemon thread: it never keeps the process from exiting).
+STOP_TIMEOUT = 10.0
+
+
+class Bridge:
+    """One asyncio loop in a daemon thread, hosting every SDK object while kit runs on trio.
+
+    Make it and ``start()`` it on trio; ``call`` and ``pump`` from trio; ``post``,
+    ``post_and_wait`` and ``to_kit`` from the loop's thread; ``soon`` from trio.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name="kit-bridge", daemon=True)
+        self._mail: deque[Any] = deque()
+        self._lock = threading.Lock()
+        self._armed = 0  # 0: no wake-up pending, 1: a delayed one, 2: an immediate one
+        self._token: Any = None
+        self._wake: anyio.Event | None = None
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def start(self) -> None:
+        import trio
+        self._token = trio.lowlevel.current_trio_token()
+        self._wake = anyio.Event()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the loop (its tasks are cancelled) and wait for its thread, at most
+        ``STOP_TIMEOUT``; a thread that will not end is left behind (it is a daemon)."""
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            with anyio.move_on_after(STOP_TIMEOUT):
+                await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
+
+    async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Trio side: ``await fn(*args)`` on the loop; its result, or its exception re-raised.
+
+        An asyncio cancellation that did not come from this caller (the loop stopping) is a
+        ``DeckStateError``: the deck closed under the call.
+        """
+        done, token, box = anyio.Event(), self._token, {}
+        task: list[asyncio.Task[Any]] = []
+
+        async def play() -> None:
+            try:
+                box["result"] = await fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - carried to the trio side
+                box["error"] = exc
+            finally:
+                token.run_sync_soon(done.set)
+
+        # A fresh context: the task must not inherit the trio thread's context variables
+        # (sniffio's among them would make anyio believe the loop is trio).
+        self.loop.call_soon_threadsafe(lambda: task.append(self.loop.create_task(play())),
+                                       context=contextvars.Context())
+        try:
+            await done.wait()
+        except BaseException:
+            self.loop.call_soon_threadsafe(lambda: task[0].cancel())
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_TIMEOUT):
+                await done.wait()  # the engine side records how the run ended before we go on
+            raise
+        if "error" in box:
+            if isinstance(box["error"], asyncio.CancelledError):
+                raise DeckStateError("CLOSED", "finish the run") from None
+            raise box["error"]
+        return box["result"]
+
+    def soon(self, fn: Callable[[], Any]) -> None:
+        """Trio side: call ``fn()`` on the loop's thread, soon."""
+        self.loop.call_soon_threadsafe(fn)
+
+    def to_kit(self, fn: Callable[[], Any]) -> None:
+        """Loop side: call ``fn()`` on the trio thread, soon."""
+        self._token.run_sync_soon(fn)
+
+    def post(self, item: Any, urgent: bool = False) -> None:
+        """Loop side: queue ``item`` for ``pump``; wake the trio side at most once per batch."""
+        with self._lock:
+            self._mail.append(item)
+            armed, self._armed = self._armed, max(self._armed, 2 if urgent else 1)
+        if urgent and armed < 2:
+            self._token.run_sync_soon(self._set)
+        elif not armed:
+            self.loop.call_later(WAKE_DELAY, self._token.run_sync_soon, self._set)
+
+    async def post_and_wait(self, item: Any) -> None:
+        """Loop side: ``post`` ``(item, reply)`` urgently and wait until the trio side settles
+        ``reply`` (``settle(reply, error)``); raises the error it was settled with."""
+        reply = self.loop.create_future()
+        self.post((item, reply), urgent=True)
+        await reply
+
+    def settle(self, reply: Any, error: BaseException | None) -> None:
+        """Trio side: answer a ``post_and_wait`` (``error`` None: it succeeded)."""
+        self.loop.call_soon_threadsafe(_settle, reply, error)
+
+    def _set(self) -> None:
+        self._wake.set()  # type: ignore[union-attr]
+
+    def take(self) -> list[Any]:
+        """Trio side: everything in the mailbox, oldest first."""
+        with self._lock:
+            items = list(self._mail)
+            self._mail.clear()
+            self._armed = 0
+            self._wake = anyio.Event()
+        return items
+
+    async def pump(self, handle: Callable[[Any], Awaitable[None]]) -> None:
+        """Trio side, forever: hand each mailbox item to ``handle``, in order."""
+        while True:
+            await self._wake.wait()  # type: ignore[union-attr]
+            for item in self.take():
+                await handle(item)
+
+
+def _settle(reply: asyncio.Future[Any], error: BaseException | None) -> None:
+    if not reply.done():
+        if error is None:
+            reply.set_result(None)
+        else:
+            reply.set_exception(error)
+
+
+async def on_asyncio(fn: Callable[[], Awaitable[Any]]) -> Any:
+    """Await ``fn()`` on an asyncio loop: this one, or under trio a temporary ``Bridge``."""
+    if sniffio.current_async_library() == "asyncio":
+        return await fn()
+    bridge = Bridge()
+    bridge.start()
+    try:
+        return await bridge.call(fn)
+    finally:
+        await bridge.stop()

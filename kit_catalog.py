@@ -1,0 +1,418 @@
+"""kit_catalog: what a deck is made of: agents, workflows, skills and MCP tool servers.
+
+Owns: ``Agent`` and ``Workflow`` (with their headless runners ``Agent.run``, ``Workflow.run``,
+``resume`` and ``as_tool``, which SPEC puts on them), ``Skills``/``Skill`` (SKILL.md files, read
+and checked once), ``MCP`` (a ``.mcp.json`` read and checked once), and the node helpers
+``interrupt`` and ``sleep_until``.
+
+Must never: do I/O or import an engine SDK at import (``import kit`` stays fast: the agents SDK
+loads when a deck builds or a headless run starts); start anything (MCP servers start when a deck
+opens); touch a log, a store or the Runtime.
+
+Theory of operation: catalog objects are checked descriptions. Constructing one validates what can
+be validated without starting anything (names, files, configs) and raises ``ConfigError`` naming
+what is wrong. The engines (kit_agents, kit_workflows) compile them; they read them by their
+public attributes only. The catalog sits *above* the engines, not below: the headless runners
+SPEC puts on ``Agent`` and ``Workflow`` call the engines, so imports point from here down to
+them, never back (the engines know these classes only under ``TYPE_CHECKING``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kit_core import ConfigError, ContentBlock, check_name
+
+__all__ = ("Agent", "Workflow", "Skills", "Skill", "MAX_SKILL_BYTES", "MCP", "MCP_TIMEOUT",
+           "interrupt", "sleep_until")
+
+
+def _is_sdk_tool(tool: Any) -> bool:
+    import agents  # loaded only for a tool that is not a plain function
+    return isinstance(tool, tuple(typing.get_origin(t) or t for t in typing.get_args(agents.Tool)))
+
+
+def _is_sdk_model(model: Any) -> bool:
+    import agents  # an agents.Model instance means the SDK is loaded already
+    return isinstance(model, agents.Model)
+
+
+class Agent:
+    """A conversational agent, played by the openai-agents engine.
+
+    ``instructions`` is text or a callable ``(ctx: Context, agent) -> str`` (sync or async).
+    ``tools`` are plain functions (kit builds their schema; a ``Context[...]`` parameter is hidden
+    from the model and injected) or SDK tool objects (passed through as built). ``hooks`` is an
+    object with any of the SDK's agent hook methods (``on_start``, ``on_end``, ``on_llm_start``,
+    ``on_llm_end``, ``on_tool_start``, ``on_tool_end``, ``on_handoff``); each receives a
+    ``Context`` in place of the SDK's context argument. ``model`` is a model name (resolved by the
+    SDK; ``KIT_MODEL`` is the default) or an ``agents.Model`` instance such as ``ScriptedModel``.
+    ``skills``, ``mcp_servers`` and ``workflows`` are names resolved against the deck at ``build()``.
+
+    Raises ``ConfigError`` for a malformed name, a non-callable tool or a bad model.
+    """
+
+    def __init__(self, name: str, instructions: str | Callable[..., Any] | None = None,
+                 tools: Sequence[Any] = (), hooks: Any = None, *, model: str | Any = None,
+                 model_settings: Any = None, output_type: type | None = None,
+                 skills: Sequence[str] = (), mcp_servers: Sequence[str] = (),
+                 workflows: Sequence[str] = ()) -> None:
+        self.name = check_name("agent", name)
+        if instructions is not None and not isinstance(instructions, str) and not callable(instructions):
+            raise ConfigError(f"agent {name!r}: instructions must be a str or a callable, "
+                              f"got {type(instructions).__name__}")
+        for t in tools:
+            if not callable(t) and not _is_sdk_tool(t):
+                raise ConfigError(f"agent {name!r}: tool {t!r} is neither a function nor an SDK tool")
+        if model is not None and not isinstance(model, str) and not _is_sdk_model(model):
+            raise ConfigError(f"agent {name!r}: model must be a model name or an agents.Model, "
+                              f"got {type(model).__name__}")
+        self.instructions, self.tools, self.hooks = instructions, tuple(tools), hooks
+        self.model, self.model_settings, self.output_type = model, model_settings, output_type
+        self.skills, self.mcp_servers = tuple(skills), tuple(mcp_servers)
+        self.workflows = tuple(workflows)
+        self._headless: Any = None
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r})"
+
+    async def run(self, input: str | Sequence[ContentBlock], *, session: Any = None,
+                  max_turns: int | None = None) -> Any:
+        """Play one turn headless: no deck, no log, no observers; returns the SDK's ``RunResult``.
+
+        Tools that declare a ``Context[...]`` refuse when called (the run carries no context).
+        Works under asyncio and trio (trio plays it on a temporary asyncio thread).
+        """
+        import kit_agents
+        if self._headless is None:
+            self._headless = kit_agents.compile_headless(self)
+        return await kit_agents.run_headless(self._headless, input, session=session,
+                                             max_turns=max_turns)
+
+
+class Workflow:
+    """A graph workflow, played by LangGraph: ``graph`` is an uncompiled ``StateGraph``.
+
+    kit compiles it with the workflow's own checkpointer: a durable workflow (``durable=True``,
+    or the class attribute ``durable`` of a subclass) keeps its checkpoints in the store's SQLite
+    file, so a thread survives the process; otherwise they are in memory. A durable workflow's
+    runs need a ``session_id``, which is the LangGraph thread id. Nodes may call
+    ``kit.interrupt(payload)`` to wait for a human and ``kit.sleep_until(when)`` to sleep.
+
+    ``run``, ``resume`` and ``as_tool`` are headless: no deck, no log, no observers; they use a
+    private in-memory checkpointer kept by this object. Raises ``ConfigError`` for a bad name or
+    a graph that is not an uncompiled ``StateGraph``.
+    """
+    durable: bool = False
+
+    def __init__(self, name: str, graph: Any, *, durable: bool | None = None) -> None:
+        from langgraph.graph import StateGraph
+        self.name = check_name("workflow", name)
+        if not isinstance(graph, StateGraph):
+            raise ConfigError(f"workflow {name!r}: graph must be an uncompiled langgraph StateGraph, "
+                              f"got {type(graph).__name__}")
+        self.graph = graph
+        if durable is not None:
+            self.durable = bool(durable)
+        self._headless: Any = None
+
+    def __repr__(self) -> str:
+        return f"Workflow({self.name!r}, durable={self.durable})"
+
+    async def run(self, input: Mapping[str, Any], *, thread_id: str | None = None) -> Any:
+        """Play the graph headless; the final state, or an ``InterruptResult`` if it parked."""
+        import kit_workflows
+        return await kit_workflows.run_headless(self._graph(), self.name, input, thread_id)
+
+    async def resume(self, thread_id: str, value: Any) -> Any:
+        """Answer the thread's pending interrupt headless; final state or the next interrupt."""
+        import kit_workflows
+        return await kit_workflows.run_headless(self._graph(), self.name, None, thread_id,
+                                                resume=value)
+
+    def as_tool(self, *, description: str | None = None) -> Any:
+        """An SDK ``FunctionTool`` that plays this workflow headless on the model's input."""
+        import kit_workflows
+        graph = self._graph()
+        return kit_workflows.workflow_tool(
+            self.name, self.graph, description,
+            lambda _context, args: kit_workflows.run_headless(graph, self.name, args, None))
+
+    def _graph(self) -> Any:
+        """The graph of the headless runs, compiled once with a private in-memory checkpointer."""
+        if self._headless is None:
+            from langgraph.checkpoint.memory import InMemorySaver
+            self._headless = self.graph.compile(checkpointer=InMemorySaver())
+        return self._headless
+
+
+#: SKILL.md limits of the Agent Skills spec (agentskills.io; notes/CONVENTIONS.md B2).
+_SKILL_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_SKILL_NAME_MAX, _SKILL_DESCRIPTION_MAX, _SKILL_COMPATIBILITY_MAX = 64, 1024, 500
+#: A SKILL.md is read whole and served to a model in one tool result; the spec recommends a body
+#: under 5,000 tokens, so a file this large is a mistake, not a skill.
+MAX_SKILL_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Skill:
+    """One skill of a ``Skills`` catalog: its ``SKILL.md`` front matter and Markdown body.
+
+    Prose for a model to read, served by an agent's ``load_skill`` tool; never executed.
+    """
+    name: str
+    description: str
+    path: Path  # the SKILL.md file
+    body: str = field(repr=False)
+
+
+class Skills(Mapping):
+    """A skill catalog (name -> ``Skill``) read from ``SKILL.md`` files.
+
+    ``paths`` is one path or a sequence of them; each is a skill directory (holding
+    ``SKILL.md``) or a directory of skill directories (``<path>/*/SKILL.md``). Each ``SKILL.md``
+    opens with YAML front matter between ``---`` lines: ``name`` (1-64 characters of lowercase
+    letters, digits and single hyphens, not at either end, equal to the directory's name) and
+    ``description`` (1-1024 characters: what the skill does and when to use it); the Markdown
+    after it is the body ``load_skill`` serves. Files are read here, once.
+
+    Raises ``ConfigError`` naming the file for a missing or malformed front matter, a bad name
+    or description, a file over ``MAX_SKILL_BYTES``, or two skills of the same name; and for a
+    path that is not a directory.
+    """
+
+    def __init__(self, paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = ()) -> None:
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        self._skills: dict[str, Skill] = {}
+        for p in paths:
+            root = Path(p)
+            if (root / "SKILL.md").is_file():
+                files = [root / "SKILL.md"]
+            elif root.is_dir():
+                files = sorted(root.glob("*/SKILL.md"))
+            else:
+                raise ConfigError(f"no skills at {str(root)!r}: expected a skill directory (with "
+                                  "SKILL.md) or a directory of them")
+            for file in files:
+                skill = _read_skill(file)
+                if skill.name in self._skills:
+                    raise ConfigError(f"two skills are named {skill.name!r}: "
+                                      f"{self._skills[skill.name].path} and {file}")
+                self._skills[skill.name] = skill
+
+    def __getitem__(self, name: str) -> Skill:
+        return self._skills[name]
+
+    def __iter__(self) -> typing.Iterator[str]:
+        return iter(self._skills)
+
+    def __len__(self) -> int:
+        return len(self._skills)
+
+    def __repr__(self) -> str:
+        return f"Skills({list(self._skills)})"
+
+
+def _read_skill(file: Path) -> Skill:
+    """Parse and validate one ``SKILL.md`` (safe YAML front matter, then the body)."""
+    import yaml
+    try:
+        if file.stat().st_size > MAX_SKILL_BYTES:
+            raise ConfigError(f"{file} is larger than {MAX_SKILL_BYTES} bytes; keep SKILL.md short "
+                              "and put long material in files it references")
+        text = file.read_text(encoding="utf-8").removeprefix("\ufeff")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file} cannot be read: {exc}") from None
+    lines = text.splitlines(keepends=True)
+    end = next((i for i in range(1, len(lines)) if lines[i].strip() == "---"), None) \
+        if lines and lines[0].strip() == "---" else None
+    if end is None:
+        raise ConfigError(f"{file} must open with YAML front matter between '---' lines "
+                          "(name and description)")
+    try:
+        meta = yaml.safe_load("".join(lines[1:end]))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: the front matter is not valid YAML: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{file}: the front matter must be a mapping with name and description")
+    name, description = meta.get("name"), meta.get("description")
+    if not isinstance(name, str) or not 1 <= len(name) <= _SKILL_NAME_MAX \
+            or not _SKILL_NAME.match(name):
+        raise ConfigError(f"{file}: name must be 1-{_SKILL_NAME_MAX} characters of lowercase "
+                          "letters, digits and single hyphens, not starting or ending with one; "
+                          f"got {name!r}")
+    if name != file.parent.name:
+        raise ConfigError(f"{file}: name {name!r} must equal its directory's name "
+                          f"{file.parent.name!r}")
+    if not isinstance(description, str) or not description.strip() \
+            or len(description) > _SKILL_DESCRIPTION_MAX:
+        raise ConfigError(f"{file}: description is required: 1-{_SKILL_DESCRIPTION_MAX} characters "
+                          "saying what the skill does and when to use it")
+    compatibility = meta.get("compatibility")
+    if compatibility is not None and (not isinstance(compatibility, str)
+                                      or len(compatibility) > _SKILL_COMPATIBILITY_MAX):
+        raise ConfigError(f"{file}: compatibility must be text of at most "
+                          f"{_SKILL_COMPATIBILITY_MAX} characters")
+    metadata = meta.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise ConfigError(f"{file}: metadata must map strings to strings")
+    return Skill(name, description.strip(), file, "".join(lines[end + 1:]).strip())
+
+
+#: The per-request read timeout of an MCP server (seconds) unless its config says ``timeout``.
+#: The SDK's own default, 5 s, fails ordinary slow tools (notes/ENGINES.md 7).
+MCP_TIMEOUT = 30.0
+_MCP_KINDS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
+              "streamableHttp": "http", "sse": "sse"}
+_VAR = re.compile(r"\$\{([^}]*)\}")
+_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class MCP:
+    """External tool servers (MCP): a ``.mcp.json`` file's path, or its content as a mapping.
+
+    The formats of Claude Code and Cursor (top-level ``mcpServers``) and VS Code (``servers``)
+    are read, or a mapping of server name -> config. A server with ``command`` (``args``,
+    ``env``, ``cwd``) is stdio; with ``url`` (``headers``) streamable HTTP; SSE only when
+    ``"type": "sse"``. ``${VAR}``, ``${env:VAR}`` and ``${VAR:-default}`` are expanded from the
+    environment in command, args, env, url and headers, here, once. ``timeout`` (seconds,
+    default ``MCP_TIMEOUT``) bounds each request to the server. A stdio server with ``env``
+    gets the process environment plus those keys; without, the SDK's minimal one (HOME, PATH,
+    ...). An agent's tools from server ``time`` are named ``mcp_time__<tool>``.
+
+    Nothing starts here or at ``build()``: opening the deck connects every server, closing it
+    tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config, an
+    unknown ``type``, a variable that is unset and has no default, or ``${input:...}``.
+    """
+
+    def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        if isinstance(config, (str, os.PathLike)):
+            self.source = str(config)
+            try:
+                data = json.loads(Path(config).read_text(encoding="utf-8"))
+            except OSError as exc:
+                raise ConfigError(f"cannot read MCP config {self.source}: {exc}") from None
+            except ValueError as exc:
+                raise ConfigError(f"MCP config {self.source} is not valid JSON: {exc}") from None
+        elif isinstance(config, Mapping):
+            self.source, data = "MCP(...)", config
+        else:
+            raise ConfigError(f"MCP(...) takes a path to a .mcp.json or a mapping, "
+                              f"got {type(config).__name__}")
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{self.source}: an MCP config is a JSON object")
+        if "mcpServers" in data and "servers" in data:
+            raise ConfigError(f"{self.source} has both 'mcpServers' and 'servers'; keep one")
+        servers = data.get("mcpServers", data.get("servers", data))
+        if not isinstance(servers, Mapping):
+            raise ConfigError(f"{self.source}: the servers must be an object of name -> config")
+        self.servers: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
+            check_name("MCP server", n): _mcp_server(self.source, n, s)
+            for n, s in servers.items()})
+
+    def __repr__(self) -> str:
+        return f"MCP({list(self.servers)})"
+
+
+def _expand(source: str, value: Any) -> Any:
+    """``${VAR}``, ``${env:VAR}`` and ``${VAR:-default}`` (default when unset or empty)."""
+    if isinstance(value, list):
+        return [_expand(source, v) for v in value]
+    if isinstance(value, dict):
+        return {k: _expand(source, v) for k, v in value.items()}
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match[str]) -> str:
+        expr = m.group(1).removeprefix("env:")
+        if expr.startswith("input:"):
+            raise ConfigError(f"{source}: {m.group(0)} asks for user input, which a server cannot "
+                              "prompt for; use an environment variable")
+        name, has_default, default = expr.partition(":-")
+        if not _VAR_NAME.match(name):
+            raise ConfigError(f"{source}: {m.group(0)} is not a variable reference")
+        found = os.environ.get(name)
+        if has_default:
+            return found or default
+        if found is None:
+            raise ConfigError(f"{source}: environment variable {name} is not set and "
+                              f"{m.group(0)} has no default (write ${{{name}:-default}})")
+        return found
+
+    return _VAR.sub(sub, value)
+
+
+def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
+    where = f"{source}: MCP server {name!r}"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} must be an object")
+    kind = raw.get("type") or ("stdio" if "command" in raw else "http" if "url" in raw else None)
+    if kind is None:
+        raise ConfigError(f"{where} needs a 'command' (stdio) or a 'url' (HTTP)")
+    if kind not in _MCP_KINDS:
+        raise ConfigError(f"{where} has unknown type {kind!r}; expected stdio, http or sse")
+    timeout = raw.get("timeout", MCP_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
+    out: dict[str, Any] = {"type": _MCP_KINDS[kind], "timeout": float(timeout)}
+
+    def strings(key: str, shape: type) -> Any:
+        value = raw.get(key)
+        ok = (isinstance(value, list) and all(isinstance(v, str) for v in value)) if shape is list \
+            else (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in value.items()))
+        if value is not None and not ok:
+            raise ConfigError(f"{where}: {key} must be "
+                              f"{'a list of strings' if shape is list else 'an object of strings'}")
+        return None if value is None else _expand(where, value)
+
+    if out["type"] == "stdio":
+        command = raw.get("command")
+        if not isinstance(command, str) or not command:
+            raise ConfigError(f"{where}: a stdio server needs a 'command' string")
+        cwd = raw.get("cwd")
+        if cwd is not None and not isinstance(cwd, str):
+            raise ConfigError(f"{where}: cwd must be a string")
+        out.update(command=_expand(where, command), args=strings("args", list) or [],
+                   env=strings("env", dict), cwd=cwd)
+    else:
+        url = raw.get("url")
+        url = _expand(where, url) if isinstance(url, str) else url
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}: an {out['type']} server needs an http(s) 'url', got {url!r}")
+        out.update(url=url, headers=strings("headers", dict) or {})
+    return out
+
+
+def interrupt(payload: Any) -> Any:
+    """Inside a workflow node: park the run until a human answers; returns the answer.
+
+    The node runs again from its first line when answered, so keep side effects after this call
+    (or idempotent). Outside a workflow node LangGraph raises its own error.
+    """
+    from langgraph.types import interrupt as lg_interrupt
+    return lg_interrupt(payload)
+
+
+def sleep_until(when: datetime) -> Any:
+    """Inside a durable workflow node: park the thread until ``when`` (timezone-aware).
+
+    ``deck.tick()`` wakes it once that time has passed; returns ``{"woke_at": <iso time>}``. The
+    node re-runs on wake, so compute ``when`` once (in state, or in an earlier node), never as
+    ``now() + delta`` inside this node. Raises ``ConfigError`` for a naive datetime.
+    """
+    if not isinstance(when, datetime) or when.tzinfo is None or when.utcoffset() is None:
+        raise ConfigError(f"sleep_until needs a timezone-aware datetime, got {when!r}")
+    return interrupt({"kind": "sleep", "until": when.astimezone(timezone.utc).isoformat()})
+
+

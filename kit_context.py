@@ -1,0 +1,128 @@
+"""kit_context: the build-time check of the per-run application context (SPEC 4.2).
+
+Owns: finding the parameters annotated ``Context[...]`` in a callable (``context_params``),
+deciding whether a declared context type satisfies one (``context_fits``), and walking a compiled
+catalog's injection sites (``check_context``): tools, instructions callables, hook methods and
+workflow nodes.
+
+Must never: do I/O, import an engine SDK or a sibling above ``kit_core``, or look at a context
+*object* (only types: the object reaches the callables at run time and is never stored).
+
+Theory of operation: ``Deck.build()`` calls ``check_context`` when the deck declares
+``context=``. A site whose requirement the declared type cannot satisfy is a ``ContextTypeError``
+naming the site; a requirement the runtime cannot rule on (a TypeVar, a protocol with data members,
+an annotation that does not evaluate) is deferred to invocation, never refused.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from kit_core import Context, ContextTypeError, InvocableSpec
+
+__all__ = ("context_fits", "check_context")
+
+#: The hook methods an agent's ``hooks`` object may define (the SDK's ``AgentHooks``); each
+#: receives a ``Context`` in place of the SDK's context argument.
+HOOK_METHODS = ("on_start", "on_end", "on_handoff", "on_tool_start", "on_tool_end",
+                "on_llm_start", "on_llm_end")
+
+
+#: A ``Context[...]`` requirement kit cannot resolve (a string annotation that does not evaluate):
+#: deferred to invocation, like the other cases the build-time check cannot rule on (SPEC 4.2).
+_UNREADABLE = object()
+
+
+def context_params(fn: Any) -> dict[str, Any]:
+    """The parameters of ``fn`` annotated ``Context[...]``, each with the type it requires
+    (``Any`` for a bare ``Context``, ``_UNREADABLE`` when its annotation cannot be evaluated)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}
+    found = {n: p.annotation for n, p in sig.parameters.items() if is_context(p.annotation)}
+    if not found:
+        return {}
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation naming something not importable here
+        hints = {}
+    out = {}
+    for name, annotation in found.items():
+        annotation = hints.get(name, annotation)
+        if isinstance(annotation, str):
+            out[name] = _UNREADABLE
+        else:
+            out[name] = typing.get_args(annotation)[0] if typing.get_args(annotation) else Any
+    return out
+
+
+def context_fits(required: Any, provided: Any) -> bool | None:
+    """SPEC 4.2: may a callable requiring ``Context[required]`` run with a ``provided`` object?
+
+    True or False, or None when the runtime cannot rule (deferred to invocation): ``Any`` and
+    a bare ``Context`` fit anything; a class fits its subclasses (exact type or supertype); a
+    parameterised ABC such as ``Mapping[str, Any]`` is checked as the ABC, parameters ignored; a
+    runtime-checkable protocol with only methods is checked structurally; a union fits when an
+    arm does; a TypeVar, another protocol, or an annotation kit cannot read is deferred.
+    """
+    if required is Any:
+        return True
+    if required is _UNREADABLE or isinstance(required, typing.TypeVar):
+        return None
+    origin = typing.get_origin(required)
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [context_fits(arm, provided) for arm in typing.get_args(required)]
+        return True if True in verdicts else None if None in verdicts else False
+    if origin is not None:
+        required = origin  # the ABC (or class) of a parameterised type; parameters ignored
+    if not isinstance(required, type):
+        return None
+    if getattr(required, "_is_protocol", False) and not getattr(required, "_is_runtime_protocol", False):
+        return None
+    try:
+        return issubclass(typing.get_origin(provided) or provided, required)
+    except TypeError:  # a protocol with data members: the runtime refuses to rule
+        return None
+
+
+def check_context(specs: Sequence[InvocableSpec], provided: Any) -> None:
+    """Walk every injection site of the catalog and refuse an incompatible requirement.
+
+    Sites: an agent's tools (SDK tool objects are deferred), its instructions callable, its
+    hook methods, and every workflow node. Raises ``ContextTypeError`` naming the site, what it
+    requires and what the deck provides.
+    """
+    for spec in specs:
+        if spec.kind == "agent":
+            agent = spec.source
+            sites = [(f"tool {getattr(t, '__name__', t)!s} of agent {agent.name!r}", t)
+                     for t in agent.tools if callable(t)]  # SDK tool objects: deferred
+            if callable(agent.instructions):
+                sites.append((f"the instructions of agent {agent.name!r}", agent.instructions))
+            for method in HOOK_METHODS:
+                fn = getattr(agent.hooks, method, None) if agent.hooks is not None else None
+                if fn is not None:
+                    sites.append((f"hook {method} of agent {agent.name!r}", fn))
+        else:
+            sites = [(f"node {name} of workflow {spec.name!r}", node_function(node))
+                     for name, node in spec.source.graph.nodes.items()]
+        for site, fn in sites:
+            for required in context_params(fn).values():
+                if context_fits(required, provided) is False:
+                    raise ContextTypeError(site, required, provided)
+
+
+def is_context(annotation: Any) -> bool:
+    if isinstance(annotation, str):  # postponed annotations: `from __future__ import annotations`
+        return annotation == "Context" or annotation.startswith(("Context[", "kit.Context"))
+    return annotation is Context or typing.get_origin(annotation) is Context
+
+
+def node_function(node: Any) -> Any:
+    """The function a ``StateGraph`` node was added with (None when it is not a plain one)."""
+    runnable = node.runnable
+    return getattr(runnable, "func", None) or getattr(runnable, "afunc", None)

@@ -1,0 +1,347 @@
+"""kit_workflows: the LangGraph engine: workflows compiled, played on a run handle, parked, woken.
+
+Owns: compiling a ``Workflow`` for Deck runs (``compile_workflow``: a copy of its graph whose
+nodes that declare a ``Context`` receive the run's), the checkpointers (``open_graphs``: durable
+workflows on a SQLite file beside the log, the others in memory), playing and resuming a run
+(``WorkflowEngine.play``), reading parked threads off a checkpointer (``due_threads``), the
+headless ``Workflow.run``/``resume`` (``run_headless``) and workflow-as-tool (``workflow_tool``).
+
+Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
+given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
+it, touch asyncio directly, or put the application context in state, config or a checkpoint.
+
+Theory of operation
+-------------------
+A run streams the graph with ``stream_mode=["updates", "values"]``: each node's update becomes
+``node.updated``; an ``__interrupt__`` update parks the run (``run.interrupted``, or
+``run.sleeping`` for ``sleep_until``); the last values are the output of ``run.completed``. The
+caller's context travels in LangGraph's run context (``context=``), never in state or config, so it
+never reaches a checkpoint (notes/ENGINES.md 12). Pause and cancel drain the graph at its next
+superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a paused run
+resumes where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before
+the next superstep starts.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+import os
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from kit_bridge import on_asyncio
+from kit_context import context_params, node_function
+from kit_core import (
+    ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, InterruptResult,
+    InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunFailed, RunHandle, RunInterrupted,
+    RunPaused, RunSleeping, Usage, jsonable, new_run_id,
+)
+
+if TYPE_CHECKING:
+    from kit_catalog import Workflow
+
+__all__ = ("compile_workflow", "WorkflowEngine", "open_graphs", "checkpoint_path", "due_threads",
+           "run_headless", "workflow_tool", "child_tool")
+
+#: Error messages recorded in run.failed are cut to this length (as kit_agents does).
+MAX_ERROR_CHARS = 2000
+_CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
+_NULL_TASK = "00000000-0000-0000-0000-000000000000"
+_NO_VALUE = object()
+#: What LangGraph injects into a node by parameter name, read off its ``Runtime`` instead.
+_FROM_RUNTIME = {"runtime": lambda r: r, "writer": lambda r: r.stream_writer,
+                 "store": lambda r: r.store, "previous": lambda r: r.previous}
+
+
+# ================================================================================ compiling ====
+
+class WorkflowEngine:
+    """A compiled workflow: the deck's copy of its graph (nodes that take a ``Context`` bound to
+    LangGraph's run context), its input check and its thread key scheme.
+
+    Checkpoint threads are keyed ``<workflow>:<namespace>:<thread id>`` so workflows and
+    namespaces never share a thread, and a checkpointer scan can tell whose thread it sees. The
+    graph is compiled when the deck opens, with its checkpointer (``open_graphs``).
+    """
+
+    def __init__(self, name: str, graph: Any, durable: bool) -> None:
+        self.name, self.graph, self.durable = name, graph, durable
+
+    def to_input(self, input: Any) -> dict[str, Any]:
+        """The initial state; raises ``ContentError`` for a non-mapping or non-JSON input."""
+        if not isinstance(input, typing.Mapping):
+            raise ContentError(f"workflow {self.name!r} takes a mapping (its initial "
+                               f"state) as input, got {type(input).__name__}")
+        DataBlock(dict(input))  # JSON data, within the inline cap: ContentError otherwise
+        return dict(input)
+
+    def key(self, namespace: str | None, thread_id: str) -> str:
+        return f"{self.name}:{namespace or ''}:{thread_id}"
+
+    async def play(self, run: RunHandle, graph: Any, inp: Any) -> Event:
+        """Engine side: play (or resume) ``run`` on the compiled ``graph``, ending it with a
+        terminal or parking event (durable when this returns).
+
+        ``inp`` is the initial state, or a ``resume_command``. On a durable thread that stopped
+        mid-run (its process died), a new run carries on from the last checkpoint and the new
+        input is not applied. A run's failure is recorded, then re-raised.
+        """
+        from langgraph.errors import GraphDrained
+        from langgraph.runtime import RunControl
+        config = _config(run.thread_key)
+        interrupts: Any = ()
+        final: Any = None
+        control = RunControl()
+        run.on_request = control.request_drain
+        if run.requested is not None:  # asked before the graph started
+            control.request_drain(run.requested[0])
+        try:
+            if self.durable and isinstance(inp, dict):
+                snapshot = await graph.aget_state(config)
+                if snapshot.next and not snapshot.interrupts:
+                    inp = None
+            async for mode, chunk in graph.astream(
+                    inp, config, context=run.data, control=control,
+                    stream_mode=["updates", "values"], durability="sync" if self.durable else "async"):
+                if mode == "values":
+                    final = chunk
+                    continue
+                for node, update in chunk.items():
+                    if node == "__interrupt__":
+                        interrupts = update
+                    else:
+                        run.emit(NodeUpdated(node, jsonable(update)), origin=f"{run.origin}/{node}")
+        except GraphDrained:  # stopped at a superstep boundary, as asked; the checkpoint is saved
+            action, reason, source = run.take_request() or ("pause", None, None)
+            run.emit(ControlRequested(action, reason, source))
+            return await run.durable(RunCancelled(reason) if action == "cancel" else RunPaused(reason))
+        except anyio.get_cancelled_exc_class():
+            run.emit(RunCancelled("the deck closed" if run.closing else "the caller was cancelled"))
+            raise
+        except Exception as exc:
+            run.error = exc
+            await run.durable(RunFailed(type(exc).__name__, str(exc)[:MAX_ERROR_CHARS]))
+            raise
+        finally:
+            run.on_request = None
+        if interrupts:
+            return await run.durable(_parked(run, interrupts))
+        return await run.durable(RunCompleted(jsonable(final), Usage()))
+
+
+def resume_command(interrupt_id: str, value: Any) -> Any:
+    """What ``WorkflowEngine.play`` takes to answer (or wake) the interrupt ``interrupt_id``."""
+    from langgraph.types import Command
+    return Command(resume={interrupt_id: value})
+
+
+def _parked(run: RunHandle, interrupts: Sequence[Any]) -> Any:
+    intr = interrupts[0]
+    value = intr.value
+    if isinstance(value, dict) and value.get("kind") == "sleep" and "until" in value:
+        return RunSleeping(str(value["until"]), run.thread_id, intr.id)
+    return RunInterrupted(intr.id, jsonable(value), run.thread_id)
+
+
+def _config(key: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": key}}
+
+
+def _bind_context(workflow: str, name: str, fn: Callable[..., Any], ctx_names: list[str]) -> Any:
+    """A node that hands ``fn`` the run's context as ``Context(runtime.context)``.
+
+    The context travels in LangGraph's run context (``astream(context=)``), never in state or
+    config, so it never reaches a checkpoint (notes/ENGINES.md 12). The raw ``fn`` stays in the
+    workflow's own graph: headless runs call it without a context and fail with Python's own
+    ``TypeError`` for the missing argument (SPEC 7).
+    """
+    params = inspect.signature(fn).parameters
+    if "config" in params:
+        raise ConfigError(f"node {name} of workflow {workflow!r} takes both a Context and config; "
+                          "read what you need from the Context instead")
+    injected = [n for n in _FROM_RUNTIME if n in params]
+
+    def kwargs(runtime: Any) -> dict[str, Any]:
+        out = {n: _FROM_RUNTIME[n](runtime) for n in injected}
+        out.update({n: Context(runtime.context) for n in ctx_names})
+        return out
+
+    if inspect.iscoroutinefunction(fn):
+        async def node(state: Any, runtime: Any) -> Any:
+            return await fn(state, **kwargs(runtime))
+    else:
+        def node(state: Any, runtime: Any) -> Any:
+            return fn(state, **kwargs(runtime))
+    node.__name__ = getattr(fn, "__name__", name)
+    return node
+
+
+def compile_workflow(workflow: Workflow) -> InvocableSpec:
+    """Check a ``Workflow`` for Deck runs and make the deck's copy of its graph, whose nodes
+    that declare a ``Context`` receive the run's. Raises ``ConfigError`` for a graph that does
+    not compile or a node that takes both a Context and ``config``."""
+    from langgraph._internal._runnable import coerce_to_runnable
+    name = workflow.name
+    deck_graph = copy.copy(workflow.graph)
+    deck_graph.nodes = dict(deck_graph.nodes)
+    for node_name, node in deck_graph.nodes.items():
+        fn = node_function(node)
+        ctx_names = list(context_params(fn)) if fn is not None else []
+        if ctx_names:
+            deck_graph.nodes[node_name] = dataclasses.replace(node, runnable=coerce_to_runnable(
+                _bind_context(name, node_name, fn, ctx_names), name=node_name, trace=False))
+    try:
+        deck_graph.compile()  # a graph that cannot compile is a configuration error now
+    except Exception as exc:
+        raise ConfigError(f"workflow {name!r} does not compile: {exc}") from None
+    return InvocableSpec(name, "workflow", workflow, WorkflowEngine(name, deck_graph, workflow.durable))
+
+
+# ============================================================================ checkpointers ====
+
+def checkpoint_path(store_path: str) -> str:
+    """The durable workflows' checkpoint file for a log file: ``kit.db`` -> ``kit.checkpoints.db``.
+
+    Not the log's own file: under asyncio the log commits inline on the loop thread, and the
+    checkpointer (aiosqlite) keeps a transaction open across an ``await`` until its commit,
+    which needs that loop; a log commit waiting for that lock would stall the loop for the
+    whole busy timeout and fail with "database is locked" (seen in bench_kit.py).
+    """
+    root, ext = os.path.splitext(store_path)
+    return f"{root}.checkpoints{ext or '.db'}"
+
+
+async def open_graphs(specs: Sequence[InvocableSpec], store_path: str | None
+                      ) -> tuple[dict[str, Any], Callable[[], Awaitable[None]] | None]:
+    """Engine side: each workflow compiled with its checkpointer, and how to close them.
+
+    Durable workflows share one ``AsyncSqliteSaver`` on ``checkpoint_path(store_path)``, with
+    ``synchronous=NORMAL`` like the log; with a store that has no file, and for the others, each
+    has an in-memory saver. Returns ``(graphs by name, close)`` where ``close`` (engine side)
+    closes the file, or None when there is none.
+    """
+    from langgraph.checkpoint.memory import InMemorySaver
+    path = checkpoint_path(store_path) if store_path else None
+    graphs, durable, db = {}, None, None
+    for spec in specs:
+        if spec.kind != "workflow":
+            continue
+        if spec.engine.durable and path:
+            if durable is None:
+                import aiosqlite
+                from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+                db = await aiosqlite.connect(path)
+                await db.execute("PRAGMA busy_timeout=5000")
+                await db.execute("PRAGMA synchronous=NORMAL")
+                durable = AsyncSqliteSaver(db)
+                await durable.setup()
+            saver = durable
+        else:
+            saver = InMemorySaver()
+        graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
+    return graphs, (db.close if db is not None else None)
+
+
+def _pending_interrupts(ct: Any) -> list[Any]:
+    """Interrupts still waiting in a checkpoint (LangGraph's own rule, notes/ENGINES.md 10):
+    a task's INTERRUPT slot holds its latest question; it is pending while the task has no
+    output write. (A ``__resume__`` write does not mean the question was answered.)"""
+    asked: dict[str, list[Any]] = {}
+    finished: set[str] = set()
+    for task_id, channel, value in ct.pending_writes or ():
+        if task_id == _NULL_TASK:
+            continue
+        if channel == "__interrupt__":
+            asked[task_id] = list(value) if isinstance(value, (list, tuple)) else [value]
+        elif channel not in _CONTROL_WRITES:
+            finished.add(task_id)
+    return [i for t, found in asked.items() if t not in finished for i in found]
+
+
+async def due_threads(graphs: dict[str, Any], now: datetime) -> list[tuple[str, str, datetime, str]]:
+    """Engine side: every thread of the graphs' checkpointers whose latest root checkpoint
+    sleeps until ``now`` or earlier: ``(thread key, workflow, until, interrupt id)``."""
+    savers = {id(g.checkpointer): g.checkpointer for g in graphs.values()}
+    out = []
+    for saver in savers.values():
+        seen: set[str] = set()
+        async for ct in saver.alist(None):  # newest first, per thread
+            conf = ct.config["configurable"]
+            key = conf["thread_id"]
+            if conf.get("checkpoint_ns", "") or key in seen:
+                continue
+            seen.add(key)
+            for intr in _pending_interrupts(ct):
+                if isinstance(intr.value, dict) and intr.value.get("kind") == "sleep":
+                    name, until = key.split(":", 1)[0], datetime.fromisoformat(intr.value["until"])
+                    if name in graphs and until <= now:
+                        out.append((key, name, until, intr.id))
+    return out
+
+
+# ============================================================================ headless, tools ====
+
+async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
+                       resume: Any = _NO_VALUE) -> Any:
+    """``Workflow.run`` / ``resume``: LangGraph's own run of ``graph``, no log; the final state
+    or an ``InterruptResult``. Raises ``ContentError`` for a non-mapping input."""
+    thread = thread_id or new_run_id()
+    if resume is _NO_VALUE and not isinstance(input, typing.Mapping):
+        raise ContentError(f"workflow {name!r} takes a mapping as input, "
+                           f"got {type(input).__name__}")
+
+    async def play() -> Any:
+        inp = dict(input) if resume is _NO_VALUE else _resume(resume)
+        out = await graph.ainvoke(inp, _config(thread))
+        found = out.get("__interrupt__") if isinstance(out, dict) else None
+        if found:
+            return InterruptResult(found[0].value, thread)
+        return out
+
+    return await on_asyncio(play)
+
+
+def _resume(value: Any) -> Any:
+    from langgraph.types import Command
+    return Command(resume=value)
+
+
+def workflow_tool(name: str, graph: Any, description: str | None,
+                  play: Callable[[Any, dict[str, Any]], Awaitable[Any]]) -> Any:
+    """An SDK ``FunctionTool`` whose arguments are the workflow's input state.
+
+    ``play(run_context, args)`` plays it (``run_context`` is the calling run's SDK context); the
+    model gets the final state as JSON, or word that the workflow is waiting and for what.
+    """
+    import agents as sdk
+    try:
+        schema = graph.compile().get_input_jsonschema()
+    except Exception:  # e.g. pydantic refuses typing.TypedDict before Python 3.12: name the keys
+        keys = typing.get_type_hints(graph.input_schema)
+        schema = {"type": "object", "properties": {k: {} for k in keys}}
+
+    async def invoke(tool_ctx: Any, args_json: str) -> str:
+        out = await play(tool_ctx.context, json.loads(args_json or "{}"))
+        if isinstance(out, InterruptResult):
+            return (f"workflow {name} is waiting (thread {out.thread_id}): "
+                    f"{json.dumps(jsonable(out.payload))}")
+        return json.dumps(jsonable(out))
+
+    return sdk.FunctionTool(name=name, description=description or graph.__doc__ or f"Run the {name} workflow.",
+                            params_json_schema=schema, on_invoke_tool=invoke, strict_json_schema=False)
+
+
+def child_tool(spec: InvocableSpec) -> Any:
+    """Workflow ``spec`` as a tool of a deck's agent: each call plays it through the Runtime as
+    a child run of the calling run (own run id, ``parent_run_id`` set, events in the log)."""
+
+    async def play(parent: RunHandle, args: dict[str, Any]) -> Any:
+        return await parent.start_child(parent, spec.name, args)  # type: ignore[misc]
+
+    return workflow_tool(spec.name, spec.source.graph, None, play)

@@ -1,0 +1,114 @@
+"""The shape of the tree: imports point one way, down the layers; no module reaches another's
+private names; every module declares its surface; ``import kit`` loads no engine SDK."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+#: From the ground floor up (README "Architecture"): a module imports only modules before it.
+LAYERS = ("kit_core", "kit_store", "kit_bridge", "kit_context", "kit_scripted", "kit_agents",
+          "kit_workflows", "kit_catalog", "kit_tracing", "kit_observers", "kit_runtime",
+          "kit_http", "kit", "kit_cli")
+
+
+def _module_files() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(HERE.glob("kit*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, known: set[str]) -> set[str]:
+    """Sibling modules a module imports anywhere (lazy imports in functions count), except in
+    ``if TYPE_CHECKING:`` blocks and in a console entry point's ``def main()``."""
+    found: set[str] = set()
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for sub in child.orelse:
+                    walk(sub)
+                continue
+            if isinstance(child, ast.FunctionDef) and child.name == "main" and node is tree:
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name.split(".")[0] for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.add(child.module.split(".")[0])
+            walk(child)
+
+    walk(tree)
+    return found & known
+
+
+def test_every_module_has_a_layer():
+    assert set(_module_files()) == set(LAYERS)
+
+
+def test_imports_point_down_the_layers_and_never_in_a_circle():
+    files = _module_files()
+    graph = {name: _imports(ast.parse(path.read_text()), set(files)) - {name}
+             for name, path in files.items()}
+    assert graph["kit_core"] == set(), "kit_core imports no sibling"
+    for name, deps in graph.items():
+        above = {d for d in deps if LAYERS.index(d) > LAYERS.index(name)}
+        assert not above, f"{name} imports {sorted(above)}, which sit above it"
+    # No cycle, whatever LAYERS says: a depth-first walk finds no back edge.
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            assert state.get(dep) != 1, "import cycle: " + " -> ".join(path + [node, dep])
+            if dep not in state:
+                visit(dep, path + [node])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+
+
+def test_no_module_touches_another_modules_private_names():
+    files = _module_files()
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in files:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{name} imports {private} from {node.module}"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in files and node.value.id != name:
+                assert not node.attr.startswith("_") or node.attr.startswith("__"), \
+                    f"{name} reaches {node.value.id}.{node.attr}"
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_every_module_declares_its_surface_and_its_rules(name):
+    module = __import__(name)
+    assert isinstance(module.__all__, tuple) and len(set(module.__all__)) == len(module.__all__)
+    for public in module.__all__:
+        assert hasattr(module, public), f"{name}.__all__ names {public}, which it lacks"
+    doc = module.__doc__ or ""
+    assert "Owns:" in doc and "Must never:" in doc, f"{name} opens without its rules"
+
+
+def test_import_kit_loads_no_engine_sdk():
+    code = ("import sys, kit; kit.Agent, kit.Workflow, kit.TextBlock, kit.Deck; "
+            "print(sorted(m for m in ('agents', 'langgraph', 'openai', 'kit_runtime', 'kit_agents', "
+            "'kit_workflows') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    code = "import kit; print(kit.ScriptedModel.__module__)"  # loaded on first use
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "kit_scripted", out.stderr
