@@ -118,6 +118,7 @@ class Deck:
         self._mcp_servers: dict[str, Any] = {}
         self._state = "NEW"
         self._runtime: Any = None
+        self._opener: int | None = None
         _live_deck = weakref.ref(self)
 
     @classmethod
@@ -240,13 +241,21 @@ class Deck:
     async def __aenter__(self) -> Deck:
         if self._state in ("OPEN", "CLOSED"):
             raise DeckStateError(self._state, "open the deck")
-        self.build()
-        import kit_runtime
-        runtime = kit_runtime.Runtime(self._specs, store=self._store,
-                                      session_factory=self._session_factory,
-                                      observers=self._observers, default_store=self._default_store,
-                                      mcp_servers=list(self._mcp_servers.values()))
-        await runtime.open()
+        import anyio
+        try:
+            self.build()
+            import kit_runtime
+            runtime = kit_runtime.Runtime(self._specs, store=self._store,
+                                          session_factory=self._session_factory,
+                                          observers=self._observers,
+                                          default_store=self._default_store,
+                                          mcp_servers=list(self._mcp_servers.values()))
+            await runtime.open()
+        except BaseException:  # a deck that failed to open is closed: it frees the live slot
+            self._release()
+            raise
+        # The Runtime's task group belongs to this task: only this task can close it.
+        self._opener = anyio.get_current_task().id
         self._runtime, self._state = runtime, "OPEN"
         return self
 
@@ -255,11 +264,22 @@ class Deck:
 
     async def aclose(self) -> None:
         """Close the deck for good: stop the Runtime, tear down its MCP servers (no child process
-        is left), close the store it built. Idempotent."""
-        global _live_deck
+        is left), close the store it built. Idempotent.
+
+        Raises ``DeckStateError`` (and closes nothing) when called from another task than the one
+        that opened the deck: the deck's background tasks belong to that task.
+        """
         if self._state == "OPEN":
+            import anyio
+            if anyio.get_current_task().id != self._opener:
+                raise DeckStateError("OPEN", "close the deck from another task than the one that "
+                                     "opened it (close it where `async with deck:` is)")
             self._state = "CLOSED"
             await self._runtime.close()
+        self._release()
+
+    def _release(self) -> None:
+        global _live_deck
         self._state = "CLOSED"
         if _live_deck is not None and _live_deck() is self:
             _live_deck = None
@@ -299,16 +319,22 @@ class Deck:
                                        namespace=namespace, run_id=run_id)
 
     def stream(self, name: str, input: Any, *, context: Any = None, session_id: str | None = None,
-               namespace: str | None = None, run_id: str | None = None) -> AsyncIterator[Event]:
+               namespace: str | None = None, run_id: str | None = None,
+               committed: bool = False) -> AsyncIterator[Event]:
         """Play one turn, yielding its events live: ``run.started``, ``text.delta`` per chunk, ...,
         the terminal event last (yielded once durable).
+
+        Events are yielded as the run produces them, before their batch commits (this reader
+        lives and dies with the process). ``committed=True`` yields each only once it is durable
+        (what a surface that acknowledges events outside the process must do, as kit_http
+        does); the writer then commits as soon as the reader waits, not on its timer.
 
         The run belongs to the deck, not to the iterator: leaving the loop early ends the stream,
         never the run. Errors as for ``run``; a failed run yields ``run.failed`` and then raises.
         """
         spec = self._spec("stream", name)
         return self._runtime.stream(spec, input, context=context, session_id=session_id,
-                                    namespace=namespace, run_id=run_id)
+                                    namespace=namespace, run_id=run_id, committed=committed)
 
     @property
     def store(self) -> EventStorePort:

@@ -48,7 +48,7 @@ from kit_context import HOOK_METHODS, is_context
 from kit_core import (
     AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, ImageBlock,
     InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock, RunCancelled, RunCompleted,
-    RunFailed, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta, ToolCompleted, ToolStarted,
+    RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta, ToolCompleted, ToolStarted,
     as_blocks, jsonable,
 )
 
@@ -56,12 +56,10 @@ if TYPE_CHECKING:
     from kit_catalog import MCP, Agent, Skill
 
 __all__ = ("compile_agent", "run_headless", "AgentEngine", "Sessions", "MemorySession",
-           "MAX_ERROR_CHARS", "YIELD_EVERY")
+           "YIELD_EVERY")
 
 #: A streaming model call lets the loop run other tasks at least every this many events.
 YIELD_EVERY = 64
-#: Error messages recorded in run.failed are cut to this length.
-MAX_ERROR_CHARS = 2000
 #: The SDK's tool classes: an agent's tool that is one of these passes through as built.
 SDK_TOOLS = tuple(typing.get_origin(t) or t for t in typing.get_args(sdk.Tool))
 
@@ -149,8 +147,9 @@ class _TapModel(sdk.Model):
             if run.seq % YIELD_EVERY == 0:
                 # A model whose stream never waits (a scripted one, a fast local one) would
                 # otherwise hold the loop for a whole reply: streams, observers and other runs
-                # get their turn every YIELD_EVERY events.
-                await anyio.lowlevel.checkpoint()
+                # get their turn every YIELD_EVERY events, and the run waits while the log is
+                # behind (it never runs far ahead of what is committed).
+                await run.pace()
             if kind == "response.output_text.delta":
                 mid = ids.get(ev.output_index)
                 if mid is None:
@@ -487,11 +486,12 @@ class AgentEngine:
                         else list(data.input)) + [i.to_input_item() for i in data.new_items]
             return await run.durable(RunPaused(stop.reason, jsonable(kept)))
         except anyio.get_cancelled_exc_class():
-            run.emit(RunCancelled("the deck closed" if run.closing else "the caller was cancelled"))
+            if (end := run.ending()) is not None:
+                run.emit(end)
             raise
         except Exception as exc:
             run.error = exc  # a stream's consumer raises it after run.failed
-            await run.durable(RunFailed(type(exc).__name__, str(exc)[:MAX_ERROR_CHARS]))
+            await run.durable(run.failure(exc))
             raise
         finally:
             _CURRENT_RUN.reset(token)

@@ -150,6 +150,11 @@ class Bridge:
         """Trio side: answer a ``post_and_wait`` (``error`` None: it succeeded)."""
         self.loop.call_soon_threadsafe(_settle, reply, error)
 
+    @property
+    def backlog(self) -> int:
+        """Items posted and not yet taken (read from either side: a racy snapshot)."""
+        return len(self._mail)
+
     def _set(self) -> None:
         self._wake.set()  # type: ignore[union-attr]
 

@@ -36,7 +36,7 @@ __all__ = (
     # errors
     "KitError", "ConfigError", "ContextTypeError", "ContentError", "DeckStateError",
     "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "RunStoppedError",
-    "SessionBusyError", "LogConflictError",
+    "SessionBusyError", "LogConflictError", "StoreUnavailableError",
     # content
     "TextBlock", "ImageBlock", "AudioBlock", "ResourceBlock", "DataBlock", "ContentBlock",
     "MAX_INLINE_BYTES", "as_blocks", "block_to_json", "block_from_json",
@@ -163,6 +163,22 @@ class RunStoppedError(KitError):
         super().__init__(f"run {run_id} was {getattr(status, 'value', status).lower()} on request{why}")
 
 
+class StoreUnavailableError(KitError):
+    """The event store took no writes for ``seconds``, so the run was stopped where it stood.
+
+    Contrast with ``RunStoppedError`` (someone asked the run to stop) and with the run's own
+    failure: here the *log* could not keep up. Nothing is lost: the run's events wait in memory,
+    and they and its ``run.failed`` are written as soon as the store takes writes again (by
+    this process, or by another once the run's lease lapses).
+    """
+
+    def __init__(self, run_id: str, seconds: float, cause: BaseException | None = None) -> None:
+        self.run_id, self.seconds, self.cause = run_id, seconds, cause
+        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        super().__init__(f"run {run_id} was stopped: the event store took no writes for "
+                         f"{seconds:g} s{why}; its end is recorded when the store recovers")
+
+
 def type_name(t: object) -> str:
     return t.__qualname__ if isinstance(t, type) else repr(t)
 
@@ -198,6 +214,17 @@ def _check_b64(block: str, data_b64: object) -> None:
                            "use a ResourceBlock for larger content")
 
 
+def _check_unicode(what: str, text: str) -> None:
+    # A lone surrogate ("\ud800" is valid JSON) cannot be encoded as UTF-8: the log, a session
+    # or a response could not store it, so it is refused before anything is written.
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ContentError(f"{what} is not valid Unicode: a lone surrogate "
+                               f"{text[exc.start]!r} at character {exc.start}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class TextBlock:
     """Plain text. A ``str`` agent input becomes one of these."""
@@ -207,6 +234,7 @@ class TextBlock:
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):
             raise ContentError(f"TextBlock.text must be str, got {type(self.text).__name__}")
+        _check_unicode("TextBlock.text", self.text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,9 +285,11 @@ class DataBlock:
 
     def __post_init__(self) -> None:
         try:
-            size = len(json.dumps(self.data, allow_nan=False, separators=(",", ":")))
+            text = json.dumps(self.data, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise ContentError(f"DataBlock.data must be JSON data: {exc}") from None
+        _check_unicode("DataBlock.data", text)
+        size = len(text)
         if size > MAX_INLINE_BYTES:
             raise ContentError(f"DataBlock carries {size} bytes of JSON, more than "
                                f"{MAX_INLINE_BYTES}; use a ResourceBlock for larger content")
@@ -769,6 +799,8 @@ class InvocableSpec:
     engine: Any = field(default=None, repr=False, compare=False)
 
 
+#: Error messages recorded in run.failed are cut to this length.
+MAX_ERROR_CHARS = 2000
 #: What a run handle hands its events to: ``deliver(handle, event)`` returns at once,
 #: ``commit(handle, event)`` once the event is durable (raising what refused it).
 Deliver = Callable[["RunHandle", Event], None]
@@ -790,12 +822,14 @@ class RunHandle:
     """
 
     def __init__(self, run_id: str, origin: str, data: Any, *, deliver: Deliver, commit: Commit,
-                 session_id: str | None = None, namespace: str | None = None,
-                 streaming: bool = False) -> None:
+                 pace: Callable[[], Awaitable[None]], session_id: str | None = None,
+                 namespace: str | None = None, streaming: bool = False) -> None:
         self.run_id, self.origin, self.data = run_id, origin, data
         self.session_id, self.namespace, self.streaming = session_id, namespace, streaming
-        self._deliver, self._commit = deliver, commit
+        self._deliver, self._commit, self._pace = deliver, commit, pace
         self.seq = 0
+        self.ended = False  # a terminal or parking event is sequenced: this play is over
+        self.abort_error: BaseException | None = None  # set by the Runtime: end as run.failed
         self.tool_errors: set[str] = set()  # call ids of tool calls that failed
         self.input_tokens = self.output_tokens = 0
         self.usd: float | None = 0.0
@@ -813,6 +847,8 @@ class RunHandle:
 
     def _event(self, payload: Payload, origin: str | None, message_id: str | None) -> Event:
         self.seq += 1
+        if payload.ends is not None:
+            self.ended = True
         return Event(self.run_id, self.seq, payload, origin or self.origin, message_id)
 
     def emit(self, payload: Payload, *, origin: str | None = None,
@@ -827,6 +863,24 @@ class RunHandle:
         event = self._event(payload, origin, None)
         await self._commit(self, event)
         return event
+
+    async def pace(self) -> None:
+        """Let other tasks run, and wait while the log is behind: a run never runs far ahead
+        of what is committed (the writer's backlog is bounded). Engines call it between chunks."""
+        await self._pace()
+
+    def failure(self, exc: BaseException) -> RunFailed:
+        """The ``run.failed`` payload that records ``exc``."""
+        return RunFailed(type(exc).__name__, str(exc)[:MAX_ERROR_CHARS])
+
+    def ending(self) -> Payload | None:
+        """What a run that was cancelled mid-play records as its end: ``run.failed`` when the
+        Runtime aborted it (``abort_error``), else ``run.cancelled``; None when it has its end."""
+        if self.ended:
+            return None
+        if self.abort_error is not None:
+            return self.failure(self.abort_error)
+        return RunCancelled("the deck closed" if self.closing else "the caller was cancelled")
 
     def add_usage(self, input_tokens: int, output_tokens: int, usd: float | None) -> None:
         self.input_tokens += input_tokens

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import socket
 import uuid
@@ -40,6 +41,7 @@ from datetime import datetime
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import sniffio
 
 import kit_agents
@@ -50,19 +52,15 @@ from kit_core import (
     Claim, ConfigError, ControlRequest, ControlRequested, DataBlock, DeckStateError, Due, Event,
     InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled, RunCompleted,
     RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed, RunSleeping, RunStarted,
-    RunStatus, RunStoppedError, SessionBusyError, Ticked, TurnResult, UnknownNameError,
-    UnknownRunError, as_blocks, check_name, new_run_id,
+    RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked, TurnResult,
+    UnknownNameError, UnknownRunError, as_blocks, check_name, new_run_id,
 )
 from kit_store import store_from_url
+from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
 
-__all__ = ("Runtime", "FLUSH_MAX", "FLUSH_DELAY", "CONTROL_POLL", "LIVE_MAX",
-           "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT")
+__all__ = ("Runtime", "CONTROL_POLL", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT",
+           "BACKOFF_MAX")
 
-#: A batch is committed when this many events wait, or FLUSH_DELAY after the first one arrived:
-#: a slow stream is visible to other processes within FLUSH_DELAY, a fast one pays one commit
-#: per FLUSH_MAX events (~5 us/event instead of ~31 us with one commit each, PERF.md section 3).
-FLUSH_MAX = 256
-FLUSH_DELAY = 0.02
 #: How often a deck looks for control requests written by other processes (the CLI, replicas):
 #: a pause or cancel from elsewhere reaches the run's next safe point within about this long.
 CONTROL_POLL = 0.1
@@ -72,71 +70,14 @@ LIVE_MAX = 10_000
 #: A live run's lease; renewed every third of it. A process that dies stops renewing, and after
 #: this long its runs are recorded as abandoned and their sessions freed (DESIGN 4.5).
 DEFAULT_LEASE_SECONDS = 30.0
-#: How long closing the deck waits for cancelled runs to record their end.
+#: How long closing the deck waits for cancelled runs to record their end; also how long a
+#: cancelled run waits for its ``run.cancelled`` to commit before its caller goes on.
 CLOSE_TIMEOUT = 10.0
+#: A background loop (lease renewal, the control watcher) that fails backs off up to this long
+#: between tries (seconds), logging once per burst; it never takes the deck down.
+BACKOFF_MAX = 30.0
 _PARKED = (RunStatus.PAUSED, RunStatus.WAITING_HUMAN, RunStatus.SLEEPING)
-
-
-# ===================================================================================== writer ====
-
-class _Writer:
-    """Group commit: events wait in one buffer and reach the store in batches.
-
-    ``put`` never awaits. ``flush`` commits everything buffered, with the claims of runs whose
-    ``run.started`` waits in the buffer (a claim whose run also ends in the batch is dropped: its
-    lease would be deleted in the same transaction), then hands what it committed to
-    ``committed`` (the observers). A batch that fails is retried run by run, so one run's
-    failure (a fencing conflict, a busy session) never loses another run's events; the failing
-    run's error is kept for its next durable write to raise.
-    """
-
-    def __init__(self, store: Any, committed: Callable[[Sequence[Event]], None]) -> None:
-        self.store, self._committed = store, committed
-        self._buf: list[Event] = []
-        self._claims: dict[str, Claim] = {}
-        self._lock = anyio.Lock(fast_acquire=True)  # uncontended: no loop pass per flush
-        self._wake = anyio.Event()
-        self.failed: dict[str, BaseException] = {}
-
-    def put(self, event: Event, claim: Claim | None = None) -> None:
-        self._buf.append(event)
-        if claim is not None:
-            self._claims[claim.run_id] = claim
-        if len(self._buf) == 1 or len(self._buf) >= FLUSH_MAX:
-            self._wake.set()
-
-    async def flush(self) -> None:
-        async with self._lock:
-            batch, self._buf = self._buf, []
-            if not batch:
-                return
-            claims, self._claims = self._claims, {}
-            for ev in batch:
-                if ev.payload.ends == "terminal":
-                    claims.pop(ev.run_id, None)
-            try:
-                await self.store.append(batch, claims=list(claims.values()))
-            except Exception:
-                by_run: dict[str, list[Event]] = {}
-                for ev in batch:
-                    by_run.setdefault(ev.run_id, []).append(ev)
-                for run_id, evs in by_run.items():
-                    try:
-                        await self.store.append(evs, claims=[c for c in (claims.get(run_id),) if c])
-                    except Exception as exc:
-                        self.failed[run_id] = exc
-                    else:
-                        self._committed(evs)
-            else:
-                self._committed(batch)
-
-    async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            if len(self._buf) < FLUSH_MAX:
-                await anyio.sleep(FLUSH_DELAY)  # let a batch gather
-            await self.flush()
+_log = logging.getLogger("kit.runtime")
 
 
 # ======================================================================================= runs ====
@@ -145,17 +86,22 @@ class _Run(RunHandle):
     """One run being played: the engine's handle, plus the kit side's live buffer and end.
 
     ``feed`` and ``events`` are called on the kit side; the rest is the engine's (``RunHandle``).
+    ``committed`` is the seq up to which the run's events are durable (kept for streamed runs);
+    a reader that acknowledges events outside the process reads only up to it.
     """
 
     def __init__(self, spec: InvocableSpec, run_id: str, data: Any, session_id: str | None,
-                 namespace: str | None, streaming: bool, *, deliver: Any, commit: Any,
-                 read: Callable[[str, int], Any]) -> None:
-        super().__init__(run_id, spec.name, data, deliver=deliver, commit=commit,
+                 namespace: str | None, streaming: bool, *, deliver: Any, commit: Any, pace: Any,
+                 read: Callable[[str, int], Any], hurry: Callable[[], None]) -> None:
+        super().__init__(run_id, spec.name, data, deliver=deliver, commit=commit, pace=pace,
                          session_id=session_id, namespace=namespace, streaming=streaming)
-        self.spec, self._read = spec, read
+        self.spec, self._read, self._hurry = spec, read, hurry
+        self.parent: str | None = None  # a child run (workflow-as-tool) ends with its parent
         self.live: deque[Event] | None = deque() if streaming else None
+        self.committed = -1
         self.wake = anyio.Event()
         self.lagged = False
+        self.commit_reader = False  # its reader waits for commits, not for events
         self.done = anyio.Event()
         self.scope = anyio.CancelScope()
 
@@ -166,25 +112,40 @@ class _Run(RunHandle):
             self.live.clear()
             self.lagged = True
         self.live.append(event)
+        if self.commit_reader:
+            self._hurry()  # the reader waits for this one to commit: commit now, not in 20 ms
+        else:
+            self.wake.set()
+
+    def on_commit(self, seq: int) -> None:
+        self.committed = seq
         self.wake.set()
 
-    async def events(self, after: int) -> AsyncIterator[Event]:
-        """Kit side: this run's events after ``after``, live, until a terminal/parking one."""
-        last = after
+    async def events(self, after: int, committed: bool = False) -> AsyncIterator[Event]:
+        """Kit side: this run's events after ``after``, live, until a terminal/parking one;
+        with ``committed``, each only once it is durable."""
+        last, self.commit_reader = after, committed
+
+        def ready() -> int:
+            live = self.live
+            return len(live) if not committed else _count_upto(live, self.committed)  # type: ignore[arg-type]
+
         while True:
             if self.lagged:
                 self.lagged = False
                 backlog = await self._read(self.run_id, last)
             else:
-                if not self.live:
-                    if self.done.is_set():
-                        return
+                n = ready()
+                if not n:
+                    if self.done.is_set() and (not self.live or self.abort_error is not None):
+                        return  # (an aborted run's tail commits when the store is back)
+                    if self.live:
+                        self._hurry()  # what is left waits for its commit: commit now
                     self.wake = anyio.Event()
-                    if not self.live and not self.done.is_set():
+                    if not ready() and not (self.done.is_set() and not self.live):
                         await self.wake.wait()
                     continue
-                backlog = list(self.live)
-                self.live.clear()
+                backlog = [self.live.popleft() for _ in range(n)]  # type: ignore[union-attr]
             for ev in backlog:
                 if ev.seq <= last:
                     continue
@@ -192,6 +153,28 @@ class _Run(RunHandle):
                 yield ev
                 if ev.payload.ends:
                     return
+
+
+def _seconds(env: Any, name: str, default: float) -> float:
+    """A positive number of seconds from setting ``name``; ``ConfigError`` naming it otherwise."""
+    raw = env.get(name)
+    try:
+        value = default if raw is None else float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ConfigError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+def _count_upto(live: deque[Event], seq: int) -> int:
+    """How many events at the front of ``live`` have a seq at most ``seq``."""
+    n = 0
+    for ev in live:
+        if ev.seq > seq:
+            break
+        n += 1
+    return n
 
 
 def _result(run: _Run, end: Event) -> Any:
@@ -236,6 +219,7 @@ class Runtime:
         self.bridge: Bridge | None = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.active: dict[str, _Run] = {}
+        self._streams: dict[str, _Run] = {}  # streamed runs: their commits wake their readers
         self._tg: Any = None
         self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
         self._close_graphs: Any = None
@@ -245,17 +229,14 @@ class Runtime:
     # ------------------------------------------------------------------------ lifecycle --
     async def open(self) -> None:
         env = os.environ
-        try:
-            self.lease = float(env.get("KIT_LEASE_SECONDS", DEFAULT_LEASE_SECONDS))
-        except ValueError:
-            raise ConfigError(f"KIT_LEASE_SECONDS must be a number, got {env['KIT_LEASE_SECONDS']!r}") from None
-        if not self.lease > 0:
-            raise ConfigError(f"KIT_LEASE_SECONDS must be positive, got {self.lease}")
+        self.lease = _seconds(env, "KIT_LEASE_SECONDS", DEFAULT_LEASE_SECONDS)
+        self.down_limit = _seconds(env, "KIT_STORE_DOWN_SECONDS", STORE_DOWN_LIMIT)
         kit_agents.use_api(env.get("KIT_OPENAI_API"))
         self.sessions = kit_agents.Sessions(env.get("KIT_SESSION"), self._session_factory)
         try:
             if self._own_store:
-                self.store = store_from_url(env.get("KIT_STORE", self._default_store))
+                self.store = store_from_url(env.get("KIT_STORE", self._default_store),
+                                            sqlite_sync=env.get("KIT_SQLITE_SYNC"))
                 await self.store.__aenter__()
             elif not getattr(self.store, "opened", True):
                 raise ConfigError("the store passed to Deck(store=...) is not open: open it with "
@@ -268,7 +249,7 @@ class Runtime:
     async def _start(self, env: Any) -> None:
         observers = kit_observers.resolve_observers(self._observers, env)
         self.hub = kit_observers.ObserverHub(observers)
-        self.writer = _Writer(self.store, self._committed)
+        self.writer = Writer(self.store, self._committed, self._give_up, down_limit=self.down_limit)
         await self.store.reap()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -282,10 +263,11 @@ class Runtime:
             self.bridge.start()
             self._tg.start_soon(self.bridge.pump, self._on_mail)
         self._tg.start_soon(self.writer.run)
-        self._tg.start_soon(self._keep_leases)
+        self._tg.start_soon(self._every, self.lease / 3, self._keep_leases, "renewing leases")
         backlog = await self.store.requests()  # older requests are history, not orders
         self._seen_request = backlog[-1].id if backlog else 0
-        self._tg.start_soon(self._watch_requests)
+        self._tg.start_soon(self._every, CONTROL_POLL, self._watch_requests,
+                            "reading control requests")
         self.graphs, self._close_graphs = await self._on_engine(
             kit_workflows.open_graphs, list(self.specs.values()), getattr(self.store, "path", None))
         await self._start_mcp()
@@ -293,22 +275,22 @@ class Runtime:
     async def close(self) -> None:
         """Cancel the runs still playing (they record ``run.cancelled``), flush, release all."""
         with anyio.CancelScope(shield=True):
-            for run in list(self.active.values()):
+            runs = [r for r in self.active.values() if r.parent is None]  # children end with them
+            for run in runs:
                 run.closing = True
                 run.scope.cancel()
             with anyio.move_on_after(CLOSE_TIMEOUT):
-                for run in list(self.active.values()):
+                for run in runs:
                     await run.done.wait()
         await self._teardown()
 
     async def _teardown(self) -> None:
         with anyio.CancelScope(shield=True):
             await self._stop_mcp()  # before the task group ends: the holder task lives there
-            if self.bridge is not None:
-                for item in self.bridge.take():
-                    await self._on_mail(item)
             if getattr(self, "writer", None) is not None:
-                await self.writer.flush()
+                await self._drain_mail()
+                with anyio.move_on_after(CLOSE_TIMEOUT):  # a store that is down: the lease tells
+                    await self.writer.flush()
             if self.hub is not None:
                 await self.hub.close()  # before the task group: its drains deliver the backlog
         # The task group must be left from the scope it was entered in, so outside any shield.
@@ -318,8 +300,9 @@ class Runtime:
             await tg.__aexit__(None, None, None)
         with anyio.CancelScope(shield=True):
             for run in self.active.values():
-                run.done.set()
-                run.wake.set()
+                if run.parent is None:
+                    run.done.set()
+                    run.wake.set()
             if self._sdk_tracing:
                 kit_agents.use_trace_processors([])
             if self.sessions is not None:
@@ -376,16 +359,36 @@ class Runtime:
         """Engine side: call ``fn()`` on the kit side, soon."""
         self.bridge.to_kit(fn) if self.bridge else fn()
 
-    async def _keep_leases(self) -> None:
+    async def _every(self, seconds: float, step: Callable[[], Any], what: str) -> None:
+        """Call ``step`` every ``seconds``, forever. A failing step (a store that is down or
+        locked) is logged once per burst and retried with backoff; it never ends the loop, and
+        never the deck."""
+        delay = seconds
         while True:
-            await anyio.sleep(self.lease / 3)
-            await self.store.renew(self.owner, self.lease)
-            await self.store.reap()
+            await anyio.sleep(delay)
+            try:
+                await step()
+            except Exception as exc:
+                if delay == seconds:
+                    _log.warning("%s failed (%s: %s); retrying with backoff", what,
+                                 type(exc).__name__, exc)
+                delay = min(max(delay * 2, 1.0), BACKOFF_MAX)
+            else:
+                if delay != seconds:
+                    _log.warning("%s works again", what)
+                delay = seconds
+
+    async def _keep_leases(self) -> None:
+        """Renew the leases of the runs still played here (or with events still to commit),
+        and only those; reap runs whose owner stopped renewing."""
+        live = set(self.active) | self.writer.pending_runs()
+        await self.store.renew(self.owner, self.lease, sorted(live))
+        await self.store.reap()
 
     # ------------------------------------------------------------------ the write path --
     def _put(self, run: _Run | None, event: Event, claim: Claim | None = None) -> None:
-        """Kit side: the one way an event enters the log: the writer's next batch (observers
-        get it once committed), and the run's live readers, if any, at once."""
+        """Kit side: the one way an event enters the log: the writer's next batch (observers and
+        committed readers get it once it is durable), and the run's live buffer at once."""
         self.writer.put(event, claim)
         if run is not None:
             run.feed(event)
@@ -396,8 +399,11 @@ class Runtime:
         its buffered events is in the log."""
         for i, event in enumerate(events):
             self._put(run, event, claim if i == 0 else None)
+        await self._flushed(events[0].run_id)
+
+    async def _flushed(self, run_id: str) -> None:
         await self.writer.flush()
-        error = self.writer.failed.pop(events[0].run_id, None)
+        error = self.writer.failed.pop(run_id, None)
         if error is not None:
             raise error
 
@@ -407,8 +413,32 @@ class Runtime:
         return await self.store.read(run_id, after)
 
     def _committed(self, events: Sequence[Event]) -> None:
+        """The writer committed ``events``: the observers get them, streamed runs' readers may
+        send them."""
         for event in events:
             self.hub.emit(event)
+        if self._streams:
+            for event in events:
+                run = self._streams.get(event.run_id)
+                if run is not None:
+                    run.on_commit(event.seq)
+
+    def _give_up(self, run_ids: set[str], error: BaseException, seconds: float) -> None:
+        """The store took no writes for ``seconds``: stop the runs stuck behind it, visibly.
+        Each records ``run.failed`` (written with the rest once the store is back) and its
+        caller gets ``StoreUnavailableError``."""
+        for run_id in run_ids:
+            run = self.active.get(run_id)
+            if run is not None and run.parent is None and run.abort_error is None:
+                run.abort_error = StoreUnavailableError(run_id, seconds, error)
+                run.scope.cancel()
+
+    async def _drain_mail(self) -> None:
+        """Kit side (trio): put what the engine side has posted and the pump has not taken yet
+        (in order: the pump puts each batch it takes without yielding in between)."""
+        if self.bridge is not None:
+            for item in self.bridge.take():
+                await self._on_mail(item)
 
     def _deliver(self, run: RunHandle, event: Event) -> None:
         """Engine side: an ordinary event, to the kit side (no wait)."""
@@ -425,14 +455,33 @@ class Runtime:
         else:
             await self.bridge.post_and_wait((run, event, claim))
 
-    async def _on_mail(self, item: tuple[tuple[_Run, Event, Claim | None], Any]) -> None:
-        """Kit side (trio): one item from the bridge's mailbox."""
-        (run, event, claim), reply = item
-        if reply is None:
-            self._put(run, event)
-            return
+    async def _pace(self) -> None:
+        """Engine side: let others run; wait while the writer's backlog (and, under trio, the
+        bridge's mailbox) is full, so a run stays about a batch ahead of its log at most."""
+        if self.bridge is None:
+            if self.writer.pending >= BACKLOG_MAX:
+                await self.writer.room()
+            else:
+                await anyio.lowlevel.checkpoint()
+        elif self.writer.pending + self.bridge.backlog >= BACKLOG_MAX:
+            await self.bridge.post_and_wait(None)  # answered once the writer has room
+        else:
+            await anyio.lowlevel.checkpoint()
+
+    async def _on_mail(self, item: tuple[tuple[_Run, Event, Claim | None] | None, Any]) -> None:
+        """Kit side (trio): one item from the bridge's mailbox: an event to put, and a reply to
+        settle once it is committed (or, for ``None``, once the writer has room). Never waits
+        itself, so the pump keeps every run's events flowing in order."""
+        what, reply = item
+        if what is not None:
+            run, event, claim = what
+            self._put(run, event, claim)
+        if reply is not None:
+            self._tg.start_soon(self._settle, None if what is None else what[1].run_id, reply)
+
+    async def _settle(self, run_id: str | None, reply: Any) -> None:
         try:
-            await self._write(run, [event], claim)
+            await (self.writer.room() if run_id is None else self._flushed(run_id))
         except Exception as exc:
             self.bridge.settle(reply, exc)  # type: ignore[union-attr]
         else:
@@ -441,11 +490,14 @@ class Runtime:
     def _new_run(self, spec: InvocableSpec, run_id: str, data: Any, session_id: str | None,
                  namespace: str | None, streaming: bool = False) -> _Run:
         run = _Run(spec, run_id, data, session_id, namespace, streaming, deliver=self._deliver,
-                   commit=self._commit, read=self._read_committed)
+                   commit=self._commit, pace=self._pace, read=self._read_committed,
+                   hurry=self.writer.hurry)
         run.start_child = self._child
         if spec.kind == "workflow":
             run.thread_id = session_id or run_id
             run.thread_key = spec.engine.key(namespace, run.thread_id)
+        if streaming:
+            self._streams[run_id] = run
         return run
 
     def _claim(self, run: _Run) -> Claim:
@@ -478,20 +530,48 @@ class Runtime:
                                     state if command is None else command)
         started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks),
                         spec.name)
-        if session_id is None and run_id is None:
-            # Nothing can refuse this start (no session to hold, a fresh id), so it rides in
-            # the run's first group commit: a short turn costs one transaction, not two.
-            self._put(run, started, self._claim(run))
-        else:
-            await self._write(run, [started], self._claim(run))
+        try:
+            await self._start_run(run, started, fenced=session_id is not None or run_id is not None)
+        except BaseException:
+            self._streams.pop(run.run_id, None)
+            raise
         self.active[run.run_id] = run
         return run, job, started
+
+    async def _start_run(self, run: _Run, started: Event, fenced: bool) -> None:
+        """Write a run's start, with its claim. A start that something could refuse (a session
+        to hold, a caller's run id) is committed now, so a refusal writes nothing and reaches
+        the caller; any other rides in the run's first group commit (one transaction per short
+        turn). While the store is down the start waits (``StoreUnavailableError`` after the
+        stated bound, with the run recorded as failed once the store is back)."""
+        down = self.writer.down_since
+        if down is not None and anyio.current_time() - down >= self.down_limit:
+            raise StoreUnavailableError(run.run_id, anyio.current_time() - down)
+        with anyio.move_on_after(self.down_limit) as waiting:
+            await self.writer.room()
+            if not fenced:
+                self._put(run, started, self._claim(run))
+                return
+            await self._write(run, [started], self._claim(run))
+        if waiting.cancelled_caught:
+            error = StoreUnavailableError(run.run_id, self.down_limit)
+            if self.writer.pending_runs() & {run.run_id}:  # its start will be written: end it
+                self._put(run, Event(run.run_id, 1, run.failure(error), run.origin))
+            raise error
 
     async def _play(self, run: _Run, job: Callable[[], Any]) -> Event:
         try:
             with run.scope:
                 return await (job() if self.bridge is None else self.bridge.call(job))
+            if run.abort_error is not None:  # the store was down too long
+                raise run.abort_error
             raise DeckStateError("CLOSED", "finish the run")  # the deck's close cancelled it
+        except anyio.get_cancelled_exc_class():
+            # The caller was cancelled: the run's run.cancelled is durable before it goes on.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+                await self._drain_mail()
+                await self.writer.flush()
+            raise
         finally:
             self.active.pop(run.run_id, None)
             run.done.set()
@@ -505,16 +585,23 @@ class Runtime:
 
     async def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                      session_id: str | None = None, namespace: str | None = None,
-                     run_id: str | None = None) -> AsyncIterator[Event]:
+                     run_id: str | None = None, committed: bool = False) -> AsyncIterator[Event]:
         run, job, started = await self._begin(spec, input, context, session_id, namespace, run_id, True)
-        self._tg.start_soon(self._play_in_background, run, job)
-        yield started
-        async with contextlib.aclosing(run.events(after=0)) as events:
-            async for event in events:
-                yield event
-        await run.done.wait()
-        if run.error is not None:
-            raise run.error
+        try:
+            self._tg.start_soon(self._play_in_background, run, job)
+            if not committed:
+                yield started
+            async with contextlib.aclosing(run.events(after=-1 if committed else 0,
+                                                      committed=committed)) as events:
+                async for event in events:
+                    yield event
+            await run.done.wait()
+            if run.error is not None:
+                raise run.error
+            if run.abort_error is not None:
+                raise run.abort_error
+        finally:
+            self._streams.pop(run.run_id, None)
 
     async def _play_in_background(self, run: _Run, job: Callable[[], Any]) -> None:
         try:
@@ -534,18 +621,29 @@ class Runtime:
         state = spec.engine.to_input(args)  # a child's thread is its own run id
         run = self._new_run(spec, new_run_id(), parent.data, None, parent.namespace)
         run.origin = f"{parent.origin}/{name}"
+        run.parent = parent.run_id
         started = Event(run.run_id, 0, RunStarted(name, "workflow", None, parent.namespace,
                                                   (DataBlock(state),), parent.run_id), run.origin)
         await self._commit(run, started, self._claim(run))
-        return _result(run, await spec.engine.play(run, self.graphs[name], state))
+        self.active[run.run_id] = run  # pause and cancel reach it like any run
+        try:
+            return _result(run, await spec.engine.play(run, self.graphs[name], state))
+        finally:
+            self.active.pop(run.run_id, None)
 
     # -------------------------------------------------------------------- run control --
     async def request(self, run_id: str, action: str, reason: str | None, source: str) -> None:
-        """Record a pause/cancel request and return: a run played here is told at once, one
-        played elsewhere sees it through its process's poll; a parked run is cancelled here."""
+        """Record a pause/cancel request and return: a run played here is told at once (from
+        the moment its id exists, child runs included), one played elsewhere sees it through its
+        process's poll; a parked run is cancelled here."""
+        run = self.active.get(run_id)
+        if run is not None:
+            run.request(action, reason, source)
+            await self.writer.flush()  # its start may wait in the buffer: the store must know it
         request_id = await self.store.request(run_id, action, reason, source)
         self._handled.add(request_id)
-        await self._act(ControlRequest(request_id, run_id, action, reason, source))
+        if run is None:
+            await self._act(ControlRequest(request_id, run_id, action, reason, source))
 
     async def _act(self, req: ControlRequest) -> None:
         run = self.active.get(req.run_id)
@@ -606,16 +704,14 @@ class Runtime:
         """Requests written by other processes (the CLI, replicas): pause/cancel reach the runs
         played here; a resume is taken up by any deck that has the run's invocable (the first
         to write wins); a parked run's cancel is written by whichever deck sees it first."""
-        while True:
-            await anyio.sleep(CONTROL_POLL)
-            for req in await self.store.requests(after=self._seen_request):
-                self._seen_request = req.id
-                if req.id in self._handled:
-                    self._handled.discard(req.id)
-                elif req.action == "resume" and req.run_id not in self.active:
-                    self._tg.start_soon(self._resume_quietly, req.run_id)
-                else:
-                    await self._act(req)
+        for req in await self.store.requests(after=self._seen_request):
+            self._seen_request = req.id
+            if req.id in self._handled:
+                self._handled.discard(req.id)
+            elif req.action == "resume" and req.run_id not in self.active:
+                self._tg.start_soon(self._resume_quietly, req.run_id)
+            else:
+                await self._act(req)
 
     async def _resume_quietly(self, run_id: str) -> None:
         try:

@@ -18,12 +18,13 @@ SQLite store also re-reads every ``poll_interval`` seconds (the one poll kit all
 from __future__ import annotations
 
 import bisect
+import json
 import operator
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -36,12 +37,20 @@ import orjson
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
-__all__ = ("SQLiteStore", "MemoryStore", "store_from_url")
+__all__ = ("SQLiteStore", "MemoryStore", "store_from_url", "BUSY_WAIT", "BUSY_FIRST_SLEEP",
+           "BUSY_MAX_SLEEP")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
 #: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
-#: for it rides out any burst, while a genuinely stuck file still fails instead of hanging.
-_BUSY_TIMEOUT_MS = 5000
+#: for it rides out any burst, while a genuinely stuck file still fails instead of hanging (the
+#: Runtime's writer then retries the batch on its own, longer schedule). The wait is
+#: asynchronous: SQLite's own busy handler would sleep on the event loop, freezing every
+#: stream and request of the process while another process holds the lock.
+BUSY_WAIT = 5.0
+#: The first back-off while the file is locked, doubled up to BUSY_MAX_SLEEP (seconds): a short
+#: transaction elsewhere costs a millisecond or two, a long one a poll every 50 ms.
+BUSY_FIRST_SLEEP = 0.001
+BUSY_MAX_SLEEP = 0.05
 #: WAL checkpoints run on a thread of their own, after this many commits: on the event loop, a
 #: checkpoint (page copies and an fsync) stalls every stream for milliseconds, and costs ~12 us
 #: per turn amortised (measured).
@@ -93,7 +102,7 @@ class _Store:
         """Open the store; raises ``KitError`` if it is open already."""
         if self._wake is not None:
             raise KitError("event store is already open")
-        self._open()
+        await self._retrying(self._open)
         self._wake = anyio.Event()
         return self
 
@@ -113,11 +122,37 @@ class _Store:
             raise KitError(_NOT_OPEN)
         return self._wake
 
-    async def _ready(self) -> None:
-        # A cancellation lands here, never inside a write. Only a pending cancellation is
-        # delivered: yielding to the loop on every append would cost a loop pass per commit.
-        await anyio.lowlevel.checkpoint_if_cancelled()
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a synchronous storage hook on the open store (see ``_retrying``)."""
         self._check()
+        return await self._retrying(fn, *args)
+
+    async def _retrying(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, retried with asynchronous backoff while the storage is busy (another
+        process holds SQLite's write lock), for up to ``BUSY_WAIT``; then the busy error
+        propagates. The hook itself never waits for a lock: the event loop stays free.
+
+        A cancellation lands between attempts, never inside a write. Only a pending cancellation
+        is delivered: yielding to the loop on every call would cost a loop pass per commit.
+        """
+        delay, deadline = BUSY_FIRST_SLEEP, None
+        while True:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            try:
+                return fn(*args)
+            except Exception as exc:
+                if not self._busy(exc):
+                    raise
+                now = anyio.current_time()
+                deadline = now + BUSY_WAIT if deadline is None else deadline
+                if now >= deadline:
+                    raise
+            await anyio.sleep(delay)
+            delay = min(delay * 2, BUSY_MAX_SLEEP)
+
+    def _busy(self, exc: Exception) -> bool:
+        """Whether ``exc`` means "locked by someone else, try again" (storage-specific)."""
+        return False
 
     def _notify(self) -> None:
         wake, self._wake = self._check(), anyio.Event()
@@ -136,33 +171,35 @@ class _Store:
         ``run.started`` reuses a run id); either way nothing is written. Raises ``KitError`` if
         the store is not open (so do all the methods below).
         """
-        await self._ready()
         events = list(events)
         _check_unique(events)
         if events or claims:
-            self._append(events, claims, time.time())
+            await self._call(lambda: self._append(events, claims, time.time()))
             self._notify()
 
     async def read(self, run_id: str, after: int = -1) -> list[Event]:
         """The run's committed events with ``seq > after``, in seq order ([] for an unknown run)."""
-        await self._ready()
-        return self._read(run_id, after)
+        return await self._call(self._read, run_id, after)
 
     async def follow(self, run_id: str, after: int = -1) -> AsyncIterator[Event]:
         """Yield the run's events with ``seq > after``: replay, then live, in seq order.
 
-        Returns right after yielding a terminal or parking event. An unknown run is waited for
-        like a live one (a follower may start before the run). Raises ``KitError`` if the store
-        is not open or is closed while following.
+        Returns right after yielding a terminal event, or a parking event while the run is still
+        parked (a run that parked and went on replays past it, to its end). An unknown run is
+        waited for like a live one (a follower may start before the run). Raises ``KitError`` if
+        the store is not open or is closed while following.
         """
         while True:
             wake = self._check()  # taken before reading, so no write can slip between the two
             batch = await self.read(run_id, after)
-            for event in batch:
+            for i, event in enumerate(batch):
                 yield event
                 after = event.seq
-                if event.payload.ends in ("terminal", "parking"):
+                if event.payload.ends == "terminal":
                     return
+                if event.payload.ends == "parking" and i == len(batch) - 1 \
+                        and not await self.read(run_id, after):
+                    return  # parked now: a stream ends here, the run does not
             if not batch:
                 with anyio.move_on_after(self._poll):
                     await wake.wait()
@@ -170,18 +207,18 @@ class _Store:
     async def runs(self, *, status: RunStatus | None = None, name: str | None = None,
                    session_id: str | None = None) -> list[RunInfo]:
         """The run index, filtered (filters combine with AND), ordered by ``started_at``, run id."""
-        await self._ready()
-        return self._runs(None if status is None else RunStatus(status), name, session_id)
+        return await self._call(self._runs, None if status is None else RunStatus(status), name,
+                                session_id)
 
     async def run_info(self, run_id: str) -> RunInfo | None:
         """The run's index row, or None for an unknown run."""
-        await self._ready()
-        return self._run_info(run_id)
+        return await self._call(self._run_info, run_id)
 
-    async def renew(self, owner: str, lease_seconds: float) -> None:
-        """Extend every lease of ``owner`` to ``now + lease_seconds`` (parked claims stay parked)."""
-        await self._ready()
-        self._renew(owner, time.time() + lease_seconds)
+    async def renew(self, owner: str, lease_seconds: float, run_ids: Sequence[str] | None = None) -> None:
+        """Extend the leases of ``owner`` to ``now + lease_seconds``: those of ``run_ids`` only
+        (the runs its process still plays), or all of them. Parked claims stay parked."""
+        ids = None if run_ids is None else list(run_ids)
+        await self._call(lambda: self._renew(owner, time.time() + lease_seconds, ids))
 
     async def reap(self) -> list[str]:
         """Abandon every run whose lease has lapsed; return their run ids (each reaped once).
@@ -189,8 +226,7 @@ class _Store:
         Each gets ``run.failed`` (error ``RunAbandoned``) at its next seq and status FAILED, and
         its claim is freed.
         """
-        await self._ready()
-        reaped = self._reap(time.time())
+        reaped = await self._call(lambda: self._reap(time.time()))
         if reaped:
             self._notify()
         return reaped
@@ -203,27 +239,24 @@ class _Store:
         Raises ``UnknownRunError`` when the log has no such run, ``ConfigError`` for another
         action.
         """
-        await self._ready()
         if action not in ("pause", "cancel", "resume"):
             raise ConfigError(f"a control request is pause, cancel or resume, got {action!r}")
-        if self._run_info(run_id) is None:
+        if await self._call(self._run_info, run_id) is None:
             raise UnknownRunError(run_id)
-        request_id = self._request(run_id, action, reason, source, time.time())
+        request_id = await self._call(lambda: self._request(run_id, action, reason, source, time.time()))
         self._notify()
         return request_id
 
     async def requests(self, after: int = 0) -> list[ControlRequest]:
         """Control requests with an id above ``after``, oldest first."""
-        await self._ready()
-        return self._requests(after)
+        return await self._call(self._requests, after)
 
     async def session_holder(self, session_id: str, namespace: str | None = None) -> str | None:
         """The run id holding ``(namespace, session_id)``, or None.
 
         A lapsed lease still holds until it is reaped or overtaken.
         """
-        await self._ready()
-        return self._holder(session_id, namespace or "")
+        return await self._call(self._holder, session_id, namespace or "")
 
     # Storage hooks: synchronous, so nothing can interleave with a transaction.
     def _open(self) -> None: ...
@@ -232,7 +265,7 @@ class _Store:
     def _read(self, run_id: str, after: int) -> list[Event]: ...
     def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None) -> list[RunInfo]: ...
     def _run_info(self, run_id: str) -> RunInfo | None: ...
-    def _renew(self, owner: str, until: float) -> None: ...
+    def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None: ...
     def _reap(self, now: float) -> list[str]: ...
     def _holder(self, session_id: str, namespace: str) -> str | None: ...
     def _request(self, run_id: str, action: str, reason: str | None, source: str | None, at: float) -> int: ...
@@ -267,7 +300,12 @@ _RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_
 
 def _row(e: Event) -> tuple[str, int, str, str]:
     # orjson (a dependency of langgraph's): ~5x faster than json here, on every event written.
-    return e.run_id, e.seq, e.kind, orjson.dumps(e.to_json()).decode()
+    obj = e.to_json()
+    try:
+        body = orjson.dumps(obj).decode()
+    except TypeError:  # a lone surrogate a model or tool produced, or an integer past 64 bits:
+        body = json.dumps(obj, separators=(",", ":"))  # ASCII-escaped JSON keeps them exactly
+    return e.run_id, e.seq, e.kind, body
 
 
 def _run_row(r: tuple[Any, ...]) -> RunInfo:
@@ -296,7 +334,7 @@ class _Checkpointer(threading.Thread):
     def run(self) -> None:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         try:
-            db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            db.execute(f"PRAGMA busy_timeout={int(BUSY_WAIT * 1000)}")  # its own thread: it may wait
             while True:
                 self._go.wait()
                 self._go.clear()
@@ -318,11 +356,14 @@ class SQLiteStore(_Store):
     non-positive ``poll_interval``; opening raises ``sqlite3.Error`` if the file cannot be opened.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, poll_interval: float = 0.05) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, poll_interval: float = 0.05,
+                 synchronous: str = "NORMAL") -> None:
         super().__init__()
         if not poll_interval > 0:
             raise ConfigError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
-        self.path, self._poll = os.fspath(path), poll_interval
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ConfigError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
+        self.path, self._poll, self.synchronous = os.fspath(path), poll_interval, synchronous
         self._db: sqlite3.Connection | None = None
         self._checkpointer: _Checkpointer | None = None
 
@@ -339,9 +380,12 @@ class SQLiteStore(_Store):
         # isolation_level=None: no implicit transactions; every write says BEGIN IMMEDIATE itself.
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         try:
-            db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")  # first: the next two may wait
+            # No busy handler: a locked file raises at once and _retrying backs off asynchronously.
+            db.execute("PRAGMA busy_timeout=0")
             db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them
-            db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes of the process
+            # NORMAL: a commit survives a crash of the process, not a power loss (the WAL is
+            # synced at checkpoints only); FULL syncs it at every commit (KIT_SQLITE_SYNC).
+            db.execute(f"PRAGMA synchronous={self.synchronous}")
             db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread does it
             self._db, self._commits = db, 0
             with self._tx():
@@ -470,10 +514,18 @@ class SQLiteStore(_Store):
                                 (run_id,)).fetchone()
         return None if row is None else _run_row(row)
 
-    def _renew(self, owner: str, until: float) -> None:
+    def _busy(self, exc: Exception) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and (
+            "locked" in str(exc) or "busy" in str(exc))
+
+    def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None:
+        sql = "UPDATE leases SET lease_until = ? WHERE owner = ? AND lease_until IS NOT NULL"
         with self._tx() as db:
-            db.execute("UPDATE leases SET lease_until = ? WHERE owner = ? AND lease_until IS NOT NULL",
-                       (until, owner))
+            if run_ids is None:
+                db.execute(sql, (until, owner))
+            else:
+                db.execute(sql + " AND run_id IN (SELECT value FROM json_each(?))",
+                           (until, owner, json.dumps(run_ids)))
 
     def _reap(self, now: float) -> list[str]:
         # Selected inside the write transaction: a concurrent reaper in another process has
@@ -593,9 +645,10 @@ class MemoryStore(_Store):
     def _run_info(self, run_id: str) -> RunInfo | None:
         return self._index.get(run_id)
 
-    def _renew(self, owner: str, until: float) -> None:
-        for lease in self._leases.values():
-            if lease.owner == owner and lease.until is not None:
+    def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None:
+        wanted = None if run_ids is None else set(run_ids)
+        for run_id, lease in self._leases.items():
+            if lease.owner == owner and lease.until is not None and (wanted is None or run_id in wanted):
                 lease.until = until
 
     def _reap(self, now: float) -> list[str]:
@@ -619,15 +672,17 @@ class MemoryStore(_Store):
 
 # ==================================================================================== factory ====
 
-def store_from_url(url: str) -> SQLiteStore | MemoryStore:
+def store_from_url(url: str, *, sqlite_sync: str | None = None) -> SQLiteStore | MemoryStore:
     """Build (not open) the store a ``KIT_STORE``-style URL names.
 
-    ``memory``, ``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``. Raises
-    ``ConfigError`` naming the URL for anything else (``postgresql://`` is not supported yet).
+    ``memory``, ``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``; ``sqlite_sync``
+    (``KIT_SQLITE_SYNC``: ``NORMAL``, the default, or ``FULL``) is SQLite's ``synchronous``.
+    Raises ``ConfigError`` naming the URL for anything else (``postgresql://`` is not supported
+    yet), or naming a bad ``sqlite_sync``.
     """
     if url == "memory":
         return MemoryStore()
     if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
-        return SQLiteStore(url[len("sqlite:///"):])
+        return SQLiteStore(url[len("sqlite:///"):], synchronous=(sqlite_sync or "NORMAL").upper())
     raise ConfigError(f"unsupported store URL {url!r}: use 'memory', 'sqlite:///relative/path.db' "
                       "or 'sqlite:////absolute/path.db' (postgresql:// is not supported yet)")

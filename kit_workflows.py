@@ -39,7 +39,7 @@ from kit_bridge import on_asyncio
 from kit_context import context_params, node_function
 from kit_core import (
     ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, InterruptResult,
-    InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunFailed, RunHandle, RunInterrupted,
+    InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
     RunPaused, RunSleeping, Usage, jsonable, new_run_id,
 )
 
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
 __all__ = ("compile_workflow", "WorkflowEngine", "open_graphs", "checkpoint_path", "due_threads",
            "run_headless", "workflow_tool", "child_tool")
 
-#: Error messages recorded in run.failed are cut to this length (as kit_agents does).
-MAX_ERROR_CHARS = 2000
 _CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"
 _NO_VALUE = object()
@@ -117,16 +115,18 @@ class WorkflowEngine:
                         interrupts = update
                     else:
                         run.emit(NodeUpdated(node, jsonable(update)), origin=f"{run.origin}/{node}")
+                await run.pace()  # never far ahead of the log
         except GraphDrained:  # stopped at a superstep boundary, as asked; the checkpoint is saved
             action, reason, source = run.take_request() or ("pause", None, None)
             run.emit(ControlRequested(action, reason, source))
             return await run.durable(RunCancelled(reason) if action == "cancel" else RunPaused(reason))
         except anyio.get_cancelled_exc_class():
-            run.emit(RunCancelled("the deck closed" if run.closing else "the caller was cancelled"))
+            if (end := run.ending()) is not None:
+                run.emit(end)
             raise
         except Exception as exc:
             run.error = exc
-            await run.durable(RunFailed(type(exc).__name__, str(exc)[:MAX_ERROR_CHARS]))
+            await run.durable(run.failure(exc))
             raise
         finally:
             run.on_request = None

@@ -417,9 +417,9 @@ async def test_durable_checkpoints_live_beside_the_log_not_in_it(store, monkeypa
     On one file, a log commit during a checkpoint write stalled the loop until "database is
     locked" (seen once in bench_kit.py under load; too rare to reproduce here), so checkpoints
     live in a file of their own. This asserts that, and smoke-tests many quick durable runs."""
-    import kit_runtime
+    import kit_writer
     import kit_workflows
-    monkeypatch.setattr(kit_runtime, "FLUSH_DELAY", 0.0002)  # background commits, often
+    monkeypatch.setattr(kit_writer, "FLUSH_DELAY", 0.0002)  # background commits, often
     async with Deck(workflows=[Workflow("w", graph(plan, done), durable=True)], store=store) as deck:
         with anyio.fail_after(30):
             for i in range(60):
