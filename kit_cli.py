@@ -9,8 +9,9 @@ Commands:
   kit runs signal <run_id> {pause,cancel,resume} [--store URL] [--reason TEXT]
       Records the request for a run another process plays; that process acts on it at the run's
       next safe point (a resume is taken up by a deck that has the run's agent or workflow).
-Exit codes: 0 done (or recorded), 1 an unknown run or a store that cannot be read, 2 a usage
-error (clig.dev conventions).
+Exit codes: 0 done (or recorded), 1 an unknown run, a request that cannot act on the run (a
+finished run; pause of a parked run; resume of a run that is not paused: the message says its
+status) or a store that cannot be read, 2 a usage error (clig.dev conventions).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 
 import anyio
 
-from kit_core import ConfigError, EventStorePort, RunStatus, UnknownRunError
+from kit_core import ConfigError, EventStorePort, RunStatus, UnknownRunError, control_refusal
 from kit_store import store_from_url
 
 __all__ = ("main",)
@@ -47,8 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Refused(Exception):
+    """The request cannot act on the run in its state (exit 1)."""
+
+
 async def _signal(store: EventStorePort, a: argparse.Namespace) -> None:
     async with store:  # type: ignore[attr-defined]
+        info = await store.run_info(a.run_id)
+        if info is None:
+            raise UnknownRunError(a.run_id)
+        refusal = control_refusal(a.signal, info.status)
+        if refusal is not None:
+            raise _Refused(f"run {a.run_id}: {refusal}")
         request_id = await store.request(a.run_id, a.signal, a.reason, "cli")
     print(f"{a.signal} requested for run {a.run_id} (request {request_id})")
 
@@ -85,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         anyio.run(_list if a.action == "list" else _signal, store, a)
-    except UnknownRunError as exc:
+    except (UnknownRunError, _Refused) as exc:
         print(f"kit: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # the store could not be read: say why, exit 1

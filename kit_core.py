@@ -610,6 +610,18 @@ def fold_status(kinds: Iterable[str]) -> RunStatus | None:
     return status
 
 
+def control_refusal(action: str, status: RunStatus) -> str | None:
+    """Why a ``pause``, ``cancel`` or ``resume`` request cannot act on a run in ``status``, or
+    None when it can (HTTP answers 409 with the reason, the CLI exits 1 with it)."""
+    if status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
+        return f"the run is {status.value}: a finished run takes no {action} request"
+    if action == "pause" and status is not RunStatus.RUNNING:
+        return f"the run is {status.value}: it is parked already (cancel or resume it instead)"
+    if action == "resume" and status is not RunStatus.PAUSED:
+        return f"the run is {status.value}, not PAUSED: there is nothing to resume"
+    return None
+
+
 # ==================================================================================== results ====
 
 @dataclass(frozen=True, slots=True)
@@ -703,8 +715,11 @@ class ControlRequest:
 class EventSinkPort(Protocol):
     """An observer of the log. ``emit`` does in-memory work only and never awaits a round trip.
 
-    Optional methods, called when present: ``start()`` once at deck open (raising refuses the
-    open) and ``close()`` when the stream has ended (flush buffers there).
+    It gets each committed event once, in each run's order, on a daemon thread of its own (a
+    slow ``emit`` costs that observer its own backlog, never a run); an observer whose class
+    sets ``nonblocking = True`` promises ``emit`` only appends to memory, and is called on the
+    event loop instead. Optional methods, called when present: ``start()`` once at deck open
+    (raising refuses the open) and ``close()`` when the stream has ended (flush buffers there).
     """
 
     def emit(self, event: Event) -> None: ...

@@ -55,8 +55,8 @@ import sniffio
 from kit_core import (
     ConfigError, ContentError, DeckStateError, Event, InterruptResult, KitError, LogConflictError,
     NodeUpdated, RunCancelled, RunCompleted, RunFailed, RunInterrupted, RunNotWaitingError,
-    RunPaused, RunSleeping, RunStatus, RunStoppedError, SessionBusyError, TextDelta,
-    UnknownNameError, UnknownRunError, block_from_json, new_run_id,
+    RunPaused, RunSleeping, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError,
+    TextDelta, UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id,
 )
 
 if typing.TYPE_CHECKING:
@@ -67,6 +67,7 @@ __all__ = (
     # errors (their statuses are in ERROR_STATUS)
     "HTTPError", "RouteNotFoundError", "MethodNotAllowedError", "MalformedRequestError",
     "BodyTooLargeError", "UnsupportedMediaTypeError", "ThreadNotWaitingError", "NotResumableError",
+    "ControlRefusedError",
     "ServerStoppingError", "ERROR_STATUS",
     # limits
     "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
@@ -95,6 +96,7 @@ FrameOf = Callable[[Event], "bytes | None"]
 
 _PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+_MAX_SEQ = 2**63 - 1  # SQLite's INTEGER, Postgres's bigint
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
                 (b"x-accel-buffering", b"no")]
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,200}")  # a run id we echo in x-kit-run-id
@@ -138,6 +140,10 @@ class NotResumableError(HTTPError):
     """The run exists but is not paused: nothing to resume (or another caller resumed it)."""
 
 
+class ControlRefusedError(HTTPError):
+    """A pause or cancel request that cannot act: the run has finished, or (pause) is parked."""
+
+
 class ServerStoppingError(HTTPError):
     """The server is shutting down: the request was refused, or cancelled after ``STOP_GRACE``."""
 
@@ -162,9 +168,10 @@ ERROR_STATUS: dict[type[BaseException], int] = {
     RunNotWaitingError: 404, ThreadNotWaitingError: 404,
     MethodNotAllowedError: 405,
     SessionBusyError: 409, RunStoppedError: 409, NotResumableError: 409, LogConflictError: 409,
+    ControlRefusedError: 409,
     BodyTooLargeError: 413, UnsupportedMediaTypeError: 415,
     _RunFailed: 500,
-    DeckStateError: 503, ServerStoppingError: 503,
+    DeckStateError: 503, ServerStoppingError: 503, StoreUnavailableError: 503,
 }
 
 
@@ -193,11 +200,12 @@ def sse_frame(data: str, *, event: str | None = None, id: str | None = None) -> 
 
 
 def _dumps(obj: Any) -> str:
-    """Compact one-line JSON: orjson, or the stdlib for what orjson refuses (huge integers)."""
+    """Compact one-line JSON: orjson, or the stdlib for what orjson refuses (huge integers, lone
+    surrogates)."""
     try:
         return orjson.dumps(obj).decode()
-    except TypeError:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=str)
+    except TypeError:  # ASCII escapes: a lone surrogate a model produced still encodes
+        return json.dumps(obj, separators=(",", ":"), default=str)
 
 
 def _no_constant(name: str) -> Any:
@@ -523,7 +531,7 @@ class App:
         message, session_id = _field(body, "message", str, required=True), _field(body, "session_id", str)
         self._check(name, self._agents)
         if _flag(req, "stream"):
-            return await self._stream_run(req, self.deck.stream(name, message, session_id=session_id),
+            return await self._stream_run(req, self.deck.stream(name, message, session_id=session_id, committed=True),
                                           _v1_frame)
         run_id = new_run_id()  # known before the run ends, for x-kit-run-id
         result = await self._run(req, run_id, self.deck.run(name, message, session_id=session_id,
@@ -535,7 +543,7 @@ class App:
         state, thread_id = _field(body, "input", dict) or {}, _field(body, "thread_id", str)
         self._check(name, self._workflows)
         if _flag(req, "stream"):
-            return await self._stream_run(req, self.deck.stream(name, state, session_id=thread_id),
+            return await self._stream_run(req, self.deck.stream(name, state, session_id=thread_id, committed=True),
                                           _v1_workflow_frame)
         run_id = new_run_id()
         result = await self._run(req, run_id, self.deck.run(name, state, session_id=thread_id,
@@ -560,6 +568,12 @@ class App:
 
     async def _control(self, req: _Request, run_id: str, action: str) -> None:
         reason = _field(await req.json(optional=True), "reason", str)
+        status = await self.deck.status(run_id)
+        if status is None:
+            raise UnknownRunError(run_id)
+        refusal = control_refusal(action, status)
+        if refusal is not None:
+            raise ControlRefusedError(f"run {run_id}: {refusal}")
         await (self.deck.pause if action == "pause" else self.deck.cancel)(run_id, reason=reason)
         req.run_id = run_id
         await _respond(req, 202, {"run_id": run_id, "requested": action})
@@ -578,12 +592,18 @@ class App:
             after = int(raw) if raw.strip() else -1
         except ValueError:
             raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {raw!r}") from None
+        if not -1 <= after <= _MAX_SEQ:
+            raise MalformedRequestError(f"Last-Event-ID / after must be an event seq from -1 to "
+                                        f"{_MAX_SEQ}, got {after}")
         status = await self.deck.status(run_id)
         if status is None:
             raise UnknownRunError(run_id)
         store, req.run_id = self.deck.store, run_id
         if status in _TERMINAL and not await store.read(run_id, after):
             return await _respond(req, 204, None)  # past the end: 204 stops EventSource retrying
+        if after >= 0 and not await store.read(run_id, after - 1):  # no event `after` (yet)
+            raise MalformedRequestError(f"run {run_id} has no event {after}: a client only ever "
+                                        "receives events the log holds")
         await self._sse(req, run_id, None, store.follow(run_id, after), _native_frame)
 
     async def _native_chat(self, req: _Request, name: str) -> None:
@@ -600,7 +620,7 @@ class App:
                 raise MalformedRequestError("'input' must be a JSON object for a workflow")
         else:
             raise UnknownNameError(name, self._agents | self._workflows)
-        await self._stream_run(req, self.deck.stream(name, value, session_id=session_id), _native_frame)
+        await self._stream_run(req, self.deck.stream(name, value, session_id=session_id, committed=True), _native_frame)
 
     # ---------------------------------------------------------------------------- streams --
     async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf) -> None:

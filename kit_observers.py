@@ -10,41 +10,41 @@ caller passes ``env``); print.
 
 Theory of operation
 -------------------
-``emit`` puts the event in each observer's queue (an anyio memory stream of ``queue_size``) with
-``send_nowait``: no await, no lock, no thread. A full queue drops the event *for that observer
-only* and counts it, as OpenTelemetry's BatchSpanProcessor does (CONVENTIONS A9).
+The Runtime calls ``emit`` with each batch of events *after* the store committed it (observers
+see only what the log holds, DESIGN 4.6), in each run's order. ``emit`` puts the event in each
+observer's queue (an anyio memory stream of ``queue_size``) with ``send_nowait``: no await, no
+lock, no thread. A full queue drops the event *for that observer only* and counts it, as
+OpenTelemetry's BatchSpanProcessor does (CONVENTIONS A9).
 
-Each observer has one drain task, which takes what is queued (up to ``BATCH_MAX``) and calls
-``observer.emit`` on each event, in order, **in a worker thread** under a limiter of one thread
-for that observer, until the observer has proven fast: then on the loop (``FAST_PER_EVENT``). Why a thread: ``emit`` is synchronous and SPEC 4.6 asks it to do in-memory
-work only, but kit cannot check that. On the event loop, one ``time.sleep`` (a lock, a DNS
-lookup, a flush) in one observer would stall every run and every other observer; in its thread
-it stalls only its own drain, whose queue fills and drops for it alone. The crossing (16-70 us,
-PERF.md) is paid per batch, not per event: while one batch is in the thread the next one
-accumulates. The limiter of one keeps a stuck observer to one thread (never the shared pool)
-and its ``emit`` calls sequential and in order. Sync ``start()``/``close()`` run in a worker
-thread too (the tracing observer imports OpenTelemetry and flushes over the network there);
-async ones are awaited on the loop.
-
-The price, measured: ~0.45 us per event per observer in ``emit``; and a worker thread runs only
-when it gets the GIL. A waiting thread asks the holder for the GIL only after 5 ms without a
-switch, but an event loop that is never idle releases and retakes it at every ``epoll``, which
-counts as a switch: while the loop is saturated (a benchmark streaming flat out) the drains
-barely run and observers drop, counted. Any idle time (waiting on a model, a socket) lets them through:
-45k events/s to two observers, the loop idle 0.5 ms per 64 events, dropped nothing.
+Each observer has one drain task, which takes what is queued (up to ``BATCH_MAX``) and hands the
+batch to that observer's own **daemon thread**, which calls ``observer.emit`` on each event in
+order. Why a thread: ``emit`` is synchronous and SPEC 4.6 asks it to do in-memory work only, but
+kit cannot check that. On the event loop, one ``time.sleep`` (a lock, a DNS lookup, a flush) in
+one observer would stall every run; in its thread it stalls only its own drain, whose queue
+fills and drops for it alone. Why a daemon thread of its own (not a worker pool's): an observer
+stuck for good in ``emit`` is abandoned at close and never keeps the process from exiting. The
+crossing (16-70 us, PERF.md) is paid per batch, not per event. An observer that declares
+``nonblocking = True`` (its ``emit`` only appends to memory) is called on the loop instead, in
+batches of at most ``LOOP_BATCH_MAX`` with a checkpoint between them: no crossing at all.
+``start()`` and ``close()`` run in a daemon thread too when synchronous (the tracing observer
+imports OpenTelemetry and flushes over the network there); async ones are awaited on the loop.
 
 An ``emit`` that raises is counted; ``DISABLE_AFTER`` consecutive failures disable the observer:
 its events are skipped (and counted) until the backoff has passed, then the next one is a trial.
 A success resets the count and the backoff; a failed trial doubles it, up to ``RETRY_MAX``.
 
 ``close`` ends every queue and lets each drain deliver its backlog for up to ``DRAIN_TIMEOUT``;
-then the stragglers are cancelled (a thread stuck in ``emit`` is abandoned, never waited for)
-and each observer's ``close()`` runs, in reverse order, each bounded by ``CLOSE_TIMEOUT``.
+then the stragglers are abandoned: what they had not delivered is counted ``abandoned``, and
+no ``emit`` starts after that. Each observer's ``close()`` then runs, in reverse order, each
+bounded by ``CLOSE_TIMEOUT``. Counts add up: ``emitted = delivered + errors + skipped +
+abandoned`` once closed.
 """
 from __future__ import annotations
 
 import inspect
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -57,24 +57,20 @@ from anyio.abc import TaskGroup
 from kit_core import ConfigError, Event, EventSinkPort
 
 __all__ = (
-    "QUEUE_SIZE", "BATCH_MAX", "FAST_PER_EVENT", "LOOP_BATCH_MAX", "DISABLE_AFTER", "RETRY_MIN", "RETRY_MAX", "DRAIN_TIMEOUT",
-    "CLOSE_TIMEOUT", "ObserverStats", "ObserverHub", "resolve_observers", "check_observers",
+    "QUEUE_SIZE", "BATCH_MAX", "LOOP_BATCH_MAX", "DISABLE_AFTER", "RETRY_MIN", "RETRY_MAX",
+    "DRAIN_TIMEOUT", "CLOSE_TIMEOUT", "ObserverStats", "ObserverHub", "resolve_observers",
+    "check_observers",
 )
 
-#: Events waiting for one observer: references to events the log holds anyway (~64 KiB). It
-#: absorbs the burst of a fast reply while the observer's first, measuring batch crosses to its
-#: thread (measured: ~2.5k events of a scripted 5k-token reply); past it, events are dropped for
-#: that observer (and counted), never buffered without bound and never waited for.
+#: Events waiting for one observer: references to events the log holds anyway (~64 KiB). Past
+#: it, events are dropped for that observer (and counted), never buffered without bound and
+#: never waited for.
 QUEUE_SIZE = 8192
 #: Events handed to one thread crossing (BatchSpanProcessor's export batch): bounds the time a
 #: close waits on one batch and the events lost if that batch is abandoned.
 BATCH_MAX = 512
-#: An observer proven fast (under FAST_PER_EVENT per event, measured on its thread first) is
-#: delivered on the event loop in batches of at most LOOP_BATCH_MAX: a thread is starved of the
-#: GIL while the loop is saturated (see above), so a healthy observer would drop events there.
-#: The loop then pays at most LOOP_BATCH_MAX * FAST_PER_EVENT (~0.6 ms) per batch, and an
-#: observer that turns slow pays one slow batch on the loop before it goes back to its thread.
-FAST_PER_EVENT = 10e-6
+#: A ``nonblocking`` observer is called on the event loop in batches of at most this many, with
+#: a checkpoint between them, so even a long backlog never holds the loop for long.
 LOOP_BATCH_MAX = 64
 #: Consecutive failing ``emit`` calls that disable an observer: one error may be a bad event,
 #: three in a row a broken observer, which would otherwise cost a traceback per event.
@@ -143,8 +139,9 @@ class ObserverStats:
     """One observer's counters (a snapshot from ``ObserverHub.stats``).
 
     ``emitted`` events entered its queue and ``dropped`` did not (queue full, or the hub closed).
-    Of those emitted, ``delivered`` were taken by its ``emit``, ``errors`` made it raise and
-    ``skipped`` arrived while it was disabled; the rest were still queued or abandoned at close.
+    Of those emitted, ``delivered`` were taken by its ``emit``, ``errors`` made it raise,
+    ``skipped`` arrived while it was disabled, and ``abandoned`` were still queued or in flight
+    when close gave up on it (an observer stuck in ``emit``); until close, the rest are queued.
     ``disabled`` counts the times it was disabled.
     """
     observer: str
@@ -153,11 +150,12 @@ class ObserverStats:
     delivered: int = 0
     errors: int = 0
     skipped: int = 0
+    abandoned: int = 0
     disabled: int = 0
 
 
 class _Slot:
-    """One observer, its queue, its drain's cancel scope and its failure state."""
+    """One observer, its queue, its drain's cancel scope, its thread and its failure state."""
 
     def __init__(self, observer: EventSinkPort) -> None:
         self.observer = observer
@@ -165,15 +163,59 @@ class _Slot:
         self.failures = 0
         self.backoff = RETRY_MIN
         self.retry_at: float | None = None  # set while disabled
-        self.on_loop = False  # proven fast: deliver on the event loop, no thread crossing
-        self.measured = False
+        self.on_loop = bool(getattr(observer, "nonblocking", False))
+        self.closed = False  # set by close: no emit starts after it
         # Made by start(): a stream never closed warns when collected, and a hub built but
         # never opened must not.
         self.send: Any = None
         self.receive: Any = None
-        self.limiter: Any = None
+        self.thread: _Courier | None = None
         self.scope: Any = None
         self.done: Any = None
+
+
+class _Courier(threading.Thread):
+    """An observer's own daemon thread: runs what the drain hands it, in order, and tells the
+    loop when each piece is done. A daemon, so one stuck forever never keeps the process alive."""
+
+    def __init__(self, name: str, token: Any) -> None:
+        super().__init__(name=f"kit observer {name}", daemon=True)
+        self._token, self._jobs = token, queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, done, box = job
+            try:
+                box.append(fn())
+            except BaseException as exc:  # noqa: BLE001 - carried back to the loop
+                box.append(exc)
+            try:
+                anyio.from_thread.run_sync(done.set, token=self._token)
+            except RuntimeError:  # the loop is gone: nobody is waiting any more
+                return
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on this thread; its result (or exception). Cancelling the caller
+        abandons the call, never waits for it."""
+        done, box = anyio.Event(), []
+        self._jobs.put((fn, done, box))
+        await done.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+async def _in_daemon(fn: Callable[[], Any], name: str) -> Any:
+    """Run ``fn()`` on a fresh daemon thread (an observer's start or close)."""
+    courier = _Courier(name, anyio.lowlevel.current_token())
+    courier.start()
+    try:
+        return await courier.call(fn)
+    finally:
+        courier.stop()
 
 
 class ObserverHub:
@@ -221,9 +263,13 @@ class ObserverHub:
                     await self._close_observer(slot)
             raise
         self._state = "STARTED"
+        token = anyio.lowlevel.current_token()
         for slot in self._slots:
             slot.send, slot.receive = anyio.create_memory_object_stream[Event](self._queue_size)
-            slot.limiter, slot.scope, slot.done = anyio.CapacityLimiter(1), anyio.CancelScope(), anyio.Event()
+            slot.scope, slot.done = anyio.CancelScope(), anyio.Event()
+            if not slot.on_loop:
+                slot.thread = _Courier(slot.stats.observer, token)
+                slot.thread.start()
             task_group.start_soon(self._drain, slot, name=f"kit observer drain {slot.stats.observer}")
 
     def emit(self, event: Event) -> None:
@@ -258,12 +304,20 @@ class ObserverHub:
                 for slot in self._slots:
                     await slot.done.wait()
             for slot in self._slots:
+                slot.closed = True  # no emit starts after this, on any thread
                 slot.scope.cancel()  # a drain stuck in emit: its thread is abandoned
             with anyio.move_on_after(CLOSE_TIMEOUT):
                 for slot in self._slots:
                     await slot.done.wait()
             for slot in self._slots:
                 slot.receive.close()
+                if slot.thread is not None:
+                    slot.thread.stop()
+                s = slot.stats
+                s.abandoned = s.emitted - s.delivered - s.errors - s.skipped
+                if s.abandoned:
+                    _log.warning("observer %s: abandoned %d undelivered events at close",
+                                 s.observer, s.abandoned)
             for slot in reversed(self._slots):
                 await self._close_observer(slot)
 
@@ -275,9 +329,8 @@ class ObserverHub:
         if inspect.iscoroutinefunction(method):
             await method()
         else:
-            # Not under the drain's limiter: trio holds an abandoned thread's token until that
-            # thread ends, and close() must not wait for an emit stuck forever.
-            await anyio.to_thread.run_sync(method, abandon_on_cancel=True)
+            # Not on the drain's thread: close() must not queue behind an emit stuck forever.
+            await _in_daemon(method, f"{slot.stats.observer} {name}")
 
     async def _close_observer(self, slot: _Slot) -> None:
         with anyio.move_on_after(CLOSE_TIMEOUT) as scope:
@@ -292,39 +345,32 @@ class ObserverHub:
     async def _drain(self, slot: _Slot) -> None:
         try:
             with slot.scope:
+                limit = LOOP_BATCH_MAX if slot.on_loop else BATCH_MAX
                 while True:
                     try:
                         batch = [await slot.receive.receive()]
                     except (anyio.EndOfStream, anyio.ClosedResourceError):
                         return
-                    # A first batch of one event measures the observer within a thread crossing,
-                    # before the queue can fill behind it.
-                    limit = LOOP_BATCH_MAX if slot.on_loop else BATCH_MAX if slot.measured else 1
-                    slot.measured = True
                     while len(batch) < limit:
                         try:
                             batch.append(slot.receive.receive_nowait())
                         except (anyio.WouldBlock, anyio.EndOfStream):
                             break
                     if slot.on_loop:
-                        took = self._deliver(slot, batch)
-                    else:
-                        took = await anyio.to_thread.run_sync(
-                            self._deliver, slot, batch, limiter=slot.limiter, abandon_on_cancel=True)
-                    # An observer whose batches take under FAST_PER_EVENT each is delivered on
-                    # the loop from then on; one that turns slow goes back to its thread.
-                    slot.on_loop = took / len(batch) < FAST_PER_EVENT
-                    if slot.on_loop:
+                        self._deliver(slot, batch)
                         await anyio.lowlevel.checkpoint()  # let runs go between batches
+                    else:
+                        await slot.thread.call(lambda b=batch: self._deliver(slot, b))  # type: ignore[union-attr]
         finally:
             slot.done.set()
 
-    def _deliver(self, slot: _Slot, batch: list[Event]) -> float:
-        """One batch, in order (worker thread, or the loop once proven fast); counts, disables
-        and re-enables the observer. Returns the wall time it took (the crossing excluded)."""
-        started = time.perf_counter()
+    def _deliver(self, slot: _Slot, batch: list[Event]) -> None:
+        """One batch, in order (the observer's thread, or the loop when it is nonblocking);
+        counts, disables and re-enables the observer. Stops at close."""
         stats, emit = slot.stats, slot.observer.emit
         for event in batch:
+            if slot.closed:
+                return  # what is left is counted abandoned by close
             if slot.retry_at is not None:
                 if self._clock() < slot.retry_at:
                     stats.skipped += 1
@@ -333,6 +379,8 @@ class ObserverHub:
             try:
                 emit(event)
             except Exception:
+                if slot.closed:
+                    return
                 stats.errors += 1
                 slot.failures += 1
                 if slot.failures >= DISABLE_AFTER:
@@ -342,7 +390,8 @@ class ObserverHub:
                                  stats.observer, slot.failures, slot.backoff, exc_info=True)
                     slot.backoff = min(slot.backoff * 2, RETRY_MAX)
             else:
+                if slot.closed:
+                    return  # an emit that was stuck past close: counted abandoned
                 stats.delivered += 1
                 if slot.failures:
                     slot.failures, slot.backoff = 0, RETRY_MIN
-        return time.perf_counter() - started

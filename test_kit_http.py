@@ -392,8 +392,9 @@ async def test_pause_resume_and_cancel_routes():
         assert (r.status_code, r.json()["error"]) == (409, "NotResumableError")
         r = await client.post("/agents/worker/chat", json={"session_id": "s2", "message": "go"})
         assert r.status_code == 200
-        r = await client.post(f"/runs/{r.headers['x-kit-run-id']}/cancel")
-        assert r.status_code == 202 and r.json()["requested"] == "cancel"
+        r = await client.post(f"/runs/{r.headers['x-kit-run-id']}/cancel")  # finished: refused
+        assert (r.status_code, r.json()["error"]) == (409, "ControlRefusedError")
+        assert "COMPLETED" in r.json()["message"]
 
 
 # ------------------------------------------------------------------------------ native ----
