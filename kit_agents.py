@@ -34,12 +34,12 @@ import sqlite3
 import threading
 import typing
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import agents as sdk
 import anyio
-import anyio.lowlevel
 from agents.function_schema import function_schema
 from agents.memory import SessionABC
 
@@ -56,10 +56,13 @@ if TYPE_CHECKING:
     from kit_catalog import MCP, Agent, Skill
 
 __all__ = ("compile_agent", "run_headless", "AgentEngine", "Sessions", "MemorySession",
-           "YIELD_EVERY")
+           "YIELD_EVERY", "MAX_SESSIONS")
 
 #: A streaming model call lets the loop run other tasks at least every this many events.
 YIELD_EVERY = 64
+#: Conversations the in-process session store keeps (``KIT_SESSION_MAX``), least recently used
+#: dropped first: ~2 kB each measured, so ~20 MB at the default; bounded, unlike a process's life.
+MAX_SESSIONS = 10_000
 #: The SDK's tool classes: an agent's tool that is one of these passes through as built.
 SDK_TOOLS = tuple(typing.get_origin(t) or t for t in typing.get_args(sdk.Tool))
 
@@ -681,6 +684,10 @@ class MemorySession(SessionABC):
         return json.loads(row[1])
 
     async def clear_session(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Delete this conversation's items (synchronously: eviction happens on the kit side)."""
         with self._s.lock:
             self._s.db.execute("DELETE FROM items WHERE session=?", (self.session_id,))
 
@@ -690,15 +697,23 @@ class Sessions:
 
     ``factory(key)`` when given; else the SDK's ``RedisSession`` when ``url`` is a Redis URL
     (``KIT_SESSION``); else ``MemorySession``s in one in-process database, lost on exit. One
-    object per key (``<namespace>:<session_id>``, or the session id). Raises ``ConfigError`` for
-    another URL scheme.
+    object per key (``<namespace>:<session_id>``, or the session id).
+
+    At most ``max_sessions`` are kept (``KIT_SESSION_MAX``), least recently used dropped first:
+    for the in-process default that *forgets the conversation* (its history is deleted; the log
+    keeps every turn); for Redis or a factory only the cached object goes (the data stays where
+    it lives). Keep it above the number of conversations in flight at once. Raises
+    ``ConfigError`` for another URL scheme or a bound below 1.
     """
 
-    def __init__(self, url: str | None, factory: Callable[[str], Any] | None) -> None:
+    def __init__(self, url: str | None, factory: Callable[[str], Any] | None,
+                 max_sessions: int = MAX_SESSIONS) -> None:
         if url and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"KIT_SESSION must be a redis:// URL, got {url!r}")
-        self._factory, self._url = factory, url
-        self._sessions: dict[str, Any] = {}
+        if not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ConfigError(f"KIT_SESSION_MAX must be a positive integer, got {max_sessions!r}")
+        self._factory, self._url, self.max_sessions = factory, url, max_sessions
+        self._sessions: OrderedDict[str, Any] = OrderedDict()
         self._redis: Any = None
         self.memory: _MemoryDB | None = None
         if url:
@@ -710,7 +725,9 @@ class Sessions:
     def get(self, session_id: str, namespace: str | None = None) -> Any:
         key = session_id if namespace is None else f"{namespace}:{session_id}"
         session = self._sessions.get(key)
-        if session is None:
+        if session is not None:
+            self._sessions.move_to_end(key)
+        else:
             if self._factory is not None:
                 session = self._factory(key)
             elif self._redis is not None:
@@ -719,7 +736,14 @@ class Sessions:
             else:
                 session = MemorySession(self.memory, key)  # type: ignore[arg-type]
             self._sessions[key] = session
+            if len(self._sessions) > self.max_sessions:
+                _, dropped = self._sessions.popitem(last=False)
+                if isinstance(dropped, MemorySession):
+                    dropped.forget()
         return session
+
+    def __len__(self) -> int:
+        return len(self._sessions)
 
     async def aclose(self) -> None:
         """Engine side: close the Redis client (its connections belong to the engine's loop)."""

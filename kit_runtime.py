@@ -167,6 +167,16 @@ def _seconds(env: Any, name: str, default: float) -> float:
     return value
 
 
+def _count(env: Any, name: str, default: int) -> int:
+    """A positive integer from setting ``name``; ``ConfigError`` naming it otherwise."""
+    raw = env.get(name)
+    if raw is None:
+        return default
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
 def _count_upto(live: deque[Event], seq: int) -> int:
     """How many events at the front of ``live`` have a seq at most ``seq``."""
     n = 0
@@ -232,7 +242,8 @@ class Runtime:
         self.lease = _seconds(env, "KIT_LEASE_SECONDS", DEFAULT_LEASE_SECONDS)
         self.down_limit = _seconds(env, "KIT_STORE_DOWN_SECONDS", STORE_DOWN_LIMIT)
         kit_agents.use_api(env.get("KIT_OPENAI_API"))
-        self.sessions = kit_agents.Sessions(env.get("KIT_SESSION"), self._session_factory)
+        self.sessions = kit_agents.Sessions(env.get("KIT_SESSION"), self._session_factory,
+                                            _count(env, "KIT_SESSION_MAX", kit_agents.MAX_SESSIONS))
         try:
             if self._own_store:
                 self.store = store_from_url(env.get("KIT_STORE", self._default_store),

@@ -317,7 +317,8 @@ def workflow_tool(name: str, graph: Any, description: str | None,
     """An SDK ``FunctionTool`` whose arguments are the workflow's input state.
 
     ``play(run_context, args)`` plays it (``run_context`` is the calling run's SDK context); the
-    model gets the final state as JSON, or word that the workflow is waiting and for what.
+    model gets the final state as JSON, word that the workflow is waiting and for what, or (as
+    for any tool) the error when it failed or was stopped.
     """
     import agents as sdk
     try:
@@ -327,7 +328,13 @@ def workflow_tool(name: str, graph: Any, description: str | None,
         schema = {"type": "object", "properties": {k: {} for k in keys}}
 
     async def invoke(tool_ctx: Any, args_json: str) -> str:
-        out = await play(tool_ctx.context, json.loads(args_json or "{}"))
+        try:
+            out = await play(tool_ctx.context, json.loads(args_json or "{}"))
+        except Exception as exc:  # a failed or stopped workflow: the model is told, as for any tool
+            run = tool_ctx.context
+            if isinstance(run, RunHandle):
+                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+            return f"error: {type(exc).__name__}: {exc}"
         if isinstance(out, InterruptResult):
             return (f"workflow {name} is waiting (thread {out.thread_id}): "
                     f"{json.dumps(jsonable(out.payload))}")

@@ -1,0 +1,451 @@
+"""Fault tests: the log stays the truth when the store fails, stalls or is locked, when callers
+are cancelled, when observers get stuck, and when input cannot be stored (DESIGN 4.6).
+
+Faults are injected at the edge kit does not own, the store port: ``FaultyStore`` is the real
+SQLite store with a switch that makes appends (or background calls) raise, as a lost disk or
+network would. Everything else is kit's real code.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+import kit
+import kit_writer
+from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableError, TextDelta, Workflow
+from kit_store import SQLiteStore
+from test_kit_control import Gate
+from test_kit_http import served
+from test_kit_observers import Recorder
+from test_kit_workflows import State
+
+pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
+LONG = " ".join(f"w{i}" for i in range(300))
+
+
+class FaultyStore(SQLiteStore):
+    """The real SQLite store, with faults injected at the port.
+
+    ``fail_appends`` appends raise ``OSError`` before writing anything (a disk or network gone
+    for a moment); ``down`` makes every append raise until cleared; ``fail_background`` renewals
+    and control-request reads raise that many times.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.fail_appends = 0
+        self.down = False
+        self.fail_background = 0
+        self.failures = 0
+
+    async def append(self, events, *, claims=()):
+        if self.down or self.fail_appends > 0:
+            self.fail_appends = max(0, self.fail_appends - 1)
+            self.failures += 1
+            raise OSError("injected: the disk is gone")
+        await super().append(events, claims=claims)
+
+    def _background_fault(self) -> None:
+        if self.fail_background > 0:
+            self.fail_background -= 1
+            self.failures += 1
+            raise OSError("injected: the store went away")
+
+    async def renew(self, owner, lease_seconds, run_ids=None):
+        self._background_fault()
+        await super().renew(owner, lease_seconds, run_ids)
+
+    async def requests(self, after=0):
+        self._background_fault()
+        return await super().requests(after)
+
+
+def seqs(events) -> list[int]:
+    return [e.seq for e in events]
+
+
+async def until(predicate, timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not await predicate():
+            await anyio.sleep(0.01)
+
+
+# ------------------------------------------------------------------------- never drop a batch ----
+
+async def test_a_refused_batch_is_retried_and_what_was_acknowledged_is_the_log(tmp_path):
+    rec = Recorder()
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck([Agent("a", model=ScriptedModel([LONG]))], store=store, observers=[rec]) as deck:
+            store.fail_appends = 3  # the run's first batches: refused, then taken
+            with anyio.fail_after(20):
+                got = [e async for e in deck.stream("a", "hi", committed=True)]
+        log = await store.read(got[0].run_id)
+    assert store.failures == 3
+    assert seqs(log) == list(range(len(log))) and log[-1].kind == "run.completed"
+    assert [e.to_json() for e in got] == [e.to_json() for e in log]  # no hole, nothing extra
+    # Observers saw what committed, in order, and nothing else.
+    assert [(e.run_id, e.seq) for e in rec.seen] == [(e.run_id, e.seq) for e in log]
+
+
+async def test_a_store_down_past_the_bound_fails_the_run_visibly_and_frees_its_session(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        def outage() -> str:
+            """The store goes away."""
+            store.down = True
+            return "ok"
+
+        model = ScriptedModel([{"tool": "outage"}, LONG, "second turn"])
+        async with Deck([Agent("a", tools=[outage], model=model)], store=store) as deck:
+            got: list[Event] = []
+            with anyio.fail_after(20), pytest.raises(StoreUnavailableError) as info:
+                async for event in deck.stream("a", "hi", session_id="s", committed=True):
+                    got.append(event)
+            run_id = info.value.run_id
+            assert got and got[0].run_id == run_id  # the stream acknowledged only what committed
+            store.down = False  # back: the run's tail and its end are written
+
+            async def ended() -> bool:
+                return (await deck.status(run_id)) in (RunStatus.COMPLETED, RunStatus.FAILED)
+            await until(ended)
+            log = await store.read(run_id)
+            assert seqs(log) == list(range(len(log))) and log[-1].payload.ends == "terminal"
+            assert [e.to_json() for e in got] == [e.to_json() for e in log[:len(got)]]
+            # The session is free again: the next turn plays.
+            result = await deck.run("a", "again", session_id="s")
+            assert result.output == "second turn"
+
+
+async def test_the_background_loops_survive_store_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.15")  # renewals every 50 ms
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))], store=store) as deck:
+            store.fail_background = 4  # both loops fail, back off, and carry on
+            with anyio.fail_after(20):
+                while store.fail_background:  # every failure lands while the deck works
+                    assert (await deck.run("a", "hi", session_id="s")).output == "ok"
+                    await anyio.sleep(0.02)
+            assert (await deck.run("a", "still here", session_id="s")).output == "ok"
+
+
+async def test_a_cancelled_flush_puts_its_batch_back(tmp_path):
+    """Group commit takes the buffer before it awaits the store: a cancellation while it waits
+    for the store to come back must leave the batch to the next flush, not lose it."""
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        writer = kit_writer.Writer(store, lambda events: None, lambda *a: None)
+        events = [Event("r1", 0, kit.RunStarted("a", "agent")),
+                  *[Event("r1", i, TextDelta(f"t{i}")) for i in range(1, 50)]]
+        for event in events:
+            writer.put(event)
+        store.down = True
+        with anyio.move_on_after(0.2):
+            await writer.flush()  # backing off, then cancelled
+        store.down = False
+        assert writer.pending == len(events)
+        await writer.flush()
+        assert seqs(await store.read("r1")) == list(range(50))
+
+
+# ------------------------------------------------------------------- input, cancel, control ----
+
+async def test_input_that_cannot_be_stored_is_refused_before_anything_is_written(tmp_path):
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        agent, flow = Agent("a", model=ScriptedModel(["ok"], cycle=True)), Workflow("w", linear())
+        async with Deck([agent], [flow], store=store) as deck:
+            with pytest.raises(kit.ContentError, match="surrogate"):
+                await deck.run("a", "bad \ud800 text")
+            with pytest.raises(kit.ContentError, match="surrogate"):
+                await deck.stream("a", "bad \udfff", session_id="s").__anext__()
+            with pytest.raises(kit.ContentError, match="surrogate"):
+                await deck.run("w", {"log": ["\ud800"]})
+            assert await store.runs() == []
+    async with served(deck_for_http()) as (client, app):
+        for path in ("/agents/a/chat", "/agents/a/chat?stream=true"):
+            r = await client.post(path, content=b'{"message": "x \\ud800"}',
+                                  headers={"content-type": "application/json"})
+            assert (r.status_code, r.json()["error"]) == (400, "ContentError")
+        assert await app.deck.store.runs() == []
+
+
+def deck_for_http() -> Deck:
+    return Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))])
+
+
+def linear() -> StateGraph:
+    g = StateGraph(State)
+
+    async def note(state: State) -> dict:
+        return {"log": ["noted"]}
+    g.add_node("note", note)
+    g.add_edge(START, "note")
+    g.add_edge("note", END)
+    return g
+
+
+async def test_a_cancelled_callers_run_is_durably_cancelled_when_run_returns(tmp_path):
+    gate = Gate()
+    agent = Agent("a", tools=[gate.wait_tool()], model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "x"]))
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], store=store) as deck:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    async def call() -> None:
+                        await deck.run("a", "go", session_id="s")
+                    tg.start_soon(call)
+                    await gate.until_entered()
+                    tg.cancel_scope.cancel()  # the caller gives up
+                gate.release.set()
+                [info] = await store.runs(session_id="s")
+                # Read straight after the caller returned: the end is in the log already.
+                log = await store.read(info.run_id)
+                assert log[-1].kind == "run.cancelled" and info.status is RunStatus.CANCELLED
+
+
+async def test_pause_and_cancel_act_from_the_moment_a_run_id_exists(tmp_path):
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([Agent("a", model=ScriptedModel(["never said"]))], store=store) as deck:
+            stream = deck.stream("a", "hi")
+            started = await stream.__anext__()  # sequenced, not committed yet
+            await deck.cancel(started.run_id, reason="changed my mind")
+            with anyio.fail_after(10):
+                rest = [e async for e in stream]
+            assert rest[-1].kind == "run.cancelled" and rest[-1].payload.reason == "changed my mind"
+            assert "text.delta" not in [e.kind for e in rest]
+
+
+def slow_flow(gate: Gate) -> Workflow:
+    def wait(state: State) -> dict:  # sync: LangGraph runs it in a thread
+        gate.entered.set()
+        gate.release.wait(10)
+        return {"log": ["waited"]}
+
+    async def after(state: State) -> dict:
+        return {"log": ["after"]}
+    g = StateGraph(State)
+    g.add_node("wait", wait)
+    g.add_node("after", after)
+    g.add_edge(START, "wait")
+    g.add_edge("wait", "after")
+    g.add_edge("after", END)
+    return Workflow("slow", g)
+
+
+async def test_a_child_workflow_run_can_be_cancelled(tmp_path):
+    gate = Gate()
+    agent = Agent("a", workflows=["slow"], model=ScriptedModel([{"tool": "slow", "args": {}}, "the parent goes on"]))
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], [slow_flow(gate)], store=store) as deck:
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    results: list = []
+
+                    async def call() -> None:
+                        results.append(await deck.run("a", "go"))
+                    tg.start_soon(call)
+                    await gate.until_entered()
+                    [child] = await store.runs(name="slow")
+                    assert child.parent_run_id is not None
+                    await deck.cancel(child.run_id, reason="stop the child")
+                    gate.release.set()
+            log = await store.read(child.run_id)
+            assert log[-1].kind == "run.cancelled" and "after" not in json.dumps([e.to_json() for e in log])
+            assert results[0].output == "the parent goes on"
+
+
+async def test_requests_that_cannot_act_are_refused_over_http_and_the_cli(tmp_path, monkeypatch):
+    from test_kit_cli import kit_cli
+    from test_kit_workflows import ask, graph, plan
+    db = tmp_path / "kit.db"
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{db}")
+    deck = Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))],
+                [Workflow("approve", graph(plan, ask))])
+    async with served(deck) as (client, app):
+        parked = (await client.post("/workflows/approve", json={"input": {}})).json()["run_id"]
+        done = (await client.post("/agents/a/chat", json={"message": "hi"})).headers["x-kit-run-id"]
+        r = await client.post(f"/runs/{parked}/pause")
+        assert (r.status_code, r.json()["error"]) == (409, "ControlRefusedError")
+        assert "WAITING_HUMAN" in r.json()["message"]
+        for action in ("pause", "cancel"):
+            r = await client.post(f"/runs/{done}/{action}")
+            assert (r.status_code, r.json()["error"]) == (409, "ControlRefusedError")
+        for signal in ("pause", "cancel", "resume"):
+            out = await anyio.to_thread.run_sync(kit_cli, "runs", "signal", done, signal, "--store", f"sqlite:///{db}")
+            assert out.returncode == 1 and "COMPLETED" in out.stderr, out
+        out = await anyio.to_thread.run_sync(kit_cli, "runs", "signal", parked, "pause", "--store", f"sqlite:///{db}")
+        assert out.returncode == 1 and "WAITING_HUMAN" in out.stderr
+        r = await client.post(f"/runs/{parked}/cancel")  # a parked run is cancelled at once
+        assert r.status_code == 202 and await app.deck.status(parked) is RunStatus.CANCELLED
+
+
+async def test_replay_goes_past_a_parking_the_run_went_on_from_and_bad_seqs_are_400(tmp_path, monkeypatch):
+    from test_kit_workflows import ask, graph, plan
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{tmp_path / 'kit.db'}")
+    deck = Deck(workflows=[Workflow("approve", graph(plan, ask))])
+    async with served(deck) as (client, app):
+        body = (await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})).json()
+        run_id = body["run_id"]
+        r = await client.get(f"/runs/{run_id}/events")  # parked: the stream ends at the parking
+        assert r.text.rstrip().split("\n")[-2] == "event: run.interrupted"
+        r = await client.post("/workflows/approve/t1/resume", json={"value": "yes"})
+        assert r.status_code == 200
+        r = await client.get(f"/runs/{run_id}/events")  # went on: replayed to the end
+        events = [line for line in r.text.split("\n") if line.startswith("event: ")]
+        assert "event: run.interrupted" in events and events[-1] == "event: run.completed"
+        for bad in ("-5", "99999999999999999999", "12345"):
+            r = await client.get(f"/runs/{run_id}/events?after={bad}")
+            assert r.status_code in (400, 204), bad
+            assert r.status_code == (204 if bad == "12345" else 400), bad
+        r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": "-2"})
+        assert r.status_code == 400 and r.json()["error"] == "MalformedRequestError"
+
+
+# ---------------------------------------------------------------- observers and lifecycle ----
+
+async def test_observers_never_see_what_the_log_refused(tmp_path):
+    rec = Recorder()
+    gate = Gate()
+    agent = Agent("a", tools=[gate.wait_tool()], model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "x"]))
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], store=store, observers=[rec]) as deck:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: deck.run("a", "first", session_id="s"))
+                await gate.until_entered()
+                with pytest.raises(kit.SessionBusyError):  # refused: its start is not the log's
+                    await deck.run("a", "second", session_id="s")
+                gate.release.set()
+        runs = {i.run_id for i in await store.runs()}
+    assert len(runs) == 1 and {e.run_id for e in rec.seen} == runs
+
+
+STUCK_OBSERVER = """
+import threading, time, anyio, kit, kit_observers
+kit_observers.DRAIN_TIMEOUT = kit_observers.CLOSE_TIMEOUT = 0.2
+class Stuck:
+    def emit(self, event):
+        threading.Event().wait()  # never returns
+    def close(self):
+        threading.Event().wait()
+async def main():
+    deck = kit.Deck([kit.Agent("a", model=kit.ScriptedModel(["ok"], cycle=True))], observers=[Stuck()])
+    async with deck:
+        for _ in range(5):
+            await deck.run("a", "hi")
+        hub = deck._runtime.hub
+    [s] = hub.stats
+    print(s.emitted, s.delivered, s.abandoned, flush=True)
+anyio.run(main, backend=%r)
+"""
+
+
+async def test_a_stuck_observer_never_keeps_the_process_from_exiting(anyio_backend):
+    started = time.monotonic()
+    out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-c", STUCK_OBSERVER % anyio_backend], cwd=HERE, capture_output=True,
+        text=True, timeout=60))
+    assert out.returncode == 0, out.stderr
+    emitted, delivered, abandoned = map(int, out.stdout.split())
+    assert emitted > 0 and delivered == 0 and abandoned == emitted  # counted, honestly
+    assert time.monotonic() - started < 30
+
+
+async def test_a_failed_open_frees_the_deck_slot_and_closing_from_another_task_is_refused(monkeypatch):
+    monkeypatch.setenv("KIT_STORE", "mysql://nope")
+    with pytest.raises(kit.ConfigError):
+        async with Deck([Agent("a", model=ScriptedModel(["ok"]))]):
+            pass
+    monkeypatch.delenv("KIT_STORE")
+    deck = Deck([Agent("a", model=ScriptedModel(["ok"]))])  # the slot is free
+    async with deck:
+        async with anyio.create_task_group() as tg:
+            errors: list[BaseException] = []
+
+            async def close_elsewhere() -> None:
+                try:
+                    await deck.aclose()
+                except kit.DeckStateError as exc:
+                    errors.append(exc)
+            tg.start_soon(close_elsewhere)
+        assert errors and "another task" in str(errors[0])
+        assert (await deck.run("a", "still open")).output == "ok"
+
+
+async def test_the_in_process_sessions_keep_a_bounded_number_of_conversations(monkeypatch):
+    monkeypatch.setenv("KIT_SESSION_MAX", "3")
+    async with Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))]) as deck:
+        for i in range(10):
+            await deck.run("a", f"turn {i}", session_id=f"s{i}")
+        sessions = deck._runtime.sessions
+        assert len(sessions) == 3
+        db = sessions.memory.db
+        kept = {r[0] for r in db.execute("SELECT DISTINCT session FROM items")}
+        assert kept == {"s7", "s8", "s9"}  # least recently used dropped first
+        assert await deck.session_for("s9").get_items()
+
+
+# ------------------------------------------------------------------------- a locked file ----
+
+LOCK_HOLDER = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+db.execute("COMMIT")
+"""
+
+
+async def test_a_file_locked_by_another_process_never_freezes_the_server(tmp_path, monkeypatch):
+    """Another process holds the log's write lock for 20 s while a run streams: health answers
+    within 1 s throughout, the run ends visibly, and its session takes a new turn afterwards."""
+    db = tmp_path / "kit.db"
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{db}")
+    gate = Gate()
+    agent = Agent("a", tools=[gate.wait_tool()], model=ScriptedModel(
+        [{"tool": "wait", "args": {"step": 1}}, LONG, "second turn"]))
+    async with served(Deck([agent])) as (client, app):
+        async with anyio.create_task_group() as tg:
+            frames: list[str] = []
+
+            async def stream() -> None:
+                async with client.stream("POST", "/agents/a/chat?stream=true",
+                                         json={"session_id": "s", "message": "go"},
+                                         timeout=httpx.Timeout(60)) as r:
+                    async for line in r.aiter_lines():
+                        frames.append(line)
+            tg.start_soon(stream)
+            await gate.until_entered()
+            holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(db), "20"],
+                                      stdout=subprocess.PIPE, text=True)
+            try:
+                assert await anyio.to_thread.run_sync(holder.stdout.readline) == "locked\n"
+                gate.release.set()  # the run goes on while the file is locked
+                slowest = 0.0
+                while holder.poll() is None:
+                    began = time.monotonic()
+                    r = await client.get("/health", timeout=5)
+                    slowest = max(slowest, time.monotonic() - began)
+                    assert r.status_code == 200
+                    await anyio.sleep(0.2)
+                assert slowest < 1.0, slowest
+            finally:
+                holder.kill()
+                holder.wait()
+                holder.stdout.close()
+        # The stream ended visibly: the reply completed, or the run failed with its reason.
+        assert any(line.startswith("event: done") or line.startswith("event: error") for line in frames)
+        [info] = await app.deck.store.runs(session_id="s")
+        with anyio.fail_after(30):
+            while (await app.deck.status(info.run_id)) is RunStatus.RUNNING:
+                await anyio.sleep(0.05)
+        r = await client.post("/agents/a/chat", json={"session_id": "s", "message": "again"})
+        assert (r.status_code, r.json()["output"]) == (200, "second turn")
