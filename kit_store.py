@@ -1,7 +1,7 @@
 """kit_store: the event-store implementations of ``kit.EventStorePort`` (DESIGN 4.4, 4.5).
 
 Owns: ``SQLiteStore`` (one file, shared by every process that opens it), ``MemoryStore`` (one
-process, no persistence) and ``store_from_url``. Both keep the same three things: the log (events
+process, no persistence), ``store_from_url`` and ``project_log_url`` (where a project's log lives). Both keep the same three things: the log (events
 keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same transaction)
 and the claims (``leases``: one row per live or parked run, unique per ``(namespace, session_id)``).
 
@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Self
 
 import anyio
@@ -36,7 +37,7 @@ import orjson
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
-__all__ = ("SQLiteStore", "MemoryStore", "store_from_url")
+__all__ = ("SQLiteStore", "MemoryStore", "store_from_url", "project_log_url")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
 #: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
@@ -631,3 +632,10 @@ def store_from_url(url: str) -> SQLiteStore | MemoryStore:
         return SQLiteStore(url[len("sqlite:///"):])
     raise ConfigError(f"unsupported store URL {url!r}: use 'memory', 'sqlite:///relative/path.db' "
                       "or 'sqlite:////absolute/path.db' (postgresql:// is not supported yet)")
+
+
+def project_log_url(project: str | os.PathLike[str]) -> str:
+    """The store URL of a project's own log, ``<project>/.state/kit.db`` as an absolute
+    ``sqlite:///`` URL: where ``Deck.from_project`` and ``kit-serve`` keep it without
+    ``KIT_STORE``, and where the ``kit`` command looks for it."""
+    return f"sqlite:///{(Path(project) / '.state' / 'kit.db').resolve()}"
