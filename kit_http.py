@@ -32,12 +32,19 @@ and the client picks the run up with ``GET /runs/{id}/events`` and ``Last-Event-
 ``App.shutdown()`` (``serve``'s trigger on SIGINT/SIGTERM, and the lifespan) ends every open stream
 itself with an ``event: server.shutdown`` frame, because Hypercorn's graceful timeout does not end
 open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``STOP_GRACE`` seconds.
+
+Everything kit_http says goes through the ``logging`` module: the ``kit_http`` logger (an
+unexpected error's type and stack; with ``kit-serve``, one line per failed run from the
+``_FailedRuns`` observer it adds, and the address it listens on) and ``kit_http.access`` (one line
+per request, with ``serve(access_log=True)``). Only ``main()`` gives them a handler (stderr, one
+``kit-serve:`` line each); mounted elsewhere, the host application's logging decides.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import re
 import signal
@@ -70,6 +77,7 @@ __all__ = (
     "ServerStoppingError", "ERROR_STATUS",
     # limits
     "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
+    "MAX_LOG_MESSAGE",
 )
 
 #: Bodies over this are 413: json.loads multiplies a body's footprint several times. 2 MiB leaves
@@ -86,6 +94,20 @@ STREAM_BUFFER = 256
 #: On shutdown: how long in-flight requests may take before they are cancelled, and how long a
 #: stream's writer may take to hand its last frame to a slow client.
 STOP_GRACE = 5.0
+#: A failed run's message in its log line: enough for "why", short enough for one console line.
+MAX_LOG_MESSAGE = 300
+
+#: What kit_http says (failed runs, unexpected errors, ``serve``'s address); ``main()`` alone
+#: gives it a handler. ``kit_http.access``: the access log, when ``serve(access_log=True)``;
+#: ``kit_http.hypercorn``: Hypercorn's own messages.
+_log = logging.getLogger("kit_http")
+_access_log = logging.getLogger("kit_http.access")
+_hypercorn_log = logging.getLogger("kit_http.hypercorn")  # Hypercorn's own error log
+#: Shapes of a secret a failure message may quote, masked in its log line (the groups are kept):
+#: a provider key (``sk-...``, ``pk-lf-...``), an Authorization value, a URL's user:password@,
+#: ``api_key=...``-like pairs.
+_SECRET_SHAPES = re.compile(r"\b((?:sk|pk|rk)-)[\w*.-]{6,}|\b((?i:bearer|basic) )[\w.~+/=-]{6,}|(://)[^/\s@]+(?=@)"
+                            r"|\b((?i:api[_-]?key|token|secret|password)[\"']?\s*[:=]\s*[\"']?)[^\s,;'\"]+")
 
 Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it
 Message = MutableMapping[str, Any]
@@ -151,7 +173,8 @@ class _RunFailed(Exception):
 
     def __init__(self, run_id: str, error: BaseException) -> None:
         self.error = type(error).__name__
-        super().__init__(f"run {run_id} failed ({self.error}); its log has the details")
+        super().__init__(f"run {run_id} failed ({self.error}); its log has the details: "
+                         f"kit runs events {run_id}")
 
 
 #: The one map from exception type to HTTP status; the first class along the MRO wins, and
@@ -234,6 +257,14 @@ def _field(body: dict[str, Any], key: str, kind: type, *, required: bool = False
     return value
 
 
+def _id(body: dict[str, Any], key: str) -> str | None:
+    """An optional id of the body (``session_id``, ``thread_id``): absent, or a non-empty string."""
+    value = _field(body, key, str)
+    if value == "":
+        raise MalformedRequestError(f"{key!r} must not be empty")
+    return value
+
+
 # Event -> frame: the frame for an event, or None to skip it (FrameOf).
 
 def _native_frame(ev: Event) -> bytes:
@@ -308,8 +339,11 @@ class _Request:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def json(self, *, optional: bool = False) -> dict[str, Any]:
-        """The body as a JSON object; with ``optional``, an empty body is ``{}``."""
+    async def json(self, keys: tuple[str, ...], required: tuple[str, ...] = (), *,
+                   optional: bool = False) -> dict[str, Any]:
+        """The body as a JSON object of the route's ``keys``, with every key of ``required``;
+        with ``optional``, an empty body is ``{}``. Raises ``MalformedRequestError`` naming an
+        unknown or missing key (a misspelt key must not pass for an absent one)."""
         content_type = self.header(b"content-type") or ""
         body = await self.body()
         media = content_type.split(";", 1)[0].strip().lower()
@@ -318,7 +352,15 @@ class _Request:
         if media != "application/json" and not (media.startswith("application/") and
                                                 media.endswith("+json")):
             raise UnsupportedMediaTypeError(f"the body must be application/json, got {content_type!r}")
-        return _parse_object(body)
+        obj = _parse_object(body)
+        for key in obj:
+            if key not in keys:
+                takes = ", ".join(repr(k) for k in keys) or "no keys"
+                raise MalformedRequestError(f"unknown key {key!r} in the body; this route takes {takes}")
+        for key in required:
+            if key not in obj:
+                raise MalformedRequestError(f"the body needs {key!r}")
+        return obj
 
 
 async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
@@ -378,6 +420,7 @@ class App:
         self._open = self._stopping = False
         self._agents: frozenset[str] = frozenset()
         self._workflows: frozenset[str] = frozenset()
+        self._durable: frozenset[str] = frozenset()  # workflows whose runs need a thread_id
         self._skills: list[str] = []
         self._streams: set[_Stream] = set()
         self._inflight: set[anyio.CancelScope] = set()
@@ -410,6 +453,7 @@ class App:
                                     "message": f"{type(exc).__name__}: {exc}"})
                         return
                     self._agents, self._workflows = frozenset(self.deck.agents), frozenset(self.deck.workflows)
+                    self._durable = frozenset(n for n, w in self.deck.workflows.items() if w.durable)
                     self._skills = sorted(self.deck.skills)
                     if isinstance(scope.get("state"), dict):
                         scope["state"]["kit.deck"] = self.deck
@@ -484,9 +528,8 @@ class App:
         status, message = _status_of(exc), str(exc)
         if status == 500 and not isinstance(exc, _RunFailed):
             # Its type and stack only: a message may quote input, tool output or a secret.
-            print(f"kit_http: {req.scope['method']} {req.scope['path']} failed with "
-                  f"{type(exc).__name__}\n{''.join(traceback.format_tb(exc.__traceback__))}",
-                  file=sys.stderr, end="")
+            _log.error("%s %s failed with %s\n%s", req.scope["method"], req.scope["path"],
+                       type(exc).__name__, "".join(traceback.format_tb(exc.__traceback__)).rstrip())
             message = "internal error; the server log has the details"
         if req.started:  # a stream broke after its headers: end the body, nothing else fits
             await req.send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -495,9 +538,16 @@ class App:
         allow = ((b"allow", ", ".join(exc.allowed).encode()),) if isinstance(exc, MethodNotAllowedError) else ()
         await _respond(req, status, {"error": name, "message": message}, allow)
 
-    def _check(self, name: str, names: frozenset[str]) -> None:
+    def _check(self, name: str, kind: str) -> None:
+        """Refuse a name that is not one of the deck's agents (``kind`` "agent") or workflows:
+        404 ``UnknownNameError``, pointing to the other route when the name is of the other kind."""
+        names, other = (self._agents, self._workflows) if kind == "agent" else (self._workflows, self._agents)
         if name not in names:
-            raise UnknownNameError(name, names)
+            hint = None
+            if name in other:
+                route = f"/workflows/{name}" if kind == "agent" else f"/agents/{name}/chat"
+                hint = f"{name!r} is {'a workflow' if kind == 'agent' else 'an agent'}: POST {route}"
+            raise UnknownNameError(name, names, what=kind, hint=hint)
 
     async def _run(self, req: _Request, run_id: str, call: Awaitable[Any]) -> Any:
         """Await a deck call that plays run ``run_id``. Its failure becomes ``_RunFailed`` (500);
@@ -519,9 +569,9 @@ class App:
                                   "workflows": sorted(self._workflows), "skills": self._skills})
 
     async def _agent_chat(self, req: _Request, name: str) -> None:
-        body = await req.json()
-        message, session_id = _field(body, "message", str, required=True), _field(body, "session_id", str)
-        self._check(name, self._agents)
+        body = await req.json(("message", "session_id"), ("message",))
+        message, session_id = _field(body, "message", str, required=True), _id(body, "session_id")
+        self._check(name, "agent")
         if _flag(req, "stream"):
             return await self._stream_run(req, self.deck.stream(name, message, session_id=session_id),
                                           _v1_frame)
@@ -531,9 +581,12 @@ class App:
         await _respond(req, 200, {"output": result.output})
 
     async def _workflow(self, req: _Request, name: str) -> None:
-        body = await req.json()
-        state, thread_id = _field(body, "input", dict) or {}, _field(body, "thread_id", str)
-        self._check(name, self._workflows)
+        body = await req.json(("input", "thread_id"))
+        state, thread_id = _field(body, "input", dict) or {}, _id(body, "thread_id")
+        self._check(name, "workflow")
+        if thread_id is None and name in self._durable:
+            raise MalformedRequestError(f"workflow {name!r} is durable: the body needs 'thread_id' "
+                                        "(the thread it runs on; the same id carries it on)")
         if _flag(req, "stream"):
             return await self._stream_run(req, self.deck.stream(name, state, session_id=thread_id),
                                           _v1_workflow_frame)
@@ -544,31 +597,47 @@ class App:
 
     async def _pending(self, req: _Request) -> None:
         await _respond(req, 200, {"pending": [
-            {"run_id": p.run_id, "workflow": p.workflow, "thread_id": p.thread_id, "payload": p.payload}
+            {"run_id": p.run_id, "workflow": p.workflow, "thread_id": p.thread_id,
+             "session_id": p.session_id, "payload": p.payload, "since": p.since.isoformat()}
             for p in await self.deck.pending()]})
 
     async def _workflow_resume(self, req: _Request, name: str, thread_id: str) -> None:
-        value = (await req.json()).get("value")
-        self._check(name, self._workflows)
+        value = (await req.json(("value",), ("value",)))["value"]
+        self._check(name, "workflow")
         for p in await self.deck.pending():
             if p.workflow == name and p.thread_id == thread_id:
                 info = await self.deck.store.run_info(p.run_id)
                 if info is not None and info.namespace is None:  # HTTP threads have none
+                    if _flag(req, "stream"):
+                        return await self._stream_run(req, self.deck.stream_answer(p.run_id, value),
+                                                      _v1_workflow_frame)
                     result = await self._run(req, p.run_id, self.deck.answer(p.run_id, value))
                     return await _respond(req, 200, _workflow_body(result, p.run_id, thread_id))
         raise ThreadNotWaitingError(f"no run of workflow {name!r} waits on thread {thread_id!r}")
 
     async def _control(self, req: _Request, run_id: str, action: str) -> None:
-        reason = _field(await req.json(optional=True), "reason", str)
+        reason = _field(await req.json(("reason",), optional=True), "reason", str)
         await (self.deck.pause if action == "pause" else self.deck.cancel)(run_id, reason=reason)
         req.run_id = run_id
         await _respond(req, 202, {"run_id": run_id, "requested": action})
 
     async def _resume_run(self, req: _Request, run_id: str) -> None:
-        await req.json(optional=True)
+        await req.json((), optional=True)
+        info = await self.deck.store.run_info(run_id)
+        if info is None:
+            raise UnknownRunError(run_id)
+        not_paused = NotResumableError(f"run {run_id} is not paused: nothing to resume")
+        if _flag(req, "stream"):  # the frames of the run that paused: an agent's or a workflow's
+            events = self.deck.stream_resume(run_id)
+            first = await anext(events, None)
+            if first is None:
+                raise not_paused
+            req.run_id = run_id
+            frame_of = _v1_frame if info.invocable == "agent" else _v1_workflow_frame
+            return await self._sse(req, run_id, first, events, frame_of)
         events = await self._run(req, run_id, self.deck.resume(run_id))
         if not events:
-            raise NotResumableError(f"run {run_id} is not paused: nothing to resume")
+            raise not_paused
         await _respond(req, 200, {"run_id": run_id, "events": [e.to_json() for e in events]})
 
     async def _events(self, req: _Request, run_id: str) -> None:
@@ -587,8 +656,8 @@ class App:
         await self._sse(req, run_id, None, store.follow(run_id, after), _native_frame)
 
     async def _native_chat(self, req: _Request, name: str) -> None:
-        body = await req.json()
-        value, session_id = body.get("input"), _field(body, "session_id", str)
+        body = await req.json(("input", "session_id"))
+        value, session_id = body.get("input"), _id(body, "session_id")
         if name in self._agents:
             if isinstance(value, list):
                 value = [block_from_json(b) for b in value]  # ContentError: 400
@@ -712,18 +781,60 @@ async def _send(send: Send, message: Message, stream: _Stream) -> None:
 
 # ====================================================================================== serve ====
 
-async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000,
+class _FailedRuns:
+    """The observer ``kit-serve`` adds: one ``kit_http`` log line per failed run (its id, name,
+    error type and message), so a 500 or an ``event: error`` has its reason on the console.
+
+    The message is the one in the log, made one line, capped at ``MAX_LOG_MESSAGE`` and masked:
+    the values of ``secrets`` and anything shaped like a key, a bearer token or a URL's
+    credentials become ``***``. The application context never reaches it (it is not in the log).
+    """
+
+    def __init__(self, secrets: list[str]) -> None:
+        self._secrets = sorted(secrets, key=len, reverse=True)  # a longer value before its prefix
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event.payload, RunFailed):
+            _log.error("run %s (%s) failed: %s: %s", event.run_id, event.origin, event.payload.error,
+                       self.redact(event.payload.message))
+
+    def redact(self, message: str) -> str:
+        for value in self._secrets:
+            message = message.replace(value, "***")
+        message = _SECRET_SHAPES.sub(lambda m: "".join(g or "" for g in m.groups()) + "***", message)
+        message = " ".join(message.split())
+        return message if len(message) <= MAX_LOG_MESSAGE else message[:MAX_LOG_MESSAGE - 3] + "..."
+
+
+def _secrets(env: typing.Mapping[str, str]) -> list[str]:
+    """The values of the settings that look secret (an API key, a token, a password)."""
+    return [v for k, v in env.items() if len(v) >= 8 and re.search(
+        r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", k, re.IGNORECASE)]
+
+
+async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
                 shutdown_trigger: Callable[[], Awaitable[Any]] | None = None) -> None:
     """Serve ``app`` under Hypercorn on the running backend (asyncio or trio) until
     ``shutdown_trigger`` returns (default: SIGINT or SIGTERM), then end its streams itself.
 
-    Needs the ``serve`` extra. Raises Hypercorn's ``LifespanFailureError`` when the deck does
-    not open, ``OSError`` when the address is taken.
+    The address is bound before the app's lifespan opens the deck, so a taken one is refused
+    at once. ``access_log``: one ``kit_http.access`` log line per request (client, method, path,
+    status, seconds). Needs the ``serve`` extra. Raises ``OSError`` (naming the address) when it
+    cannot listen, Hypercorn's ``LifespanFailureError`` when the deck does not open.
     """
     from hypercorn.config import Config
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.backlog = 1024  # bursts of connections, such as 1,000 streams at once (CONVENTIONS A7)
+    config.accesslog = _access_log if access_log else None
+    config.errorlog = _hypercorn_log
+    config.access_log_format = '%(h)s "%(m)s %(U)s" %(s)s %(L)ss'  # no query, no headers
+    try:  # Hypercorn binds only after the lifespan; a failed bind then leaves a half-open app
+        probe = config.create_sockets()
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    for sock in probe.secure_sockets + probe.insecure_sockets + probe.quic_sockets:
+        sock.close()
 
     async def trigger() -> None:
         if shutdown_trigger is not None:
@@ -734,17 +845,22 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000,
                     break
         await app.shutdown()
 
-    if sniffio.current_async_library() == "trio":
+    backend = sniffio.current_async_library()
+    if backend == "trio":
         from hypercorn.trio import serve as hypercorn_serve
     else:
         from hypercorn.asyncio import serve as hypercorn_serve
+    _log.info("listening on http://%s:%s (%s worker). The API is unauthenticated: anyone who can "
+              "reach this address can start, read, answer and cancel runs.", host, port, backend)
     await hypercorn_serve(app, config, shutdown_trigger=trigger)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``kit-serve`` / ``python -m kit_http``: serve the project at ``KIT_PROJECT`` (default
     ``.kit``) on ``HOST``:``PORT`` (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio
-    or trio). Returns 0 after SIGINT/SIGTERM, 1 when the project cannot be served, 2 on usage."""
+    or trio); ``--access-log`` (or ``KIT_ACCESS_LOG=1``) logs every request. Everything it says
+    goes to stderr, one ``kit-serve:`` line each. Returns 0 after SIGINT/SIGTERM, 1 when the
+    project cannot be served (a missing extra, a broken project, a taken address), 2 on usage."""
     env = os.environ
     parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
                                      "and SSE. The API is unauthenticated.")
@@ -752,27 +868,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", default=env.get("PORT", "8000"), help="bind port (PORT)")
     parser.add_argument("--worker", default=env.get("KIT_WORKER", "asyncio"),
                         help="asyncio or trio (KIT_WORKER)")
+    parser.add_argument("--access-log", action="store_true",
+                        default=env.get("KIT_ACCESS_LOG", "").lower() in ("1", "true", "yes"),
+                        help="one line per request (KIT_ACCESS_LOG=1)")
     args = parser.parse_args(argv)
     if args.worker not in ("asyncio", "trio"):
         parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
     if not str(args.port).isdigit() or int(args.port) > 65535:
         parser.error(f"the port must be a number from 0 to 65535, got {args.port!r}")
+    if not _log.handlers:  # the console's: one "kit-serve:" line on stderr per message
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("kit-serve: %(message)s"))
+        _log.addHandler(handler)
+        _log.setLevel(logging.INFO)
+        _log.propagate = False
+        _hypercorn_log.setLevel(logging.WARNING)  # its "Running on" repeats serve()'s line
+    for module, extra in (("hypercorn", "serve"), ("trio", "trio" if args.worker == "trio" else None)):
+        if extra is not None and importlib.util.find_spec(module) is None:
+            _log.error("%s is missing: pip install 'kit[%s]'", module, extra)
+            return 1
     import kit  # the composition root: only the console entry point builds a deck itself
-    if importlib.util.find_spec("hypercorn") is None:
-        print("kit-serve: Hypercorn is missing: pip install 'kit[serve]'", file=sys.stderr)
-        return 1
-    try:
-        deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"))
+    from kit_observers import resolve_observers
+    try:  # the observers the settings ask for, and the failed-run log line
+        observers = [*resolve_observers(None, env), _FailedRuns(_secrets(env))]
+        deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"), observers=observers)
     except KitError as exc:
-        print(f"kit-serve: {exc}", file=sys.stderr)
+        _log.error("%s", exc)
         return 1
-    print(f"kit-serve: listening on http://{args.host}:{args.port} ({args.worker} worker). The API "
-          "is unauthenticated: anyone who can reach this address can start, read, answer and "
-          "cancel runs.", file=sys.stderr, flush=True)
     try:
-        anyio.run(lambda: serve(App(deck), host=args.host, port=int(args.port)), backend=args.worker)
-    except Exception as exc:  # the deck did not open, or the address is taken
-        print(f"kit-serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        anyio.run(lambda: serve(App(deck), host=args.host, port=int(args.port),
+                                access_log=args.access_log), backend=args.worker)
+    except OSError as exc:  # the address is taken or not ours: serve() named it
+        _log.error("%s", exc.strerror or exc)
+        return 1
+    except Exception as exc:  # the deck did not open
+        _log.error("%s: %s", type(exc).__name__, exc)
         return 1
     return 0
 
