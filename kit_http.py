@@ -1,8 +1,8 @@
 """kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``kit-serve``.
 
 Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON and SSE responses), SSE
-framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, and ``main()``
-for ``python -m kit_http`` / ``kit-serve`` under Hypercorn.
+framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, and ``serve``
+(an app under Hypercorn). ``kit-serve``, the process, is kit_serve (``python -m kit_http`` runs it).
 
 Must never: hold business logic (a handler passes plain arguments to the Deck: a name, a session
 id, input; the Runtime makes the run's context, always ``None`` here), reach a deck by anything
@@ -33,19 +33,15 @@ and the client picks the run up with ``GET /runs/{id}/events`` and ``Last-Event-
 itself with an ``event: server.shutdown`` frame, because Hypercorn's graceful timeout does not end
 open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``STOP_GRACE`` seconds.
 
-Everything kit_http says goes through the ``logging`` module: the ``kit_http`` logger (an
-unexpected error's type and stack; with ``kit-serve``, one line per failed run from the
-``_FailedRuns`` observer it adds, and the address it listens on) and ``kit_http.access`` (one line
-per request, with ``serve(access_log=True)``). Only ``main()`` gives them a handler (stderr, one
-``kit-serve:`` line each); mounted elsewhere, the host application's logging decides.
+Everything kit_http says goes through the ``logging`` module (loggers ``kit_http``: an unexpected
+error's type and stack, the address ``serve`` listens on; ``kit_http.access``: one line per request
+with ``serve(access_log=True)``). ``kit-serve`` gives them its console; mounted in another
+application, that application's logging decides.
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import logging
-import os
 import re
 import signal
 import sys
@@ -77,7 +73,6 @@ __all__ = (
     "ServerStoppingError", "ERROR_STATUS",
     # limits
     "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
-    "MAX_LOG_MESSAGE",
 )
 
 #: Bodies over this are 413: json.loads multiplies a body's footprint several times. 2 MiB leaves
@@ -94,20 +89,13 @@ STREAM_BUFFER = 256
 #: On shutdown: how long in-flight requests may take before they are cancelled, and how long a
 #: stream's writer may take to hand its last frame to a slow client.
 STOP_GRACE = 5.0
-#: A failed run's message in its log line: enough for "why", short enough for one console line.
-MAX_LOG_MESSAGE = 300
-
-#: What kit_http says (failed runs, unexpected errors, ``serve``'s address); ``main()`` alone
-#: gives it a handler. ``kit_http.access``: the access log, when ``serve(access_log=True)``;
-#: ``kit_http.hypercorn``: Hypercorn's own messages.
+#: What kit_http says (an unexpected error, ``serve``'s address); ``kit_http.access``: the access
+#: log, with ``serve(access_log=True)``; ``kit_http.hypercorn``: Hypercorn's own messages. Only
+#: ``kit-serve`` (kit_serve) gives them a handler.
 _log = logging.getLogger("kit_http")
 _access_log = logging.getLogger("kit_http.access")
-_hypercorn_log = logging.getLogger("kit_http.hypercorn")  # Hypercorn's own error log
-#: Shapes of a secret a failure message may quote, masked in its log line (the groups are kept):
-#: a provider key (``sk-...``, ``pk-lf-...``), an Authorization value, a URL's user:password@,
-#: ``api_key=...``-like pairs.
-_SECRET_SHAPES = re.compile(r"\b((?:sk|pk|rk)-)[\w*.-]{6,}|\b((?i:bearer|basic) )[\w.~+/=-]{6,}|(://)[^/\s@]+(?=@)"
-                            r"|\b((?i:api[_-]?key|token|secret|password)[\"']?\s*[:=]\s*[\"']?)[^\s,;'\"]+")
+_hypercorn_log = logging.getLogger("kit_http.hypercorn")
+
 
 Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it
 Message = MutableMapping[str, Any]
@@ -781,37 +769,6 @@ async def _send(send: Send, message: Message, stream: _Stream) -> None:
 
 # ====================================================================================== serve ====
 
-class _FailedRuns:
-    """The observer ``kit-serve`` adds: one ``kit_http`` log line per failed run (its id, name,
-    error type and message), so a 500 or an ``event: error`` has its reason on the console.
-
-    The message is the one in the log, made one line, capped at ``MAX_LOG_MESSAGE`` and masked:
-    the values of ``secrets`` and anything shaped like a key, a bearer token or a URL's
-    credentials become ``***``. The application context never reaches it (it is not in the log).
-    """
-
-    def __init__(self, secrets: list[str]) -> None:
-        self._secrets = sorted(secrets, key=len, reverse=True)  # a longer value before its prefix
-
-    def emit(self, event: Event) -> None:
-        if isinstance(event.payload, RunFailed):
-            _log.error("run %s (%s) failed: %s: %s", event.run_id, event.origin, event.payload.error,
-                       self.redact(event.payload.message))
-
-    def redact(self, message: str) -> str:
-        for value in self._secrets:
-            message = message.replace(value, "***")
-        message = _SECRET_SHAPES.sub(lambda m: "".join(g or "" for g in m.groups()) + "***", message)
-        message = " ".join(message.split())
-        return message if len(message) <= MAX_LOG_MESSAGE else message[:MAX_LOG_MESSAGE - 3] + "..."
-
-
-def _secrets(env: typing.Mapping[str, str]) -> list[str]:
-    """The values of the settings that look secret (an API key, a token, a password)."""
-    return [v for k, v in env.items() if len(v) >= 8 and re.search(
-        r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", k, re.IGNORECASE)]
-
-
 async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
                 shutdown_trigger: Callable[[], Awaitable[Any]] | None = None) -> None:
     """Serve ``app`` under Hypercorn on the running backend (asyncio or trio) until
@@ -856,55 +813,9 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kit-serve`` / ``python -m kit_http``: serve the project at ``KIT_PROJECT`` (default
-    ``.kit``) on ``HOST``:``PORT`` (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio
-    or trio); ``--access-log`` (or ``KIT_ACCESS_LOG=1``) logs every request. Everything it says
-    goes to stderr, one ``kit-serve:`` line each. Returns 0 after SIGINT/SIGTERM, 1 when the
-    project cannot be served (a missing extra, a broken project, a taken address), 2 on usage."""
-    env = os.environ
-    parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
-                                     "and SSE. The API is unauthenticated.")
-    parser.add_argument("--host", default=env.get("HOST", "0.0.0.0"), help="bind address (HOST)")
-    parser.add_argument("--port", default=env.get("PORT", "8000"), help="bind port (PORT)")
-    parser.add_argument("--worker", default=env.get("KIT_WORKER", "asyncio"),
-                        help="asyncio or trio (KIT_WORKER)")
-    parser.add_argument("--access-log", action="store_true",
-                        default=env.get("KIT_ACCESS_LOG", "").lower() in ("1", "true", "yes"),
-                        help="one line per request (KIT_ACCESS_LOG=1)")
-    args = parser.parse_args(argv)
-    if args.worker not in ("asyncio", "trio"):
-        parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
-    if not str(args.port).isdigit() or int(args.port) > 65535:
-        parser.error(f"the port must be a number from 0 to 65535, got {args.port!r}")
-    if not _log.handlers:  # the console's: one "kit-serve:" line on stderr per message
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("kit-serve: %(message)s"))
-        _log.addHandler(handler)
-        _log.setLevel(logging.INFO)
-        _log.propagate = False
-        _hypercorn_log.setLevel(logging.WARNING)  # its "Running on" repeats serve()'s line
-    for module, extra in (("hypercorn", "serve"), ("trio", "trio" if args.worker == "trio" else None)):
-        if extra is not None and importlib.util.find_spec(module) is None:
-            _log.error("%s is missing: pip install 'kit[%s]'", module, extra)
-            return 1
-    import kit  # the composition root: only the console entry point builds a deck itself
-    from kit_observers import resolve_observers
-    try:  # the observers the settings ask for, and the failed-run log line
-        observers = [*resolve_observers(None, env), _FailedRuns(_secrets(env))]
-        deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"), observers=observers)
-    except KitError as exc:
-        _log.error("%s", exc)
-        return 1
-    try:
-        anyio.run(lambda: serve(App(deck), host=args.host, port=int(args.port),
-                                access_log=args.access_log), backend=args.worker)
-    except OSError as exc:  # the address is taken or not ours: serve() named it
-        _log.error("%s", exc.strerror or exc)
-        return 1
-    except Exception as exc:  # the deck did not open
-        _log.error("%s: %s", type(exc).__name__, exc)
-        return 1
-    return 0
+    """``python -m kit_http``: ``kit-serve`` (``kit_serve.main``), the process serving a project."""
+    import kit_serve  # the process sits above the app it serves
+    return kit_serve.main(argv)
 
 
 if __name__ == "__main__":
