@@ -95,6 +95,13 @@ def echo() -> Agent:
     return Agent("echo", "Be brief.", model=ScriptedModel(["hello there world"], cycle=True))
 
 
+def gated(*after) -> tuple[Gate, Agent]:
+    """An agent "worker" whose first model call waits in a tool for the gate, then replies ``after``."""
+    gate = Gate()
+    return gate, Agent("worker", tools=[gate.wait_tool()],
+                       model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, *after]))
+
+
 def catalog(*extra: Agent) -> Deck:
     return Deck([echo(), *extra], [Workflow("plain", graph(plan)), Workflow("approve", graph(plan, ask))])
 
@@ -297,9 +304,7 @@ async def test_an_unexpected_error_is_a_generic_500_logged_without_its_message(m
 
 
 async def test_a_busy_session_is_409():
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()],
-                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
+    gate, worker = gated("done")
     async with served(catalog(worker)) as (client, _):
         async with anyio.create_task_group() as tg:
             first: list[httpx.Response] = []
@@ -356,9 +361,7 @@ async def test_reconnect_with_last_event_id_replays_the_rest_then_204(tmp_path, 
 
 
 async def test_a_client_disconnect_ends_the_stream_never_the_run():
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()],
-                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "finished"]))
+    gate, worker = gated("finished")
     async with served(catalog(worker)) as (client, app):
         async with client.stream("POST", "/agents/worker/chat?stream=true", json={"message": "go"}) as r:
             run_id = r.headers["x-kit-run-id"]
@@ -430,9 +433,7 @@ async def test_resume_of_a_thread_streams_like_the_run_that_parked():
 # ------------------------------------------------------------------------- run control ----
 
 async def test_pause_resume_and_cancel_routes():
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()], model=ScriptedModel(
-        [{"tool": "wait", "args": {"step": 1}}, "done", {"tool": "wait", "args": {"step": 2}}, "x"]))
+    gate, worker = gated("done", {"tool": "wait", "args": {"step": 2}}, "x")
     async with served(catalog(worker)) as (client, app):
         async with anyio.create_task_group() as tg:
             first: list[httpx.Response] = []
@@ -459,9 +460,7 @@ async def test_pause_resume_and_cancel_routes():
 
 
 async def test_resume_of_a_paused_run_streams_like_the_run_that_paused():
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()],
-                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "back at work"]))
+    gate, worker = gated("back at work")
     async with served(catalog(worker)) as (client, app):
         async with anyio.create_task_group() as tg:
             tg.start_soon(partial(client.post, "/agents/worker/chat", json={"message": "go"}))
@@ -515,9 +514,7 @@ async def test_shutdown_ends_open_streams_itself():
 
 async def test_shutdown_answers_in_flight_requests_503_after_the_grace(monkeypatch):
     monkeypatch.setattr(kit_http, "STOP_GRACE", 0.1)
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()],
-                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
+    gate, worker = gated("done")
     async with served(catalog(worker)) as (client, app):
         async with anyio.create_task_group() as tg:
             got: list[httpx.Response] = []
