@@ -104,7 +104,8 @@ class Deck:
             raise ConfigError(f"Deck(context=...) takes the context's type, not an instance "
                               f"(got a {type(context).__name__}); pass the object per run: "
                               "deck.run(..., context=obj)")
-        self._agents, self._workflows = _catalog("agents", agents, Agent), _catalog("workflows", workflows, Workflow)
+        self._agents = _catalog("agents", agents, Agent)
+        self._workflows = _catalog("workflows", workflows, Workflow)
         self._skills = skills if isinstance(skills, Skills) else Skills(skills or ())
         self._mcp = mcp if isinstance(mcp, MCP) or mcp is None else MCP(mcp)
         self._observers = observers

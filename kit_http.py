@@ -1,4 +1,4 @@
-"""kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``kit-serve``.
+"""kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``serve`` under Hypercorn.
 
 Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON and SSE responses), SSE
 framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, and ``serve``
@@ -95,7 +95,6 @@ STOP_GRACE = 5.0
 _log = logging.getLogger("kit_http")
 _access_log = logging.getLogger("kit_http.access")
 _hypercorn_log = logging.getLogger("kit_http.hypercorn")
-
 
 Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it
 Message = MutableMapping[str, Any]
@@ -529,7 +528,9 @@ class App:
     def _check(self, name: str, kind: str) -> None:
         """Refuse a name that is not one of the deck's agents (``kind`` "agent") or workflows:
         404 ``UnknownNameError``, pointing to the other route when the name is of the other kind."""
-        names, other = (self._agents, self._workflows) if kind == "agent" else (self._workflows, self._agents)
+        names, other = self._agents, self._workflows
+        if kind == "workflow":
+            names, other = other, names
         if name not in names:
             hint = None
             if name in other:

@@ -203,7 +203,8 @@ def _result(run: _Run, end: Event) -> Any:
         return p.output
     if isinstance(p, (RunInterrupted, RunSleeping)):
         payload = p.payload if isinstance(p, RunInterrupted) else {"kind": "sleep", "until": p.until}
-        return InterruptResult(payload, p.thread_id or run.thread_id, run_id=run.run_id)  # type: ignore[arg-type]
+        thread_id = p.thread_id or run.thread_id
+        return InterruptResult(payload, thread_id, run_id=run.run_id)  # type: ignore[arg-type]
     if isinstance(p, RunPaused):
         raise RunStoppedError(run.run_id, RunStatus.PAUSED, p.reason)
     raise RunStoppedError(run.run_id, RunStatus.CANCELLED, getattr(p, "reason", None))

@@ -1,9 +1,10 @@
 """kit_store: the event-store implementations of ``kit.EventStorePort`` (DESIGN 4.4, 4.5).
 
 Owns: ``SQLiteStore`` (one file, shared by every process that opens it), ``MemoryStore`` (one
-process, no persistence), ``store_from_url`` and ``project_log_url`` (where a project's log lives). Both keep the same three things: the log (events
-keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same transaction)
-and the claims (``leases``: one row per live or parked run, unique per ``(namespace, session_id)``).
+process, no persistence), ``store_from_url`` and ``project_log_url`` (where a project's log
+lives). Both stores keep the same three things: the log (events keyed by ``(run_id, seq)``), the
+run index (``runs``, folded from the log in the same transaction) and the claims (``leases``: one
+row per live or parked run, unique per ``(namespace, session_id)``).
 
 Must never: run engine code, read the environment at import, or do I/O at import. Files are opened
 by ``async with store:`` only.
