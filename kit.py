@@ -20,13 +20,14 @@ observers; live readers of the run as it is sequenced.
 """
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import os
 import sys
 import types
 import typing
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ def __getattr__(name: str) -> Any:
 # ======================================================================================= Deck ====
 
 _live_deck: weakref.ref[Deck] | None = None  # SPEC 4.1 rule 6: one live deck per process
+#: How a deck names itself in that rule's error: its project while ``from_project`` makes it.
+_making: contextvars.ContextVar[str | None] = contextvars.ContextVar("kit_making", default=None)
 
 
 class Deck:
@@ -91,7 +94,7 @@ class Deck:
                  store: EventStorePort | None = None,
                  observers: Sequence[EventSinkPort] | None = None) -> None:
         global _live_deck
-        self._project = self._where()
+        self._project = _making.get() or self._where()
         other = _live_deck() if _live_deck is not None else None
         if other is not None and other._state != "CLOSED":
             raise ConfigError(f"another Deck is live in this process ({other._project}); close it "
@@ -101,13 +104,8 @@ class Deck:
             raise ConfigError(f"Deck(context=...) takes the context's type, not an instance "
                               f"(got a {type(context).__name__}); pass the object per run: "
                               "deck.run(..., context=obj)")
-        for a in agents:
-            if not isinstance(a, Agent):
-                raise ConfigError(f"Deck(agents=...) takes kit.Agent objects, got {a!r}")
-        for w in workflows:
-            if not isinstance(w, Workflow):
-                raise ConfigError(f"Deck(workflows=...) takes kit.Workflow objects, got {w!r}")
-        self._agents, self._workflows = tuple(agents), tuple(workflows)
+        self._agents = _catalog("agents", agents, Agent)
+        self._workflows = _catalog("workflows", workflows, Workflow)
         self._skills = skills if isinstance(skills, Skills) else Skills(skills or ())
         self._mcp = mcp if isinstance(mcp, MCP) or mcp is None else MCP(mcp)
         self._observers = observers
@@ -146,9 +144,13 @@ class Deck:
         mcp_json = root.resolve().parent / ".mcp.json"
         if "mcp" not in kwargs and mcp_json.is_file():
             kwargs["mcp"] = MCP(mcp_json)
-        deck = cls(agents, workflows, **kwargs)
-        deck._project = f"project {str(root.resolve())!r}"
-        deck._default_store = f"sqlite:///{(root / '.state' / 'kit.db').resolve()}"
+        token = _making.set(f"project {str(root.resolve())!r}")
+        try:
+            deck = cls(agents, workflows, **kwargs)
+        finally:
+            _making.reset(token)
+        from kit_store import project_log_url  # not at import: `import kit` stays light
+        deck._default_store = project_log_url(root)
         return deck
 
     def asgi(self) -> Any:
@@ -379,10 +381,30 @@ class Deck:
         Raises ``UnknownRunError``."""
         await self._open("cancel").request(run_id, "cancel", reason, "api")
 
+    def stream_answer(self, run_id: str, value: Any, *, context: Any = None,
+                      committed: bool = False) -> AsyncIterator[Event]:
+        """``answer``, yielding the run's events live from its ``run.resumed`` on, as ``stream``
+        does: ``node.updated`` per node, then the terminal or next parking event.
+
+        The run belongs to the deck: leaving the loop early ends the stream, never the run.
+        Errors as for ``answer``, raised at the first iteration; a failed run yields
+        ``run.failed``, then raises. ``committed`` as for ``stream``.
+        """
+        return self._open("answer").stream_answer(run_id, value, context, committed)
+
     async def resume(self, run_id: str, *, context: Any = None) -> list[Event]:
         """Continue a paused run here; returns the events it produced (``[]`` when there is
-        nothing to resume: the run is not paused, or another caller resumed it first)."""
+        nothing to resume: the run is not paused, the log has never seen it, another caller
+        resumed it first, or this deck lacks its agent or workflow)."""
         return await self._open("resume").resume(run_id, context)
+
+    def stream_resume(self, run_id: str, *, context: Any = None,
+                      committed: bool = False) -> AsyncIterator[Event]:
+        """``resume``, yielding the run's events live from its ``control.requested`` on, as
+        ``stream`` does; yields nothing when there is nothing to resume. Leaving the loop early
+        ends the stream, never the run; a failed run yields ``run.failed``, then raises.
+        ``committed`` as for ``stream``."""
+        return self._open("resume").stream_resume(run_id, context, committed)
 
     async def due_resumes(self, now: datetime | None = None) -> list[Due]:
         """Sleeping threads whose wake time is at or before ``now`` (default: current UTC),
@@ -396,6 +418,23 @@ class Deck:
         Raises ``ConfigError`` for a naive ``now``.
         """
         return await self._open("tick").tick(_aware(now))
+
+
+def _catalog(arg: str, items: Any, kind: type) -> tuple[Any, ...]:
+    """``agents=`` or ``workflows=`` as a tuple. Raises ``ConfigError`` for anything but a
+    sequence of ``kind``: a single agent or workflow says to wrap it in a list."""
+    if isinstance(items, (Agent, Workflow)):
+        param = "agents" if isinstance(items, Agent) else "workflows"
+        raise ConfigError(f"Deck({arg}=...) takes a list, got a single {type(items).__name__} "
+                          f"{items.name!r}: wrap it in a list, Deck({param}=[...])")
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+        raise ConfigError(f"Deck({arg}=...) takes a list of kit.{kind.__name__} objects, "
+                          f"got {type(items).__name__}")
+    items = tuple(items)
+    for item in items:
+        if not isinstance(item, kind):
+            raise ConfigError(f"Deck({arg}=...) takes kit.{kind.__name__} objects, got {item!r}")
+    return items
 
 
 def _load_bundle(file: Path, attr: str, kind: type) -> Any:

@@ -281,10 +281,11 @@ def _compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
 
     async def invoke(tool_ctx: Any, args_json: str) -> Any:
         run = tool_ctx.context
-        if ctx_names and not isinstance(run, RunHandle):
-            raise ConfigError(f"tool {fn.__name__} requires a kit run context, but the run carries "
-                              f"{type(run).__name__} rather than a run context (headless Agent.run?)")
         try:
+            if ctx_names and not isinstance(run, RunHandle):  # SPEC 7: refused, the model is told
+                raise ConfigError(f"tool {fn.__name__} requires a kit run context, but the run "
+                                  f"carries {type(run).__name__} rather than a run context "
+                                  "(headless Agent.run?)")
             parsed = schema.params_pydantic_model(**json.loads(args_json or "{}"))
             args, kwargs = schema.to_call_args(parsed)
             call = dict(zip(names, args)) if ctx_names else None
@@ -717,7 +718,11 @@ class Sessions:
         self._redis: Any = None
         self.memory: _MemoryDB | None = None
         if url:
-            import redis.asyncio
+            try:
+                import redis.asyncio
+            except ImportError:
+                raise ConfigError(f"KIT_SESSION={url.split('://')[0]}://... needs the redis extra: "
+                                  "pip install 'kit[redis]'") from None
             self._redis = redis.asyncio.from_url(url)
         elif factory is None:
             self.memory = _MemoryDB()

@@ -102,7 +102,9 @@ def check_context(specs: Sequence[InvocableSpec], provided: Any) -> None:
             sites = [(f"tool {getattr(t, '__name__', t)!s} of agent {agent.name!r}", t)
                      for t in agent.tools if callable(t)]  # SDK tool objects: deferred
             if callable(agent.instructions):
-                sites.append((f"the instructions of agent {agent.name!r}", agent.instructions))
+                fn = agent.instructions
+                name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+                sites.append((f"instructions callable {name} of agent {agent.name!r}", fn))
             for method in HOOK_METHODS:
                 fn = getattr(agent.hooks, method, None) if agent.hooks is not None else None
                 if fn is not None:

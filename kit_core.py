@@ -96,11 +96,16 @@ class DeckStateError(KitError):
 
 
 class UnknownNameError(KitError, LookupError):
-    """No agent (or workflow) of that name in the deck's catalog."""
+    """No agent (or workflow) of that name in the deck's catalog.
 
-    def __init__(self, name: str, known: Iterable[str]) -> None:
+    ``what`` says which kind was looked for; ``hint`` (optional) says where the name is instead.
+    """
+
+    def __init__(self, name: str, known: Iterable[str], *, what: str = "agent or workflow",
+                 hint: str | None = None) -> None:
         self.name, self.known = name, sorted(known)
-        super().__init__(f"no agent or workflow named {name!r}; known: {', '.join(self.known) or '(none)'}")
+        super().__init__(f"no {what} named {name!r}" + (f" ({hint})" if hint else "")
+                         + f"; known: {', '.join(self.known) or '(none)'}")
 
 
 class SessionBusyError(KitError):
@@ -635,10 +640,15 @@ class TurnResult:
 
 @dataclass(frozen=True, slots=True)
 class InterruptResult:
-    """A workflow run that parked on ``interrupt()``."""
+    """A workflow run that parked on ``interrupt()`` (or ``sleep_until``).
+
+    ``run_id`` is the parked run in the log (``deck.answer(result.run_id, value)``); None from a
+    headless ``Workflow.run``, which has no log.
+    """
     payload: Any
     thread_id: str
     type: str = "interrupt"
+    run_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

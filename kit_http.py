@@ -1,8 +1,8 @@
-"""kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``kit-serve``.
+"""kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``serve`` under Hypercorn.
 
 Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON and SSE responses), SSE
-framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, and ``main()``
-for ``python -m kit_http`` / ``kit-serve`` under Hypercorn.
+framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, and ``serve``
+(an app under Hypercorn). ``kit-serve``, the process, is kit_serve (``python -m kit_http`` runs it).
 
 Must never: hold business logic (a handler passes plain arguments to the Deck: a name, a session
 id, input; the Runtime makes the run's context, always ``None`` here), reach a deck by anything
@@ -32,13 +32,16 @@ and the client picks the run up with ``GET /runs/{id}/events`` and ``Last-Event-
 ``App.shutdown()`` (``serve``'s trigger on SIGINT/SIGTERM, and the lifespan) ends every open stream
 itself with an ``event: server.shutdown`` frame, because Hypercorn's graceful timeout does not end
 open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``STOP_GRACE`` seconds.
+
+Everything kit_http says goes through the ``logging`` module (loggers ``kit_http``: an unexpected
+error's type and stack, the address ``serve`` listens on; ``kit_http.access``: one line per request
+with ``serve(access_log=True)``). ``kit-serve`` gives them its console; mounted in another
+application, that application's logging decides.
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
-import os
+import logging
 import re
 import signal
 import sys
@@ -87,6 +90,12 @@ STREAM_BUFFER = 256
 #: On shutdown: how long in-flight requests may take before they are cancelled, and how long a
 #: stream's writer may take to hand its last frame to a slow client.
 STOP_GRACE = 5.0
+#: What kit_http says (an unexpected error, ``serve``'s address); ``kit_http.access``: the access
+#: log, with ``serve(access_log=True)``; ``kit_http.hypercorn``: Hypercorn's own messages. Only
+#: ``kit-serve`` (kit_serve) gives them a handler.
+_log = logging.getLogger("kit_http")
+_access_log = logging.getLogger("kit_http.access")
+_hypercorn_log = logging.getLogger("kit_http.hypercorn")
 
 Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it
 Message = MutableMapping[str, Any]
@@ -157,7 +166,8 @@ class _RunFailed(Exception):
 
     def __init__(self, run_id: str, error: BaseException) -> None:
         self.error = type(error).__name__
-        super().__init__(f"run {run_id} failed ({self.error}); its log has the details")
+        super().__init__(f"run {run_id} failed ({self.error}); its log has the details: "
+                         f"kit runs events {run_id}")
 
 
 #: The one map from exception type to HTTP status; the first class along the MRO wins, and
@@ -242,6 +252,14 @@ def _field(body: dict[str, Any], key: str, kind: type, *, required: bool = False
     return value
 
 
+def _id(body: dict[str, Any], key: str) -> str | None:
+    """An optional id of the body (``session_id``, ``thread_id``): absent, or a non-empty string."""
+    value = _field(body, key, str)
+    if value == "":
+        raise MalformedRequestError(f"{key!r} must not be empty")
+    return value
+
+
 # Event -> frame: the frame for an event, or None to skip it (FrameOf).
 
 def _native_frame(ev: Event) -> bytes:
@@ -316,8 +334,11 @@ class _Request:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def json(self, *, optional: bool = False) -> dict[str, Any]:
-        """The body as a JSON object; with ``optional``, an empty body is ``{}``."""
+    async def json(self, keys: tuple[str, ...], required: tuple[str, ...] = (), *,
+                   optional: bool = False) -> dict[str, Any]:
+        """The body as a JSON object of the route's ``keys``, with every key of ``required``;
+        with ``optional``, an empty body is ``{}``. Raises ``MalformedRequestError`` naming an
+        unknown or missing key (a misspelt key must not pass for an absent one)."""
         content_type = self.header(b"content-type") or ""
         body = await self.body()
         media = content_type.split(";", 1)[0].strip().lower()
@@ -326,7 +347,15 @@ class _Request:
         if media != "application/json" and not (media.startswith("application/") and
                                                 media.endswith("+json")):
             raise UnsupportedMediaTypeError(f"the body must be application/json, got {content_type!r}")
-        return _parse_object(body)
+        obj = _parse_object(body)
+        for key in obj:
+            if key not in keys:
+                takes = ", ".join(repr(k) for k in keys) or "no keys"
+                raise MalformedRequestError(f"unknown key {key!r} in the body; this route takes {takes}")
+        for key in required:
+            if key not in obj:
+                raise MalformedRequestError(f"the body needs {key!r}")
+        return obj
 
 
 async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
@@ -386,6 +415,7 @@ class App:
         self._open = self._stopping = False
         self._agents: frozenset[str] = frozenset()
         self._workflows: frozenset[str] = frozenset()
+        self._durable: frozenset[str] = frozenset()  # workflows whose runs need a thread_id
         self._skills: list[str] = []
         self._streams: set[_Stream] = set()
         self._inflight: set[anyio.CancelScope] = set()
@@ -418,6 +448,7 @@ class App:
                                     "message": f"{type(exc).__name__}: {exc}"})
                         return
                     self._agents, self._workflows = frozenset(self.deck.agents), frozenset(self.deck.workflows)
+                    self._durable = frozenset(n for n, w in self.deck.workflows.items() if w.durable)
                     self._skills = sorted(self.deck.skills)
                     if isinstance(scope.get("state"), dict):
                         scope["state"]["kit.deck"] = self.deck
@@ -492,9 +523,8 @@ class App:
         status, message = _status_of(exc), str(exc)
         if status == 500 and not isinstance(exc, _RunFailed):
             # Its type and stack only: a message may quote input, tool output or a secret.
-            print(f"kit_http: {req.scope['method']} {req.scope['path']} failed with "
-                  f"{type(exc).__name__}\n{''.join(traceback.format_tb(exc.__traceback__))}",
-                  file=sys.stderr, end="")
+            _log.error("%s %s failed with %s\n%s", req.scope["method"], req.scope["path"],
+                       type(exc).__name__, "".join(traceback.format_tb(exc.__traceback__)).rstrip())
             message = "internal error; the server log has the details"
         if req.started:  # a stream broke after its headers: end the body, nothing else fits
             await req.send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -503,9 +533,18 @@ class App:
         allow = ((b"allow", ", ".join(exc.allowed).encode()),) if isinstance(exc, MethodNotAllowedError) else ()
         await _respond(req, status, {"error": name, "message": message}, allow)
 
-    def _check(self, name: str, names: frozenset[str]) -> None:
+    def _check(self, name: str, kind: str) -> None:
+        """Refuse a name that is not one of the deck's agents (``kind`` "agent") or workflows:
+        404 ``UnknownNameError``, pointing to the other route when the name is of the other kind."""
+        names, other = self._agents, self._workflows
+        if kind == "workflow":
+            names, other = other, names
         if name not in names:
-            raise UnknownNameError(name, names)
+            hint = None
+            if name in other:
+                route = f"/workflows/{name}" if kind == "agent" else f"/agents/{name}/chat"
+                hint = f"{name!r} is {'a workflow' if kind == 'agent' else 'an agent'}: POST {route}"
+            raise UnknownNameError(name, names, what=kind, hint=hint)
 
     async def _run(self, req: _Request, run_id: str, call: Awaitable[Any]) -> Any:
         """Await a deck call that plays run ``run_id``. Its failure becomes ``_RunFailed`` (500);
@@ -527,24 +566,27 @@ class App:
                                   "workflows": sorted(self._workflows), "skills": self._skills})
 
     async def _agent_chat(self, req: _Request, name: str) -> None:
-        body = await req.json()
-        message, session_id = _field(body, "message", str, required=True), _field(body, "session_id", str)
-        self._check(name, self._agents)
+        body = await req.json(("message", "session_id"), ("message",))
+        message, session_id = _field(body, "message", str, required=True), _id(body, "session_id")
+        self._check(name, "agent")
         if _flag(req, "stream"):
-            return await self._stream_run(req, self.deck.stream(name, message, session_id=session_id, committed=True),
-                                          _v1_frame)
+            events = self.deck.stream(name, message, session_id=session_id, committed=True)
+            return await self._stream_run(req, events, _v1_frame)
         run_id = new_run_id()  # known before the run ends, for x-kit-run-id
         result = await self._run(req, run_id, self.deck.run(name, message, session_id=session_id,
                                                               run_id=run_id))
         await _respond(req, 200, {"output": result.output})
 
     async def _workflow(self, req: _Request, name: str) -> None:
-        body = await req.json()
-        state, thread_id = _field(body, "input", dict) or {}, _field(body, "thread_id", str)
-        self._check(name, self._workflows)
+        body = await req.json(("input", "thread_id"))
+        state, thread_id = _field(body, "input", dict) or {}, _id(body, "thread_id")
+        self._check(name, "workflow")
+        if thread_id is None and name in self._durable:
+            raise MalformedRequestError(f"workflow {name!r} is durable: the body needs 'thread_id' "
+                                        "(the thread it runs on; the same id carries it on)")
         if _flag(req, "stream"):
-            return await self._stream_run(req, self.deck.stream(name, state, session_id=thread_id, committed=True),
-                                          _v1_workflow_frame)
+            events = self.deck.stream(name, state, session_id=thread_id, committed=True)
+            return await self._stream_run(req, events, _v1_workflow_frame)
         run_id = new_run_id()
         result = await self._run(req, run_id, self.deck.run(name, state, session_id=thread_id,
                                                             run_id=run_id))
@@ -552,22 +594,26 @@ class App:
 
     async def _pending(self, req: _Request) -> None:
         await _respond(req, 200, {"pending": [
-            {"run_id": p.run_id, "workflow": p.workflow, "thread_id": p.thread_id, "payload": p.payload}
+            {"run_id": p.run_id, "workflow": p.workflow, "thread_id": p.thread_id,
+             "session_id": p.session_id, "payload": p.payload, "since": p.since.isoformat()}
             for p in await self.deck.pending()]})
 
     async def _workflow_resume(self, req: _Request, name: str, thread_id: str) -> None:
-        value = (await req.json()).get("value")
-        self._check(name, self._workflows)
+        value = (await req.json(("value",), ("value",)))["value"]
+        self._check(name, "workflow")
         for p in await self.deck.pending():
             if p.workflow == name and p.thread_id == thread_id:
                 info = await self.deck.store.run_info(p.run_id)
                 if info is not None and info.namespace is None:  # HTTP threads have none
+                    if _flag(req, "stream"):
+                        events = self.deck.stream_answer(p.run_id, value, committed=True)
+                        return await self._stream_run(req, events, _v1_workflow_frame)
                     result = await self._run(req, p.run_id, self.deck.answer(p.run_id, value))
                     return await _respond(req, 200, _workflow_body(result, p.run_id, thread_id))
         raise ThreadNotWaitingError(f"no run of workflow {name!r} waits on thread {thread_id!r}")
 
     async def _control(self, req: _Request, run_id: str, action: str) -> None:
-        reason = _field(await req.json(optional=True), "reason", str)
+        reason = _field(await req.json(("reason",), optional=True), "reason", str)
         status = await self.deck.status(run_id)
         if status is None:
             raise UnknownRunError(run_id)
@@ -579,10 +625,22 @@ class App:
         await _respond(req, 202, {"run_id": run_id, "requested": action})
 
     async def _resume_run(self, req: _Request, run_id: str) -> None:
-        await req.json(optional=True)
+        await req.json((), optional=True)
+        info = await self.deck.store.run_info(run_id)
+        if info is None:
+            raise UnknownRunError(run_id)
+        not_paused = NotResumableError(f"run {run_id} is not paused: nothing to resume")
+        if _flag(req, "stream"):  # the frames of the run that paused: an agent's or a workflow's
+            events = self.deck.stream_resume(run_id, committed=True)
+            first = await anext(events, None)
+            if first is None:
+                raise not_paused
+            req.run_id = run_id
+            frame_of = _v1_frame if info.invocable == "agent" else _v1_workflow_frame
+            return await self._sse(req, run_id, first, events, frame_of)
         events = await self._run(req, run_id, self.deck.resume(run_id))
         if not events:
-            raise NotResumableError(f"run {run_id} is not paused: nothing to resume")
+            raise not_paused
         await _respond(req, 200, {"run_id": run_id, "events": [e.to_json() for e in events]})
 
     async def _events(self, req: _Request, run_id: str) -> None:
@@ -607,8 +665,8 @@ class App:
         await self._sse(req, run_id, None, store.follow(run_id, after), _native_frame)
 
     async def _native_chat(self, req: _Request, name: str) -> None:
-        body = await req.json()
-        value, session_id = body.get("input"), _field(body, "session_id", str)
+        body = await req.json(("input", "session_id"))
+        value, session_id = body.get("input"), _id(body, "session_id")
         if name in self._agents:
             if isinstance(value, list):
                 value = [block_from_json(b) for b in value]  # ContentError: 400
@@ -620,7 +678,8 @@ class App:
                 raise MalformedRequestError("'input' must be a JSON object for a workflow")
         else:
             raise UnknownNameError(name, self._agents | self._workflows)
-        await self._stream_run(req, self.deck.stream(name, value, session_id=session_id, committed=True), _native_frame)
+        events = self.deck.stream(name, value, session_id=session_id, committed=True)
+        await self._stream_run(req, events, _native_frame)
 
     # ---------------------------------------------------------------------------- streams --
     async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf) -> None:
@@ -732,18 +791,29 @@ async def _send(send: Send, message: Message, stream: _Stream) -> None:
 
 # ====================================================================================== serve ====
 
-async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000,
+async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
                 shutdown_trigger: Callable[[], Awaitable[Any]] | None = None) -> None:
     """Serve ``app`` under Hypercorn on the running backend (asyncio or trio) until
     ``shutdown_trigger`` returns (default: SIGINT or SIGTERM), then end its streams itself.
 
-    Needs the ``serve`` extra. Raises Hypercorn's ``LifespanFailureError`` when the deck does
-    not open, ``OSError`` when the address is taken.
+    The address is bound before the app's lifespan opens the deck, so a taken one is refused
+    at once. ``access_log``: one ``kit_http.access`` log line per request (client, method, path,
+    status, seconds). Needs the ``serve`` extra. Raises ``OSError`` (naming the address) when it
+    cannot listen, Hypercorn's ``LifespanFailureError`` when the deck does not open.
     """
     from hypercorn.config import Config
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.backlog = 1024  # bursts of connections, such as 1,000 streams at once (CONVENTIONS A7)
+    config.accesslog = _access_log if access_log else None
+    config.errorlog = _hypercorn_log
+    config.access_log_format = '%(h)s "%(m)s %(U)s" %(s)s %(L)ss'  # no query, no headers
+    try:  # Hypercorn binds only after the lifespan; a failed bind then leaves a half-open app
+        probe = config.create_sockets()
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    for sock in probe.secure_sockets + probe.insecure_sockets + probe.quic_sockets:
+        sock.close()
 
     async def trigger() -> None:
         if shutdown_trigger is not None:
@@ -754,47 +824,20 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000,
                     break
         await app.shutdown()
 
-    if sniffio.current_async_library() == "trio":
+    backend = sniffio.current_async_library()
+    if backend == "trio":
         from hypercorn.trio import serve as hypercorn_serve
     else:
         from hypercorn.asyncio import serve as hypercorn_serve
+    _log.info("listening on http://%s:%s (%s worker). The API is unauthenticated: anyone who can "
+              "reach this address can start, read, answer and cancel runs.", host, port, backend)
     await hypercorn_serve(app, config, shutdown_trigger=trigger)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kit-serve`` / ``python -m kit_http``: serve the project at ``KIT_PROJECT`` (default
-    ``.kit``) on ``HOST``:``PORT`` (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio
-    or trio). Returns 0 after SIGINT/SIGTERM, 1 when the project cannot be served, 2 on usage."""
-    env = os.environ
-    parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
-                                     "and SSE. The API is unauthenticated.")
-    parser.add_argument("--host", default=env.get("HOST", "0.0.0.0"), help="bind address (HOST)")
-    parser.add_argument("--port", default=env.get("PORT", "8000"), help="bind port (PORT)")
-    parser.add_argument("--worker", default=env.get("KIT_WORKER", "asyncio"),
-                        help="asyncio or trio (KIT_WORKER)")
-    args = parser.parse_args(argv)
-    if args.worker not in ("asyncio", "trio"):
-        parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
-    if not str(args.port).isdigit() or int(args.port) > 65535:
-        parser.error(f"the port must be a number from 0 to 65535, got {args.port!r}")
-    import kit  # the composition root: only the console entry point builds a deck itself
-    if importlib.util.find_spec("hypercorn") is None:
-        print("kit-serve: Hypercorn is missing: pip install 'kit[serve]'", file=sys.stderr)
-        return 1
-    try:
-        deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"))
-    except KitError as exc:
-        print(f"kit-serve: {exc}", file=sys.stderr)
-        return 1
-    print(f"kit-serve: listening on http://{args.host}:{args.port} ({args.worker} worker). The API "
-          "is unauthenticated: anyone who can reach this address can start, read, answer and "
-          "cancel runs.", file=sys.stderr, flush=True)
-    try:
-        anyio.run(lambda: serve(App(deck), host=args.host, port=int(args.port)), backend=args.worker)
-    except Exception as exc:  # the deck did not open, or the address is taken
-        print(f"kit-serve: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    """``python -m kit_http``: ``kit-serve`` (``kit_serve.main``), the process serving a project."""
+    import kit_serve  # the process sits above the app it serves
+    return kit_serve.main(argv)
 
 
 if __name__ == "__main__":

@@ -194,10 +194,10 @@ def _result(run: _Run, end: Event) -> Any:
         if run.spec.kind == "agent":
             return TurnResult(p.output, p.usage, run.run_id, run.session_id)
         return p.output
-    if isinstance(p, RunInterrupted):
-        return InterruptResult(p.payload, p.thread_id or run.thread_id)  # type: ignore[arg-type]
-    if isinstance(p, RunSleeping):
-        return InterruptResult({"kind": "sleep", "until": p.until}, p.thread_id or run.thread_id)  # type: ignore[arg-type]
+    if isinstance(p, (RunInterrupted, RunSleeping)):
+        payload = p.payload if isinstance(p, RunInterrupted) else {"kind": "sleep", "until": p.until}
+        thread_id = p.thread_id or run.thread_id
+        return InterruptResult(payload, thread_id, run_id=run.run_id)  # type: ignore[arg-type]
     if isinstance(p, RunPaused):
         raise RunStoppedError(run.run_id, RunStatus.PAUSED, p.reason)
     raise RunStoppedError(run.run_id, RunStatus.CANCELLED, getattr(p, "reason", None))
@@ -597,22 +597,12 @@ class Runtime:
     async def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                      session_id: str | None = None, namespace: str | None = None,
                      run_id: str | None = None, committed: bool = False) -> AsyncIterator[Event]:
-        run, job, started = await self._begin(spec, input, context, session_id, namespace, run_id, True)
-        try:
-            self._tg.start_soon(self._play_in_background, run, job)
-            if not committed:
-                yield started
-            async with contextlib.aclosing(run.events(after=-1 if committed else 0,
-                                                      committed=committed)) as events:
-                async for event in events:
-                    yield event
-            await run.done.wait()
-            if run.error is not None:
-                raise run.error
-            if run.abort_error is not None:
-                raise run.abort_error
-        finally:
-            self._streams.pop(run.run_id, None)
+        async def begin() -> tuple[_Run, Callable[[], Any], int]:
+            run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, True)
+            return run, job, -1  # from its run.started on
+        async with contextlib.aclosing(self._streamed(begin, committed)) as events:
+            async for event in events:
+                yield event
 
     async def _play_in_background(self, run: _Run, job: Callable[[], Any]) -> None:
         try:
@@ -686,21 +676,23 @@ class Runtime:
         await self._write(run, events, self._claim(run))
         self.active[run.run_id] = run
 
-    async def resume(self, run_id: str, context: Any) -> list[Event]:
+    async def _take_paused(self, run_id: str, context: Any, streaming: bool
+                           ) -> tuple[_Run, Callable[[], Any], int] | None:
+        """Become the writer of a paused run: the run, its job and the seq it paused at, or None
+        when there is nothing to resume here (unknown, not paused, playing, another caller
+        resumed it first, or this deck lacks its invocable: SPEC 3.2)."""
         info = await self.store.run_info(run_id)
-        if info is None:
-            raise UnknownRunError(run_id)
-        spec = self.specs.get(info.name)
-        if info.status is not RunStatus.PAUSED or run_id in self.active or spec is None:
-            return []
+        spec = self.specs.get(info.name) if info is not None else None
+        if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
+            return None
         paused = (await self.store.read(run_id))[-1]
-        run = self._new_run(spec, run_id, context, info.session_id, info.namespace)
+        run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
         try:
             await self._take_over(run, [
                 Event(run_id, paused.seq + 1, ControlRequested("resume", None, "api"), spec.name),
                 Event(run_id, paused.seq + 2, RunResumed("resume"), spec.name)])
         except LogConflictError:
-            return []  # another caller resumed it first
+            return None  # another caller resumed it first
         if spec.kind == "agent":
             session = self.sessions.get(info.session_id, info.namespace) if info.session_id else None  # type: ignore[union-attr]
             items = [] if session is not None else (paused.payload.items or [])
@@ -708,8 +700,40 @@ class Runtime:
                                     kit_agents.run_config(self._sdk_tracing, run_id, info.session_id))
         else:
             job = functools.partial(spec.engine.play, run, self.graphs[spec.name], None)
+        return run, job, paused.seq
+
+    async def resume(self, run_id: str, context: Any) -> list[Event]:
+        taken = await self._take_paused(run_id, context, False)
+        if taken is None:
+            return []
+        run, job, after = taken
         await self._play(run, job)
-        return await self.store.read(run_id, after=paused.seq)
+        return await self.store.read(run_id, after=after)
+
+    def stream_resume(self, run_id: str, context: Any, committed: bool = False) -> AsyncIterator[Event]:
+        return self._streamed(functools.partial(self._take_paused, run_id, context, True), committed)
+
+    async def _streamed(self, take: Callable[[], Any], committed: bool) -> AsyncIterator[Event]:
+        """Play the run ``take()`` started or took over in the deck's task group, yielding its
+        events live after the seq it continues from (nothing when ``take()`` gives None); with
+        ``committed``, each once it is durable. A failed run's error is raised after its
+        ``run.failed``. Leaving early ends the stream, never the run."""
+        taken = await take()
+        if taken is None:
+            return
+        run, job, after = taken
+        try:
+            self._tg.start_soon(self._play_in_background, run, job)
+            async with contextlib.aclosing(run.events(after, committed)) as events:
+                async for event in events:
+                    yield event
+            await run.done.wait()
+            if run.error is not None:
+                raise run.error
+            if run.abort_error is not None:
+                raise run.abort_error
+        finally:
+            self._streams.pop(run.run_id, None)
 
     async def _watch_requests(self) -> None:
         """Requests written by other processes (the CLI, replicas): pause/cancel reach the runs
@@ -731,8 +755,10 @@ class Runtime:
             pass
 
     # --------------------------------------------------------------- parked workflows --
-    async def _resume(self, run_id: str, wanted: str, value: Any, by: str, context: Any) -> Any:
-        """Resume a parked workflow run (``wanted``: the parking kind it must end with)."""
+    async def _unpark(self, run_id: str, wanted: str, value: Any, by: str, context: Any,
+                      streaming: bool = False) -> tuple[_Run, Callable[[], Any], int]:
+        """Become the writer of a parked workflow run (``wanted``: the parking kind it must end
+        with): the run, the job that resumes it with ``value`` and the seq it parked at."""
         status = {"run.interrupted": "WAITING_HUMAN", "run.sleeping": "SLEEPING"}[wanted]
         info = await self.store.run_info(run_id)
         if info is None:
@@ -744,7 +770,7 @@ class Runtime:
         if spec is None or spec.kind != "workflow":
             raise UnknownNameError(info.name, [n for n, s in self.specs.items() if s.kind == "workflow"])
         parked = last.payload
-        run = self._new_run(spec, run_id, context, info.session_id, info.namespace)
+        run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
         run.thread_id = parked.thread_id
         run.thread_key = spec.engine.key(info.namespace, parked.thread_id)
         try:  # (run_id, seq) is unique: of two callers racing to resume, one gets this conflict
@@ -752,11 +778,19 @@ class Runtime:
         except LogConflictError:
             raise RunNotWaitingError(run_id, "being resumed by another caller", status) from None
         command = kit_workflows.resume_command(parked.interrupt_id, value)
-        job = functools.partial(spec.engine.play, run, self.graphs[spec.name], command)
+        return run, functools.partial(spec.engine.play, run, self.graphs[spec.name], command), last.seq
+
+    async def _resume(self, run_id: str, wanted: str, value: Any, by: str, context: Any) -> Any:
+        run, job, _ = await self._unpark(run_id, wanted, value, by, context)
         return _result(run, await self._play(run, job))
 
     async def answer(self, run_id: str, value: Any, context: Any) -> Any:
         return await self._resume(run_id, "run.interrupted", value, "answer", context)
+
+    def stream_answer(self, run_id: str, value: Any, context: Any,
+                      committed: bool = False) -> AsyncIterator[Event]:
+        return self._streamed(functools.partial(self._unpark, run_id, "run.interrupted", value,
+                                                "answer", context, True), committed)
 
     async def pending(self) -> list[Pending]:
         out = []

@@ -65,7 +65,8 @@ class ScriptedModel(_sdk.Model):
                            "tools": [t.name for t in tools]})
         if self._next >= len(self.script):
             if not (self.cycle and self.script):
-                raise ConfigError(f"ScriptedModel script exhausted after {len(self.script)} turns")
+                raise ConfigError(f"ScriptedModel script exhausted after {len(self.script)} turns "
+                                  "(each model call takes one entry; pass cycle=True to repeat it)")
             self._next = 0
         turn = self.script[self._next]
         self._next += 1

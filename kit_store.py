@@ -1,9 +1,10 @@
 """kit_store: the event-store implementations of ``kit.EventStorePort`` (DESIGN 4.4, 4.5).
 
 Owns: ``SQLiteStore`` (one file, shared by every process that opens it), ``MemoryStore`` (one
-process, no persistence) and ``store_from_url``. Both keep the same three things: the log (events
-keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same transaction)
-and the claims (``leases``: one row per live or parked run, unique per ``(namespace, session_id)``).
+process, no persistence), ``store_from_url`` and ``project_log_url`` (where a project's log
+lives). Both stores keep the same three things: the log (events keyed by ``(run_id, seq)``), the
+run index (``runs``, folded from the log in the same transaction) and the claims (``leases``: one
+row per live or parked run, unique per ``(namespace, session_id)``).
 
 Must never: run engine code, read the environment at import, or do I/O at import. Files are opened
 by ``async with store:`` only.
@@ -28,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Self
 
 import anyio
@@ -37,8 +39,8 @@ import orjson
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
-__all__ = ("SQLiteStore", "MemoryStore", "store_from_url", "BUSY_WAIT", "BUSY_FIRST_SLEEP",
-           "BUSY_MAX_SLEEP")
+__all__ = ("SQLiteStore", "MemoryStore", "store_from_url", "project_log_url", "BUSY_WAIT",
+           "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
 #: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
@@ -686,3 +688,10 @@ def store_from_url(url: str, *, sqlite_sync: str | None = None) -> SQLiteStore |
         return SQLiteStore(url[len("sqlite:///"):], synchronous=(sqlite_sync or "NORMAL").upper())
     raise ConfigError(f"unsupported store URL {url!r}: use 'memory', 'sqlite:///relative/path.db' "
                       "or 'sqlite:////absolute/path.db' (postgresql:// is not supported yet)")
+
+
+def project_log_url(project: str | os.PathLike[str]) -> str:
+    """The store URL of a project's own log, ``<project>/.state/kit.db`` as an absolute
+    ``sqlite:///`` URL: where ``Deck.from_project`` and ``kit-serve`` keep it without
+    ``KIT_STORE``, and where the ``kit`` command looks for it."""
+    return f"sqlite:///{(Path(project) / '.state' / 'kit.db').resolve()}"

@@ -15,6 +15,7 @@ import agents
 import anyio
 import pydantic
 import pytest
+from langgraph.graph import StateGraph
 
 import kit
 from kit import (
@@ -215,6 +216,24 @@ def test_build_refuses_unknown_names_and_instances():
         Agent("a", tools=[42])
     with pytest.raises(ConfigError, match="model"):
         Agent("a", model=3)
+
+
+def test_a_single_agent_or_workflow_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"got a single Agent 'a': wrap it in a list, Deck\(agents=\[\.\.\.\]\)"):
+        Deck(Agent("a"))
+    release = kit.Workflow("release", StateGraph(dict))
+    with pytest.raises(ConfigError, match=r"Deck\(agents=\.\.\.\) takes a list, got a single Workflow "
+                                          r"'release': wrap it in a list, Deck\(workflows=\[\.\.\.\]\)"):
+        Deck(release)
+    with pytest.raises(ConfigError, match="list of kit.Agent objects, got str"):
+        Deck("a")
+
+
+async def test_an_exhausted_scripted_model_says_how_to_repeat_it(store):
+    async with Deck([Agent("a", model=ScriptedModel(["only once"]))], store=store) as deck:
+        await deck.run("a", "x")
+        with pytest.raises(ConfigError, match=r"exhausted after 1 turns .*cycle=True"):
+            await deck.run("a", "x")
 
 
 # --------------------------------------------------------------------------------- turns ----
@@ -538,6 +557,16 @@ async def test_bad_settings_are_config_errors(monkeypatch):
             pass
 
 
+async def test_a_missing_extra_is_named(monkeypatch):
+    monkeypatch.setenv("KIT_STORE", "memory")
+    monkeypatch.setenv("KIT_SESSION", "redis://127.0.0.1:6379/15")
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if the redis extra were not installed
+    with pytest.raises(ConfigError, match=r"KIT_SESSION=redis://\.\.\. needs the redis extra: "
+                                          r"pip install 'kit\[redis\]'"):
+        async with Deck([Agent("a")]):
+            pass
+
+
 async def test_memory_store_is_the_default(monkeypatch):
     monkeypatch.delenv("KIT_STORE", raising=False)
     async with Deck([Agent("a", model=ScriptedModel(["hi"]))]) as deck:
@@ -554,13 +583,15 @@ async def test_headless_agent_run_returns_the_sdk_result():
     assert isinstance(result, agents.RunResult) and result.final_output == "3"
 
 
-async def test_headless_context_tool_refuses():
+async def test_headless_context_tool_refuses_and_the_model_is_told():
     def needs(ctx: Context[dict]) -> str:
         return "never"
 
-    agent = Agent("a", tools=[needs], model=ScriptedModel([{"tool": "needs"}, "x"]))
-    with pytest.raises(Exception, match="NoneType rather than a run context"):
-        await agent.run("go")
+    agent = Agent("a", tools=[needs], model=ScriptedModel([{"tool": "needs"}, "carried on"]))
+    result = await agent.run("go")  # SPEC 7: the tool refuses, the run goes on
+    assert result.final_output == "carried on"
+    [told] = [i.output for i in result.new_items if isinstance(i, agents.ToolCallOutputItem)]
+    assert "the run carries NoneType rather than a run context" in told
 
 
 # ------------------------------------------------------------------------- across processes ----

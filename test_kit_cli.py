@@ -1,10 +1,14 @@
-"""Tests of the ``kit`` console script against a real log file."""
+"""Tests of the ``kit`` console script against a real log file (in this process, and as a
+subprocess where the process matters: a closed pipe)."""
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import pytest
@@ -12,8 +16,10 @@ import pytest
 import kit
 import kit_cli as cli
 from kit_store import SQLiteStore
+from test_kit_control import Gate
 
 pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
 
 
 @dataclass
@@ -44,9 +50,11 @@ async def test_runs_list_reads_the_log(tmp_path):
                 await deck.run("greeter", "again", session_id="s2")
     out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", f"sqlite:///{db}")
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    header, *lines = out.stdout.splitlines()
+    assert header.split() == ["RUN_ID", "STATUS", "NAME", "SESSION", "STARTED"]
     assert len(lines) == 2 and lines[0].startswith(ok.run_id) and "COMPLETED" in lines[0]
     assert "FAILED" in lines[1] and "s2" in lines[1]
+    assert [line.index("greeter") for line in lines] == [header.index("NAME")] * 2  # columns align
     out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", f"sqlite:///{db}",
                                          "--status", "FAILED", "--json")
     [row] = [json.loads(line) for line in out.stdout.splitlines()]
@@ -55,12 +63,92 @@ async def test_runs_list_reads_the_log(tmp_path):
 
 def test_usage_errors_exit_2_and_a_missing_log_exits_1(tmp_path, monkeypatch):
     monkeypatch.delenv("KIT_STORE", raising=False)
-    out = kit_cli("runs", "list")
-    assert out.returncode == 2 and "--store" in out.stderr
+    monkeypatch.delenv("KIT_PROJECT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    out = kit_cli("runs", "list")  # no log where kit-serve would keep it: say where it looked
+    assert out.returncode == 1 and f"no event log at {tmp_path}/.kit/.state/kit.db" in out.stderr
+    assert "KIT_PROJECT" in out.stderr and "--store" in out.stderr
     out = kit_cli("runs", "list", "--store", "mysql://x")
     assert out.returncode == 2 and "mysql://x" in out.stderr
+    monkeypatch.setenv("KIT_STORE", "memory")
+    out = kit_cli("runs", "list")
+    assert out.returncode == 2 and "in-memory" in out.stderr
     out = kit_cli("runs", "frobnicate")
     assert out.returncode == 2
     out = kit_cli("runs", "list", "--store", f"sqlite:///{tmp_path}/none.db")
     assert out.returncode == 1 and "no event log" in out.stderr
     assert not (tmp_path / "none.db").exists()
+
+
+async def one_run(root: Path, name: str) -> str:
+    """A project at ``root`` with one agent, played once into the project's own log."""
+    bundle = root / "agents" / name / "agent.py"
+    bundle.parent.mkdir(parents=True)
+    bundle.write_text(f"import kit\nagent = kit.Agent({name!r}, model=kit.ScriptedModel(['hi']))\n")
+    async with kit.Deck.from_project(root) as deck:
+        return (await deck.run(name, "hello")).run_id
+
+
+async def test_the_log_is_found_the_way_kit_serve_finds_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("KIT_STORE", raising=False)
+    monkeypatch.delenv("KIT_PROJECT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    default = await one_run(tmp_path / ".kit", "ant")  # KIT_PROJECT unset: .kit
+    named = await one_run(tmp_path / "proj", "bee")
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--json")
+    assert [json.loads(line)["run_id"] for line in ran.stdout.splitlines()] == [default]
+    monkeypatch.setenv("KIT_PROJECT", str(tmp_path / "proj"))
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--json")
+    assert [json.loads(line)["run_id"] for line in ran.stdout.splitlines()] == [named]
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{tmp_path}/.kit/.state/kit.db")  # KIT_STORE wins
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--json")
+    assert [json.loads(line)["run_id"] for line in ran.stdout.splitlines()] == [default]
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--json", "--store",  # --store wins
+                                         f"sqlite:///{tmp_path}/proj/.state/kit.db")
+    assert [json.loads(line)["run_id"] for line in ran.stdout.splitlines()] == [named]
+
+
+async def test_runs_events_prints_the_log_as_json_lines_and_follows_a_live_run(tmp_path):
+    db, gate = tmp_path / "kit.db", Gate()
+    worker = kit.Agent("worker", tools=[gate.wait_tool()],
+                       model=kit.ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
+    async with SQLiteStore(db) as store:
+        async with kit.Deck([worker], store=store) as deck:
+            async with anyio.create_task_group() as tg:
+                stream = deck.stream("worker", "go", session_id="s1")  # its start is committed
+                run_id = (await stream.__anext__()).run_id
+                tg.start_soon(stream.aclose)
+                followed: list[Ran] = []
+
+                async def follow() -> None:
+                    followed.append(await anyio.to_thread.run_sync(
+                        kit_cli, "runs", "events", run_id, "--follow", "--store", f"sqlite:///{db}"))
+                with anyio.fail_after(20):
+                    tg.start_soon(follow)
+                    await gate.until_entered()
+                    await anyio.sleep(0.2)  # the follower is waiting on a live run
+                    gate.release.set()
+            logged = [e.to_json() for e in await store.read(run_id)]
+    assert followed[0].returncode == 0, followed[0].stderr
+    assert [json.loads(line) for line in followed[0].stdout.splitlines()] == logged
+    assert logged[-1]["kind"] == "run.completed"
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", run_id, "--store", f"sqlite:///{db}")
+    assert out.stdout.splitlines() == followed[0].stdout.splitlines()
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", "nope", "--store", f"sqlite:///{db}")
+    assert out.returncode == 1 and "'nope'" in out.stderr
+
+
+async def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    db = tmp_path / "kit.db"
+    async with SQLiteStore(db) as store:  # more rows than a pipe holds (64 KiB)
+        await store.append([kit.Event(f"run-{i:05}", 0, kit.RunStarted("a", "agent", f"s{i}", None, ()), "a")
+                            for i in range(2000)])
+    for args in (["runs", "list", "--json"], ["runs", "list"]):
+        proc = subprocess.Popen([sys.executable, "-m", "kit_cli", *args, "--store", f"sqlite:///{db}"],
+                                cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = await anyio.to_thread.run_sync(proc.stdout.readline)  # `| head -1`
+        proc.stdout.close()
+        with anyio.fail_after(30):
+            code = await anyio.to_thread.run_sync(proc.wait)
+        assert first.strip() and (code, proc.stderr.read()) == (0, "")
+        proc.stderr.close()

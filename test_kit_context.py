@@ -125,7 +125,8 @@ def test_every_kind_of_site_is_named():
     graph = StateGraph(dict).add_node("approve", node)
     graph.add_edge(START, "approve").add_edge("approve", END)
     for catalog, site in (
-            (dict(agents=[Agent("a", instructions)]), "the instructions of agent 'a'"),
+            (dict(agents=[Agent("a", instructions)]),
+             "instructions callable test_every_kind_of_site_is_named.<locals>.instructions of agent 'a'"),
             (dict(agents=[Agent("a", hooks=Hooks())]), "hook on_start of agent 'a'"),
             (dict(workflows=[Workflow("w", graph)]), "node approve of workflow 'w'")):
         deck = Deck(**catalog, context=Other)

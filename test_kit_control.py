@@ -142,6 +142,8 @@ async def test_resume_of_a_run_that_is_not_paused_returns_nothing(store):
     async with Deck([Agent("a", model=ScriptedModel(["hi"]))], store=store) as deck:
         result = await deck.run("a", "x")
         assert await deck.resume(result.run_id) == []
+        assert await deck.resume("a-run-the-log-has-never-seen") == []  # SPEC 3.2, 4.1
+        assert [e async for e in deck.stream_resume("a-run-the-log-has-never-seen")] == []
 
 
 class State(TypedDict, total=False):

@@ -1,18 +1,16 @@
 """Tests of the HTTP surface (kit_http): a real Hypercorn on a loopback port with both workers,
 httpx and httpx-sse as the client, the bytes on the wire; the ASGI app driven directly for the
-lifespan and disconnects; ``kit-serve`` in a subprocess (asyncio and trio)."""
+lifespan and disconnects (``kit-serve``, the process: test_kit_serve.py)."""
 from __future__ import annotations
 
 import json
 import operator
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 from contextlib import asynccontextmanager
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Annotated, TypedDict
@@ -95,6 +93,13 @@ def graph(*nodes) -> StateGraph:
 
 def echo() -> Agent:
     return Agent("echo", "Be brief.", model=ScriptedModel(["hello there world"], cycle=True))
+
+
+def gated(*after) -> tuple[Gate, Agent]:
+    """An agent "worker" whose first model call waits in a tool for the gate, then replies ``after``."""
+    gate = Gate()
+    return gate, Agent("worker", tools=[gate.wait_tool()],
+                       model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, *after]))
 
 
 def catalog(*extra: Agent) -> Deck:
@@ -188,6 +193,55 @@ async def test_unknown_names_routes_and_methods():
         assert (await client.get("/runs/nope/events")).status_code == 404
 
 
+async def test_a_name_on_the_wrong_route_points_to_the_right_one():
+    async with served(catalog()) as (client, _):
+        r = await client.post("/agents/approve/chat", json={"message": "hi"})
+        assert (r.status_code, r.json()["error"]) == (404, "UnknownNameError")
+        assert "'approve' is a workflow: POST /workflows/approve" in r.json()["message"]
+        r = await client.post("/workflows/echo", json={"input": {}})
+        assert r.status_code == 404 and "'echo' is an agent: POST /agents/echo/chat" in r.json()["message"]
+        r = await client.post("/workflows/echo/t1/resume", json={"value": 1})
+        assert r.status_code == 404 and "POST /agents/echo/chat" in r.json()["message"]
+
+
+async def test_every_post_route_refuses_unknown_and_missing_keys_naming_them():
+    async with served(catalog()) as (client, app):
+        r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})
+        run_id = r.headers["x-kit-run-id"]
+        refused = [  # (route, body, the key the 400 names)
+            ("/workflows/approve/t1/resume", {"answer": "yes"}, "unknown key 'answer'"),
+            ("/workflows/approve/t1/resume", {}, "needs 'value'"),
+            ("/agents/echo/chat", {"message": "hi", "sesion_id": "s1"}, "unknown key 'sesion_id'"),
+            ("/agents/echo/chat", {"session_id": "s1"}, "needs 'message'"),
+            ("/workflows/plain", {"inputs": {"log": []}}, "unknown key 'inputs'"),
+            ("/workflows/plain", {"thread_id": ""}, "'thread_id' must not be empty"),
+            (f"/runs/{run_id}/pause", {"reasons": "lunch"}, "unknown key 'reasons'"),
+            (f"/runs/{run_id}/cancel", {"why": "done"}, "unknown key 'why'"),
+            (f"/runs/{run_id}/resume", {"value": 1}, "unknown key 'value'"),
+        ]
+        for route, body, named in refused:
+            r = await client.post(route, json=body)
+            assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError"), route
+            assert named in r.json()["message"], (route, r.json())
+        # Nothing was lost: the misspelt answer did not resume the thread, nor pause the run.
+        assert await app.deck.status(run_id) is RunStatus.WAITING_HUMAN
+        assert [p.run_id for p in await app.deck.pending()] == [run_id]
+        # The v1 bodies that were valid stay valid.
+        assert (await client.post("/agents/echo/chat", json={"message": "hi", "session_id": "s1"})).status_code == 200
+        assert (await client.post("/workflows/plain", json={})).status_code == 200
+        r = await client.post("/workflows/approve/t1/resume", json={"value": None})
+        assert r.json()["output"] == {"log": ["plan", "answer=None"]}
+
+
+async def test_a_durable_workflow_without_thread_id_is_a_400_that_speaks_http():
+    async with served(Deck(workflows=[Workflow("ship", graph(plan), durable=True)])) as (client, _):
+        r = await client.post("/workflows/ship", json={"input": {}})
+        assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError")
+        assert "needs 'thread_id'" in r.json()["message"] and "session_id" not in r.json()["message"]
+        r = await client.post("/workflows/ship", json={"input": {}, "thread_id": "t1"})
+        assert r.json()["output"] == {"log": ["plan"]}
+
+
 @pytest.mark.parametrize("body, headers, status, error", [
     (b'{"message": "\xff\xfe"}', JSON, 400, "MalformedRequestError"),  # invalid UTF-8
     (b"[" * 100_000, JSON, 400, "MalformedRequestError"),  # RecursionError in the parser
@@ -233,7 +287,7 @@ async def test_a_failed_run_is_a_500_with_its_type_and_run_id():
         assert body == b'id: 1\nevent: error\ndata: {"error":"RuntimeError"}\n\n'
 
 
-async def test_an_unexpected_error_is_a_generic_500_logged_without_its_message(monkeypatch, capfd):
+async def test_an_unexpected_error_is_a_generic_500_logged_without_its_message(monkeypatch, caplog):
     async with served(catalog()) as (client, app):
         secret = "-".join(("sk", "live", "123"))  # not in the source: the log shows source lines
 
@@ -245,14 +299,12 @@ async def test_an_unexpected_error_is_a_generic_500_logged_without_its_message(m
         assert r.json() == {"error": "ZeroDivisionError",
                             "message": "internal error; the server log has the details"}
         assert (await client.get("/health")).status_code == 200
-    err = capfd.readouterr().err
+    err = "\n".join(r.getMessage() for r in caplog.records if r.name == "kit_http")
     assert "GET /workflows/pending failed with ZeroDivisionError" in err and "sk-live-123" not in err
 
 
 async def test_a_busy_session_is_409():
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()],
-                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
+    gate, worker = gated("done")
     async with served(catalog(worker)) as (client, _):
         async with anyio.create_task_group() as tg:
             first: list[httpx.Response] = []
@@ -309,9 +361,7 @@ async def test_reconnect_with_last_event_id_replays_the_rest_then_204(tmp_path, 
 
 
 async def test_a_client_disconnect_ends_the_stream_never_the_run():
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()],
-                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "finished"]))
+    gate, worker = gated("finished")
     async with served(catalog(worker)) as (client, app):
         async with client.stream("POST", "/agents/worker/chat?stream=true", json={"message": "go"}) as r:
             run_id = r.headers["x-kit-run-id"]
@@ -329,7 +379,7 @@ async def test_a_client_disconnect_ends_the_stream_never_the_run():
 # --------------------------------------------------------------------------- workflows ----
 
 async def test_workflow_json_interrupt_pending_resume_and_stale_resume():
-    async with served(catalog()) as (client, _):
+    async with served(catalog()) as (client, app):
         r = await client.post("/workflows/plain", json={"input": {"log": []}})
         run_id = r.headers["x-kit-run-id"]
         assert r.json() == {"output": {"log": ["plan"]}, "thread_id": run_id, "run_id": run_id}
@@ -339,9 +389,11 @@ async def test_workflow_json_interrupt_pending_resume_and_stale_resume():
                             "thread_id": "t1", "run_id": run_id}
         r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})
         assert r.status_code == 409  # a waiting thread keeps its claim
-        r = await client.get("/workflows/pending")
-        assert r.json() == {"pending": [{"run_id": run_id, "workflow": "approve", "thread_id": "t1",
-                                         "payload": {"question": "ship it?"}}]}
+        [waiting] = (await client.get("/workflows/pending")).json()["pending"]
+        since = datetime.fromisoformat(waiting.pop("since"))
+        assert waiting == {"run_id": run_id, "workflow": "approve", "thread_id": "t1",
+                           "session_id": "t1", "payload": {"question": "ship it?"}}
+        assert since == (await app.deck.store.read(run_id))[-1].at
         r = await client.post("/workflows/approve/t1/resume", json={"value": "yes"})
         assert r.json() == {"output": {"log": ["plan", "answer=yes"]}, "thread_id": "t1", "run_id": run_id}
         assert r.headers["x-kit-run-id"] == run_id
@@ -365,12 +417,23 @@ async def test_workflow_stream_bytes_on_the_wire():
                         b'id: 2\nevent: done\ndata: {"output":{"log":["plan"]}}\n\n')
 
 
+async def test_resume_of_a_thread_streams_like_the_run_that_parked():
+    async with served(catalog()) as (client, _):
+        r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t5"})
+        run_id = r.headers["x-kit-run-id"]
+        r, body = await wire(client, "POST", "/workflows/approve/t5/resume?stream=true", json={"value": "yes"})
+        assert r.headers["x-kit-run-id"] == run_id
+        assert {k: r.headers[k] for k in SSE_HEADERS} == SSE_HEADERS
+        assert body == (b'id: 4\ndata: {"node":"ask","update":{"log":["answer=yes"]}}\n\n'
+                        b'id: 5\nevent: done\ndata: {"output":{"log":["plan","answer=yes"]}}\n\n')
+        r = await client.post("/workflows/approve/t5/resume?stream=true", json={"value": "again"})
+        assert (r.status_code, r.json()["error"]) == (404, "ThreadNotWaitingError")
+
+
 # ------------------------------------------------------------------------- run control ----
 
 async def test_pause_resume_and_cancel_routes():
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()], model=ScriptedModel(
-        [{"tool": "wait", "args": {"step": 1}}, "done", {"tool": "wait", "args": {"step": 2}}, "x"]))
+    gate, worker = gated("done", {"tool": "wait", "args": {"step": 2}}, "x")
     async with served(catalog(worker)) as (client, app):
         async with anyio.create_task_group() as tg:
             first: list[httpx.Response] = []
@@ -395,6 +458,27 @@ async def test_pause_resume_and_cancel_routes():
         r = await client.post(f"/runs/{r.headers['x-kit-run-id']}/cancel")  # finished: refused
         assert (r.status_code, r.json()["error"]) == (409, "ControlRefusedError")
         assert "COMPLETED" in r.json()["message"]
+
+
+async def test_resume_of_a_paused_run_streams_like_the_run_that_paused():
+    gate, worker = gated("back at work")
+    async with served(catalog(worker)) as (client, app):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(client.post, "/agents/worker/chat", json={"message": "go"}))
+            await gate.until_entered()
+            [info] = await app.deck.store.runs(status=RunStatus.RUNNING)
+            await client.post(f"/runs/{info.run_id}/pause", json={})
+            gate.release.set()
+        assert await app.deck.status(info.run_id) is RunStatus.PAUSED
+        r, body = await wire(client, "POST", f"/runs/{info.run_id}/resume?stream=true")
+        assert r.headers["x-kit-run-id"] == info.run_id
+        frames = [f for f in body.decode().split("\n\n") if f]
+        assert [f.split("\n")[-1] for f in frames[:3]] == [
+            'data: {"delta":"back"}', 'data: {"delta":" at"}', 'data: {"delta":" work"}']
+        assert "\nevent: done\n" in frames[-1] and '"output":"back at work"' in frames[-1]
+        r = await client.post(f"/runs/{info.run_id}/resume?stream=true")
+        assert (r.status_code, r.json()["error"]) == (409, "NotResumableError")
+        assert (await client.post("/runs/nope/resume?stream=true")).status_code == 404
 
 
 # ------------------------------------------------------------------------------ native ----
@@ -431,9 +515,7 @@ async def test_shutdown_ends_open_streams_itself():
 
 async def test_shutdown_answers_in_flight_requests_503_after_the_grace(monkeypatch):
     monkeypatch.setattr(kit_http, "STOP_GRACE", 0.1)
-    gate = Gate()
-    worker = Agent("worker", tools=[gate.wait_tool()],
-                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "done"]))
+    gate, worker = gated("done")
     async with served(catalog(worker)) as (client, app):
         async with anyio.create_task_group() as tg:
             got: list[httpx.Response] = []
@@ -546,58 +628,3 @@ async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_streamed_body_is_
                       big.receive, big.send)
             assert big.sent[0]["status"] == 413 and len(big.inbox) == 0
             life.push({"type": "lifespan.shutdown"})
-
-
-# ----------------------------------------------------------------------------- kit-serve ----
-
-AGENT_BUNDLE = '''
-import asyncio
-import kit
-
-async def slow(seconds: int) -> str:
-    """Sleep."""
-    await asyncio.sleep(seconds)
-    return "slept"
-
-agent = kit.Agent("sleepy", tools=[slow],
-                  model=kit.ScriptedModel([{"tool": "slow", "args": {"seconds": 60}}, "done"], cycle=True))
-'''
-
-
-@pytest.mark.parametrize("worker", ["asyncio", "trio"])
-def test_kit_serve_serves_the_project_and_stops_its_streams_on_sigterm(tmp_path, worker):
-    if not hasattr(kit.Deck, "from_project"):
-        pytest.skip("kit.Deck.from_project is not there yet")
-    bundle = tmp_path / "proj" / "agents" / "sleepy" / "agent.py"
-    bundle.parent.mkdir(parents=True)
-    bundle.write_text(AGENT_BUNDLE)
-    port = free_port()
-    env = dict(os.environ, KIT_PROJECT=str(tmp_path / "proj"), KIT_STORE="memory", PORT=str(port),
-               HOST="127.0.0.1", KIT_WORKER=worker)
-    proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).json()["agents"] == ["sleepy"]:
-                    break
-            except (httpx.TransportError, ValueError, KeyError):
-                time.sleep(0.1)
-        with httpx.stream("POST", f"{base}/agents/sleepy/chat?stream=true", json={"message": "hi"},
-                          timeout=10) as r:
-            assert r.status_code == 200 and r.headers["x-kit-run-id"]
-            started = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            body = r.read()
-        assert body == b'event: server.shutdown\ndata: {"run_id":"%s"}\n\n' % r.headers["x-kit-run-id"].encode()
-        assert proc.wait(timeout=20) == 0 and time.monotonic() - started < 15
-        stderr = proc.stderr.read()
-        assert f"http://127.0.0.1:{port}" in stderr and "unauthenticated" in stderr
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()

@@ -55,6 +55,19 @@ def test_a_broken_bundle_is_a_config_error_naming_its_file(tmp_path, source, mat
     assert str(root / "agents" / "bad" / "agent.py") in str(err.value)
 
 
+async def test_a_second_live_project_deck_names_both_projects(tmp_path):
+    first = Deck.from_project(project(tmp_path / "one", {"agents/a/agent.py": AGENT.format(name="ant")}))
+    try:
+        second = project(tmp_path / "two", {"agents/b/agent.py": AGENT.format(name="bee")})
+        with pytest.raises(ConfigError) as err:
+            Deck.from_project(second)
+        message = str(err.value)
+        assert str((tmp_path / "one" / "proj").resolve()) in message
+        assert str(second.resolve()) in message and "kit.py" not in message
+    finally:
+        await first.aclose()
+
+
 def test_a_missing_project_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no kit project"):
         Deck.from_project(tmp_path / "nowhere")

@@ -159,8 +159,8 @@ async def test_interrupt_pending_answer_and_a_second_answer_is_refused(store):
     CALLS.clear()
     async with Deck(workflows=[Workflow("w", graph(plan, ask, done))], store=store) as deck:
         parked = await deck.run("w", {"log": []}, session_id="t1")
-        assert parked == kit.InterruptResult({"question": "approve?"}, "t1")
         [pending] = await deck.pending()
+        assert parked == kit.InterruptResult({"question": "approve?"}, "t1", run_id=pending.run_id)
         assert (pending.workflow, pending.thread_id, pending.session_id, pending.payload) == (
             "w", "t1", "t1", {"question": "approve?"})
         assert await deck.status(pending.run_id) is RunStatus.WAITING_HUMAN
@@ -189,8 +189,23 @@ async def test_answer_returns_the_next_interrupt(store):
         assert first.payload == {"question": "first?"}
         [p] = await deck.pending()
         second = await deck.answer(p.run_id, "a")
-        assert second == kit.InterruptResult({"question": "second?"}, first.thread_id)
+        assert second == kit.InterruptResult({"question": "second?"}, first.thread_id, run_id=p.run_id)
         assert await deck.answer(p.run_id, "b") == {"log": ["a+b"]}
+
+
+async def test_an_interrupt_result_carries_its_run_id_to_answer_with(store):
+    async with Deck(workflows=[Workflow("w", graph(plan, ask_twice))], store=store) as deck:
+        parked = await deck.run("w", {"log": []}, session_id="t1")
+        assert await deck.status(parked.run_id) is RunStatus.WAITING_HUMAN
+        again = await deck.answer(parked.run_id, "a")  # no pending() call needed
+        assert again.run_id == parked.run_id and again.payload == {"question": "second?"}
+        streamed = [e async for e in deck.stream_answer(parked.run_id, "b")]
+        assert kinds(streamed) == ["run.resumed", "node.updated", "run.completed"]
+        assert streamed == (await store.read(parked.run_id))[-3:]
+        assert streamed[-1].payload.output == {"log": ["plan", "a+b"]}
+        with pytest.raises(kit.RunNotWaitingError):
+            [e async for e in deck.stream_answer(parked.run_id, "c")]
+    assert kit.InterruptResult({"q": 1}, "t9") == kit.InterruptResult({"q": 1}, "t9", "interrupt", None)
 
 
 async def test_concurrent_answers_resume_once(store):

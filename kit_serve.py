@@ -1,0 +1,133 @@
+"""kit_serve: ``kit-serve``, the process that serves a kit project over HTTP and SSE.
+
+Owns: ``main()`` for ``kit-serve`` (and ``python -m kit_http``): its arguments and settings, the
+extras it needs, the deck of ``KIT_PROJECT`` served by ``kit_http.serve`` under Hypercorn, and its
+console: one ``kit-serve:`` line on stderr per message, from the ``logging`` module (the address it
+listens on; one line per failed run, from the ``FailedRunLog`` observer it adds to the deck; one
+per request with ``--access-log``; why it could not serve, then exit 1).
+
+Must never: print a traceback for a failure it can name (a taken address, a missing extra, a
+broken project), or log a request body, the application context or a setting's value (failure
+messages are masked, ``FailedRunLog.redact``); import kit.py outside ``main()`` (it sits below the
+composition root), or Hypercorn at module import.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping
+
+import anyio
+
+from kit_core import Event, KitError, RunFailed
+from kit_http import App, serve
+from kit_observers import resolve_observers
+
+__all__ = ("main", "FailedRunLog", "MAX_LOG_MESSAGE")
+
+#: A failed run's message in its log line: enough for "why", short enough for one console line.
+MAX_LOG_MESSAGE = 300
+
+_log = logging.getLogger("kit_serve")
+#: Settings whose values are secrets: masked wherever a failure message quotes them.
+_SECRET_SETTING = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+#: Shapes of a secret a failure message may quote (the groups are kept, the rest masked): a
+#: provider key (``sk-...``, ``pk-lf-...``), an Authorization value, a URL's ``user:password@``,
+#: ``api_key=...``-like pairs.
+_SECRET_SHAPES = re.compile(
+    r"\b((?:sk|pk|rk)-)[\w*.-]{6,}|\b((?i:bearer|basic) )[\w.~+/=-]{6,}|(://)[^/\s@]+(?=@)"
+    r"|\b((?i:api[_-]?key|token|secret|password)[\"']?\s*[:=]\s*[\"']?)[^\s,;'\"]+")
+
+
+class FailedRunLog:
+    """An observer: one ``kit_serve`` log line per failed run (its id, name, error type and
+    message), so a 500 or an ``event: error`` has its reason on the server's console.
+
+    The message is the one in the log, made one line, capped at ``MAX_LOG_MESSAGE`` and masked
+    (``redact``). The application context never reaches it: it is not in the log.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        secrets: Iterable[str] = (v for k, v in env.items() if len(v) >= 8 and _SECRET_SETTING.search(k))
+        self._secrets = sorted(secrets, key=len, reverse=True)  # a longer value before its prefix
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event.payload, RunFailed):
+            _log.error("run %s (%s) failed: %s: %s", event.run_id, event.origin, event.payload.error,
+                       self.redact(event.payload.message))
+
+    def redact(self, message: str) -> str:
+        """``message`` on one line, at most ``MAX_LOG_MESSAGE`` characters, with ``***`` for the
+        values of secret-looking settings (``*KEY*``, ``*SECRET*``, ``*TOKEN*``, ``*PASSWORD*``)
+        and for anything shaped like a key, a bearer token or a URL's credentials."""
+        for value in self._secrets:
+            message = message.replace(value, "***")
+        message = _SECRET_SHAPES.sub(lambda m: "".join(g or "" for g in m.groups()) + "***", message)
+        message = " ".join(message.split())
+        return message if len(message) <= MAX_LOG_MESSAGE else message[:MAX_LOG_MESSAGE - 3] + "..."
+
+
+def _console() -> None:
+    """kit_http's and kit_serve's loggers onto stderr, one ``kit-serve:`` line per message."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kit-serve: %(message)s"))
+    for name in ("kit_http", "kit_serve"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+    logging.getLogger("kit_http.hypercorn").setLevel(logging.WARNING)  # "Running on" repeats ours
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kit-serve``: serve the project at ``KIT_PROJECT`` (default ``.kit``) on ``HOST``:``PORT``
+    (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio or trio); ``--access-log`` (or
+    ``KIT_ACCESS_LOG=1``) logs every request. Returns 0 after SIGINT/SIGTERM, 1 when the project
+    cannot be served (a missing extra, a broken project, a taken address), 2 on usage."""
+    env = os.environ
+    parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
+                                     "and SSE. The API is unauthenticated.")
+    parser.add_argument("--host", default=env.get("HOST", "0.0.0.0"), help="bind address (HOST)")
+    parser.add_argument("--port", default=env.get("PORT", "8000"), help="bind port (PORT)")
+    parser.add_argument("--worker", default=env.get("KIT_WORKER", "asyncio"),
+                        help="asyncio or trio (KIT_WORKER)")
+    parser.add_argument("--access-log", action="store_true",
+                        default=env.get("KIT_ACCESS_LOG", "").lower() in ("1", "true", "yes"),
+                        help="one line per request (KIT_ACCESS_LOG=1)")
+    args = parser.parse_args(argv)
+    if args.worker not in ("asyncio", "trio"):
+        parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
+    if not str(args.port).isdigit() or int(args.port) > 65535:
+        parser.error(f"the port must be a number from 0 to 65535, got {args.port!r}")
+    _console()
+    for module, extra in (("hypercorn", "serve"), ("trio", "trio")):
+        if (extra == "serve" or args.worker == "trio") and importlib.util.find_spec(module) is None:
+            _log.error("%s is missing: pip install 'kit[%s]'", module, extra)
+            return 1
+    import kit  # the composition root: only the console entry point builds a deck itself
+    try:  # the observers the settings ask for, then the failed-run lines
+        deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"),
+                                     observers=[*resolve_observers(None, env), FailedRunLog(env)])
+    except KitError as exc:
+        _log.error("%s", exc)
+        return 1
+    try:
+        anyio.run(lambda: serve(App(deck), host=args.host, port=int(args.port),
+                                access_log=args.access_log), backend=args.worker)
+    except OSError as exc:  # the address is taken or not ours: serve() named it
+        _log.error("%s", exc.strerror or exc)
+        return 1
+    except Exception as exc:  # the deck did not open
+        _log.error("%s: %s", type(exc).__name__, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

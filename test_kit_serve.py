@@ -1,0 +1,159 @@
+"""Tests of ``kit-serve``, the process (kit_serve): a subprocess serving a project on a loopback
+port, its exit codes and every line it writes on stderr (asyncio and trio workers)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kit_serve import MAX_LOG_MESSAGE, FailedRunLog
+from test_kit_http import free_port
+
+HERE = Path(__file__).parent
+
+AGENT_BUNDLE = '''
+import asyncio
+import kit
+
+async def slow(seconds: int) -> str:
+    """Sleep."""
+    await asyncio.sleep(seconds)
+    return "slept"
+
+agent = kit.Agent("sleepy", tools=[slow],
+                  model=kit.ScriptedModel([{"tool": "slow", "args": {"seconds": 60}}, "done"], cycle=True))
+'''
+
+
+BROKEN_BUNDLE = '''
+import os
+import kit
+
+leak = RuntimeError("Incorrect API key provided: sk-proj-abcdef123456; token " + os.environ["MY_SERVICE_TOKEN"])
+agent = kit.Agent("broken", model=kit.ScriptedModel([leak], cycle=True))
+'''
+
+
+def project(tmp_path: Path, **bundles: str) -> Path:
+    """A project directory with one agent bundle per keyword (name=source)."""
+    for name, source in bundles.items():
+        bundle = tmp_path / "proj" / "agents" / name / "agent.py"
+        bundle.parent.mkdir(parents=True)
+        bundle.write_text(source)
+    return tmp_path / "proj"
+
+
+def kit_serve(root: Path, *args: str, **env: str) -> tuple[subprocess.Popen, str]:
+    """``kit-serve`` (as ``python -m kit_http``, which runs it) serving ``root`` on a free loopback
+    port, once its /health answers; its stderr is a text pipe."""
+    port = free_port()
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", PORT=str(port),
+               HOST="127.0.0.1", **env)
+    proc = subprocess.Popen([sys.executable, "-m", "kit_http", *args], cwd=HERE, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen) -> str:
+    """SIGTERM, then the exit and everything it wrote on stderr."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        return proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
+@pytest.mark.parametrize("worker", ["asyncio", "trio"])
+def test_kit_serve_serves_the_project_and_stops_its_streams_on_sigterm(tmp_path, worker):
+    proc, base = kit_serve(project(tmp_path, sleepy=AGENT_BUNDLE), KIT_WORKER=worker)
+    try:
+        with httpx.stream("POST", f"{base}/agents/sleepy/chat?stream=true", json={"message": "hi"},
+                          timeout=10) as r:
+            assert r.status_code == 200 and r.headers["x-kit-run-id"]
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            body = r.read()
+        assert body == b'event: server.shutdown\ndata: {"run_id":"%s"}\n\n' % r.headers["x-kit-run-id"].encode()
+        assert proc.wait(timeout=20) == 0 and time.monotonic() - started < 15
+    finally:
+        stderr = stop(proc)
+    assert f"{base}" in stderr and "unauthenticated" in stderr
+
+
+@pytest.mark.parametrize("worker, how", [("asyncio", "--access-log"), ("trio", "KIT_ACCESS_LOG=1")])
+def test_kit_serve_logs_a_line_per_failed_run_without_secrets_and_per_request(tmp_path, worker, how):
+    token = "-".join(("tok", "9f8e7d6c5b4a"))  # not in the source: a log may quote source lines
+    args, env = ((how,), {}) if how.startswith("--") else ((), dict([how.split("=")]))
+    proc, base = kit_serve(project(tmp_path, broken=BROKEN_BUNDLE), *args, KIT_WORKER=worker,
+                           MY_SERVICE_TOKEN=token, **env)
+    try:
+        r = httpx.post(f"{base}/agents/broken/chat", json={"message": "hi"}, timeout=10)
+        assert r.status_code == 500 and "kit runs events" in r.json()["message"]
+        failed = [r.headers["x-kit-run-id"]]
+        with httpx.stream("POST", f"{base}/agents/broken/chat?stream=true", json={"message": "hi"},
+                          timeout=10) as s:
+            assert b"event: error" in s.read()
+            failed.append(s.headers["x-kit-run-id"])
+    finally:
+        stderr = stop(proc)
+    assert token not in stderr and "abcdef123456" not in stderr
+    lines = stderr.splitlines()
+    assert all(line.startswith("kit-serve: ") for line in lines), stderr
+    runs = [line for line in lines if " failed: " in line]
+    assert runs == [f"kit-serve: run {run_id} (broken) failed: RuntimeError: Incorrect API key "
+                    "provided: sk-***; token ***" for run_id in failed]
+    access = [line for line in lines if '" 200 ' in line or '" 500 ' in line]
+    assert [a.split(" ", 2)[2].rsplit(" ", 1)[0] for a in access] == [
+        '"GET /health" 200', '"POST /agents/broken/chat" 500', '"POST /agents/broken/chat" 200']
+
+
+def test_kit_serve_on_a_taken_port_exits_1_with_one_line(tmp_path):
+    root = project(tmp_path, sleepy=AGENT_BUNDLE)  # its log is a SQLite file: nothing opens it
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, KIT_PROJECT=str(root), HOST="127.0.0.1", PORT=str(port))
+        env.pop("KIT_STORE", None)
+        out = subprocess.run([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                             capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    [line] = out.stderr.splitlines()
+    assert line.startswith(f"kit-serve: cannot listen on 127.0.0.1:{port}: "), line
+    assert not (root / ".state").exists()
+
+
+def test_kit_serve_names_the_extra_a_worker_needs():
+    code = "import sys; sys.modules['trio'] = None; import kit_serve; sys.exit(kit_serve.main(['--worker', 'trio']))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stderr) == (1, "kit-serve: trio is missing: pip install 'kit[trio]'\n")
+
+
+def test_a_failure_message_is_logged_on_one_line_with_its_secrets_masked():
+    log = FailedRunLog({"OPENAI_API_KEY": "sk-live-0123456789", "HOME": "/home/someone-long"})
+    assert log.redact("401: key sk-live-0123456789 refused\nretry") == "401: key *** refused retry"
+    assert log.redact("Authorization: Bearer abc.def-ghi") == "Authorization: Bearer ***"
+    assert log.redact("cannot reach redis://kit:hunter22@cache:6379/0") == "cannot reach redis://***@cache:6379/0"
+    assert log.redact('{"api_key": "xyz123", "password": "p4ss"}') == '{"api_key": "***", "password": "***"}'
+    assert log.redact("no such file /home/someone-long/x") == "no such file /home/someone-long/x"  # not a secret
+    assert log.redact("the api_key client option must be set") == "the api_key client option must be set"
+    assert len(log.redact("x" * 1000)) == MAX_LOG_MESSAGE
