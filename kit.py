@@ -294,10 +294,10 @@ class Deck:
         ``input``: ``HistoryMessage``s the model reads first, recorded in ``run.started``.
 
         Raises ``DeckStateError`` unless open, ``UnknownNameError``, ``ContentError`` for bad
-        input, ``ConfigError`` for a block the engine cannot express or ``history`` with a
-        session or for a workflow, ``SessionBusyError`` when
-        another run holds the session (nothing is written then), and whatever made the run fail
-        (after ``run.failed`` is in the log).
+        input, ``ConfigError`` for a block the engine cannot express (or ``history`` with a
+        session or for a workflow), ``SessionBusyError`` when another run holds the session
+        (nothing is written then), and whatever made the run fail (after ``run.failed`` is in
+        the log).
         """
         spec = self._spec("run", name)
         return await self._runtime.run(spec, input, context=context, session_id=session_id,

@@ -47,10 +47,9 @@ from kit_bridge import on_asyncio
 from kit_context import HOOK_METHODS, is_context
 from kit_core import (
     AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event,
-    HistoryMessage, ImageBlock,
-    InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock, RunCancelled, RunCompleted,
-    RunFailed, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta, ToolCompleted, ToolStarted,
-    as_blocks, jsonable,
+    HistoryMessage, ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock,
+    RunCancelled, RunCompleted, RunFailed, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta,
+    ToolCompleted, ToolStarted, as_blocks, jsonable,
 )
 
 if TYPE_CHECKING:

@@ -158,7 +158,7 @@ class _RunFailed(Exception):
 #: The one map from exception type to HTTP status; the first class along the MRO wins, and
 #: anything missing is a 500 with a generic message.
 ERROR_STATUS: dict[type[BaseException], int] = {
-    MalformedRequestError: 400, ContentError: 400, ConfigError: 400,
+    MalformedRequestError: 400, ContentError: 400, ConfigError: 400, kit_openai.ChatRequestError: 400,
     RouteNotFoundError: 404, UnknownNameError: 404, UnknownRunError: 404,
     RunNotWaitingError: 404, ThreadNotWaitingError: 404,
     MethodNotAllowedError: 405,
@@ -166,7 +166,6 @@ ERROR_STATUS: dict[type[BaseException], int] = {
     BodyTooLargeError: 413, UnsupportedMediaTypeError: 415,
     _RunFailed: 500,
     DeckStateError: 503, ServerStoppingError: 503,
-    kit_openai.ChatRequestError: 400,
 }
 
 
@@ -263,13 +262,13 @@ def _v1_frame(ev: Event, agent: bool = True) -> bytes | None:
     return None
 
 
+def _v1_workflow_frame(ev: Event) -> bytes | None:
+    return _v1_frame(ev, agent=False)
+
+
 def _data_frames(items: list[Any], seq: int) -> bytes | None:
     """Bare ``data:`` frames (the Chat Completions wire names no events), JSON or ``[DONE]``."""
     return b"".join(sse_frame(i if isinstance(i, str) else _dumps(i), id=str(seq)) for i in items) or None
-
-
-def _v1_workflow_frame(ev: Event) -> bytes | None:
-    return _v1_frame(ev, agent=False)
 
 
 def _workflow_body(result: Any, run_id: str, thread_id: str) -> dict[str, Any]:
@@ -395,11 +394,13 @@ class App:
     unknown surface.
     """
 
-    def __init__(self, deck: Deck, *, native: bool = False, surfaces: typing.Iterable[str] = ()) -> None:
+    def __init__(self, deck: Deck, *, native: bool = False,
+                 surfaces: typing.Iterable[str] = ()) -> None:
         self.deck, self.native, self.surfaces = deck, native, frozenset(surfaces)
         unknown = sorted(self.surfaces - set(SURFACES))
         if unknown:
-            raise ConfigError(f"unknown surface {', '.join(unknown)}; the surfaces are {', '.join(SURFACES)}")
+            raise ConfigError(f"unknown surface {', '.join(unknown)}; the surfaces are "
+                              f"{', '.join(SURFACES)}")
         self._served = self.surfaces | ({"native"} if native else set())
         self._mcp_server: Any = None  # kit_mcp.MCPSurface while the lifespan holds it open
         self._open = self._stopping = False

@@ -202,9 +202,8 @@ class MCPSurface:
         p, run_id = end.payload, end.run_id
         if isinstance(p, RunFailed):
             return _error(p.error, f"run {run_id} failed ({p.error}); its log has the details")
-        if isinstance(p, (RunCancelled, RunPaused)):
-            return _error(RunStoppedError.__name__,
-                          f"run {run_id} was {p.kind.split('.')[1]} on request")
+        if isinstance(p, (RunCancelled, RunPaused)):  # what deck.run raises for them
+            return _error(RunStoppedError.__name__, str(RunStoppedError(run_id, p.status, p.reason)))
         if name in self.deck.agents:
             assert isinstance(p, RunCompleted)
             text = p.output if isinstance(p.output, str) else json.dumps(jsonable(p.output))

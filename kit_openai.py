@@ -187,9 +187,9 @@ class Chunks:
         if isinstance(p, RunFailed):
             return [error_body(500, p.error, f"run {event.run_id} failed ({p.error}); its log "
                                              "has the details")]
-        if isinstance(p, (RunCancelled, RunPaused)):
-            return [error_body(409, RunStoppedError.__name__, f"run {event.run_id} was "
-                                                              f"{p.kind.split('.')[1]} on request")]
+        if isinstance(p, (RunCancelled, RunPaused)):  # what deck.run raises for them
+            stopped = RunStoppedError(event.run_id, p.status, p.reason)
+            return [error_body(409, type(stopped).__name__, str(stopped))]
         return []
 
 

@@ -7,7 +7,6 @@ import base64
 import os
 import subprocess
 import sys
-import time
 
 import anyio
 import httpx
@@ -18,7 +17,7 @@ import kit
 import kit_http
 from kit import Agent, Deck, ScriptedModel
 from test_kit_control import Gate
-from test_kit_http import HERE, catalog, free_port, served
+from test_kit_http import HERE, catalog, free_port, served, until_served
 
 pytestmark = [
     pytest.mark.anyio,
@@ -246,14 +245,7 @@ def test_kit_serve_serves_the_surfaces_it_is_asked_for(tmp_path, how):
                             stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        until_served(proc, base)
         sync = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-dummy", max_retries=0)
         assert [m.id for m in sync.models.list()] == ["chat"]
         reply = sync.chat.completions.create(model="chat", messages=hi("what time is it?"))

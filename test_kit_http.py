@@ -563,6 +563,18 @@ agent = kit.Agent("sleepy", tools=[slow],
 '''
 
 
+def until_served(proc: subprocess.Popen, base: str) -> None:
+    """Wait (30 s at most) until the ``kit-serve`` in ``proc`` has opened its project."""
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
 @pytest.mark.parametrize("worker", ["asyncio", "trio"])
 def test_kit_serve_serves_the_project_and_stops_its_streams_on_sigterm(tmp_path, worker):
     if not hasattr(kit.Deck, "from_project"):
@@ -577,14 +589,8 @@ def test_kit_serve_serves_the_project_and_stops_its_streams_on_sigterm(tmp_path,
                             stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).json()["agents"] == ["sleepy"]:
-                    break
-            except (httpx.TransportError, ValueError, KeyError):
-                time.sleep(0.1)
+        until_served(proc, base)
+        assert httpx.get(f"{base}/health").json()["agents"] == ["sleepy"]
         with httpx.stream("POST", f"{base}/agents/sleepy/chat?stream=true", json={"message": "hi"},
                           timeout=10) as r:
             assert r.status_code == 200 and r.headers["x-kit-run-id"]

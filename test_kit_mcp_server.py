@@ -7,7 +7,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
@@ -178,4 +177,3 @@ async def test_the_mcp_route_speaks_streamable_http():
         r = await client.post("/mcp", content=b"not json", headers={
             "content-type": "application/json", "accept": "application/json, text/event-stream"})
         assert r.status_code == 400 and r.json()["error"]["code"] == -32700  # JSON-RPC parse error
-        assert isinstance(r, httpx.Response)
