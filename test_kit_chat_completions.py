@@ -236,7 +236,7 @@ def test_mcp_is_imported_only_when_served():
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])
-def test_kit_serve_serves_the_surfaces_it_is_asked_for(tmp_path, how):
+def test_kit_serve_serves_the_surfaces_it_is_asked_for(how):
     port = free_port()
     env = dict(os.environ, KIT_PROJECT=str(HERE / ".kit"), KIT_STORE="memory", PORT=str(port),
                HOST="127.0.0.1", KIT_SURFACES="openai,mcp" if how == "env" else "")
