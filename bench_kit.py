@@ -28,8 +28,9 @@ expected, with the time, the peak number of streams open at once and the peak RS
 ``--surfaces`` adds (h) the server's CPU per turn on the Chat Completions route against the v1
 chat route, JSON and streamed, the same ScriptedModel agent behind both: ``kit-serve``'s App with
 the ``openai`` surface in a child process (asyncio worker), driven by an httpx client here over
-one keep-alive connection, its CPU read from /proc (Linux) around each batch of turns; the two
-routes alternate batch by batch (target: Chat Completions <= 1.2x v1 per turn).
+one keep-alive connection; around each batch of turns the child reports its CPU time
+(``time.process_time()``, asked for with SIGUSR1); the routes alternate batch by batch (target:
+Chat Completions <= 1.2x v1 per turn).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from pathlib import Path
 import json
 import operator
 import os
+import signal
 import socket
 import subprocess
 import uuid
@@ -439,16 +441,18 @@ SURFACE_ROUTES = {
 
 def serve_surfaces(port: int) -> None:
     """The child process of ``--surfaces``: an agent served with the openai surface until
-    SIGTERM (store from ``KIT_STORE``)."""
+    SIGTERM (store from ``KIT_STORE``); on SIGUSR1 it prints its CPU seconds."""
+    signal.signal(signal.SIGUSR1, lambda *_: print(time.process_time(), flush=True))
     deck = kit.Deck([kit.Agent("a", "Be brief.", model=kit.ScriptedModel([SHORT_REPLY], cycle=True))])
     anyio.run(partial(kit_http.serve, kit_http.App(deck, surfaces=("openai",)), host="127.0.0.1",
                       port=port))
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` has used (/proc/<pid>/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu_seconds(proc: subprocess.Popen) -> float:
+    """The CPU seconds the ``serve_surfaces`` child has used, to the nanosecond (/proc/<pid>/stat
+    counts 10 ms ticks, too coarse for a batch of turns)."""
+    proc.send_signal(signal.SIGUSR1)
+    return float(proc.stdout.readline())  # type: ignore[union-attr]
 
 
 def surfaces_cpu(repeats: int, turns: int) -> dict[str, list[float]]:
@@ -460,7 +464,7 @@ def surfaces_cpu(repeats: int, turns: int) -> dict[str, list[float]]:
         proc = subprocess.Popen(
             [sys.executable, "-c", f"import bench_kit; bench_kit.serve_surfaces({port})"],
             cwd=Path(__file__).parent, env=dict(os.environ, KIT_STORE=f"sqlite:///{tmp}/kit.db"),
-            stderr=subprocess.DEVNULL)
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
                 deadline = time.monotonic() + 60
@@ -475,11 +479,11 @@ def surfaces_cpu(repeats: int, turns: int) -> dict[str, list[float]]:
 
                 def batch(name: str, n: int) -> float:
                     path, body, want = SURFACE_ROUTES[name]
-                    before = _cpu_seconds(proc.pid)
+                    before = _cpu_seconds(proc)
                     for _ in range(n):
                         r = client.post(path, json=body)
                         assert r.status_code == 200 and want in r.content, (name, r.status_code)
-                    return (_cpu_seconds(proc.pid) - before) / n
+                    return (_cpu_seconds(proc) - before) / n
 
                 for name in SURFACE_ROUTES:
                     batch(name, 50)  # warm
