@@ -396,7 +396,7 @@ class App:
 
     def __init__(self, deck: Deck, *, native: bool = False,
                  surfaces: typing.Iterable[str] = ()) -> None:
-        self.deck, self.native, self.surfaces = deck, native, frozenset(surfaces)
+        self.deck, self.surfaces = deck, frozenset(surfaces)
         unknown = sorted(self.surfaces - set(SURFACES))
         if unknown:
             raise ConfigError(f"unknown surface {', '.join(unknown)}; the surfaces are "
