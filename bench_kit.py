@@ -13,8 +13,8 @@ The two sides run interleaved (raw, kit, raw, kit, ...) and each ratio is the me
 per-repeat ratios, so machine noise hits both sides alike (notes/PERF.md). ``--trio`` also plays
 the kit side under trio (engines on kit's asyncio thread) against the same raw figures.
 
-Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows N] [--trio] [--check]
-``--check`` exits 1 when a target is missed.
+Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows N] [--trio]
+[--http] [--surfaces] [--check]; ``--check`` exits 1 when a target is missed.
 
 ``--http`` adds the HTTP surface (kit_http under a real Hypercorn on loopback, asyncio worker;
 ``--trio`` adds the trio worker, reported): (f) SSE tokens/s end to end for the same 500-token
@@ -24,6 +24,13 @@ figure with coalescing off (one frame per send) for comparison; (g) ``--concurre
 1,000) SSE streams of short replies opened at once by raw-socket clients in the same process
 (httpx's pool is O(n) per request at this size, so it would measure itself): zero errors
 expected, with the time, the peak number of streams open at once and the peak RSS.
+
+``--surfaces`` adds (h) the server's CPU per turn on the Chat Completions route against the v1
+chat route, JSON and streamed, the same ScriptedModel agent behind both: ``kit-serve``'s App with
+the ``openai`` surface in a child process (asyncio worker), driven by an httpx client here over
+one keep-alive connection; around each batch of turns the child reports its CPU time
+(``time.process_time()``, asked for with SIGUSR1); the routes alternate batch by batch (target:
+Chat Completions <= 1.2x v1 per turn).
 """
 from __future__ import annotations
 
@@ -37,7 +44,10 @@ from pathlib import Path
 
 import json
 import operator
+import os
+import signal
 import socket
+import subprocess
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
@@ -192,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http", action="store_true", help="also bench the HTTP surface (kit_http)")
     p.add_argument("--concurrent", type=int, default=CONCURRENT_STREAMS,
                    help="concurrent SSE streams with --http")
+    p.add_argument("--surfaces", action="store_true",
+                   help="also bench the server's CPU per Chat Completions turn against v1")
     a = p.parse_args(argv)
     backends = ["asyncio"] + (["trio"] if a.trio else [])
     rows: dict[str, list[float]] = {k: [] for k in ("raw_turn", "raw_stream", "raw_wf_mem",
@@ -255,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  peak RSS              {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:>10,.1f} MiB")
     if a.http:
         ok &= http_report(a, rows, backends)
+    if a.surfaces:
+        ok &= surfaces_report(a)
     return 0 if ok or not a.check else 1
 
 
@@ -406,6 +420,96 @@ def http_report(a: argparse.Namespace, rows: dict[str, list[float]], backends: l
           f"(target: 0 errors) {'ok' if good else 'MISSED'}")
     for e in errors[:3]:
         print(f"    error: {e}")
+    return ok
+
+
+# ===================================================================== surfaces (--surfaces) ====
+
+SURFACE_TARGET = 1.2  # server CPU per Chat Completions turn, against the v1 chat route's
+_HI = [{"role": "user", "content": "hi"}]
+#: name -> (path, body, what the answer must hold): the same agent behind each route.
+SURFACE_ROUTES = {
+    "v1 POST /agents/a/chat": ("/agents/a/chat", {"message": "hi"}, b'"output"'),
+    "POST /v1/chat/completions": ("/v1/chat/completions", {"model": "a", "messages": _HI},
+                                  b'"chat.completion"'),
+    "v1 POST /agents/a/chat?stream=true": ("/agents/a/chat?stream=true", {"message": "hi"},
+                                           b"event: done"),
+    "POST /v1/chat/completions stream": ("/v1/chat/completions", {
+        "model": "a", "messages": _HI, "stream": True}, b"data: [DONE]"),
+}
+
+
+def serve_surfaces(port: int) -> None:
+    """The child process of ``--surfaces``: an agent served with the openai surface until
+    SIGTERM (store from ``KIT_STORE``); on SIGUSR1 it prints its CPU seconds."""
+    signal.signal(signal.SIGUSR1, lambda *_: print(time.process_time(), flush=True))
+    deck = kit.Deck([kit.Agent("a", "Be brief.", model=kit.ScriptedModel([SHORT_REPLY], cycle=True))])
+    anyio.run(partial(kit_http.serve, kit_http.App(deck, surfaces=("openai",)), host="127.0.0.1",
+                      port=port))
+
+
+def _cpu_seconds(proc: subprocess.Popen) -> float:
+    """The CPU seconds the ``serve_surfaces`` child has used, to the nanosecond (/proc/<pid>/stat
+    counts 10 ms ticks, too coarse for a batch of turns)."""
+    proc.send_signal(signal.SIGUSR1)
+    return float(proc.stdout.readline())  # type: ignore[union-attr]
+
+
+def surfaces_cpu(repeats: int, turns: int) -> dict[str, list[float]]:
+    """Server CPU seconds per turn on each of ``SURFACE_ROUTES``, one figure per repeat; the
+    routes take turns batch by batch, in alternating order."""
+    import httpx  # the test extra: only --surfaces needs it
+    port, out = _free_port(), {name: [] for name in SURFACE_ROUTES}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", f"import bench_kit; bench_kit.serve_surfaces({port})"],
+            cwd=Path(__file__).parent, env=dict(os.environ, KIT_STORE=f"sqlite:///{tmp}/kit.db"),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        if client.get("/health").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    assert proc.poll() is None and time.monotonic() < deadline, "no server"
+                    time.sleep(0.05)
+
+                def batch(name: str, n: int) -> float:
+                    path, body, want = SURFACE_ROUTES[name]
+                    before = _cpu_seconds(proc)
+                    for _ in range(n):
+                        r = client.post(path, json=body)
+                        assert r.status_code == 200 and want in r.content, (name, r.status_code)
+                    return (_cpu_seconds(proc) - before) / n
+
+                for name in SURFACE_ROUTES:
+                    batch(name, 50)  # warm
+                for r in range(repeats):
+                    for name in (list(SURFACE_ROUTES) if r % 2 == 0 else reversed(SURFACE_ROUTES)):
+                        out[name].append(batch(name, turns))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return out
+
+
+def surfaces_report(a: argparse.Namespace) -> bool:
+    """Print the --surfaces rows; True when Chat Completions is within SURFACE_TARGET of v1."""
+    med, ok = statistics.median, True
+    cpu = surfaces_cpu(a.repeats, a.turns)
+    print(f"kit surfaces bench: server CPU per turn, kit-serve's App (asyncio worker) in a child "
+          f"process, {a.repeats} x {a.turns} turns per route, SQLite file store")
+    names = list(SURFACE_ROUTES)
+    for v1, chat in ((names[0], names[1]), (names[2], names[3])):
+        ratio = med(c / v for c, v in zip(cpu[chat], cpu[v1]))
+        good = ratio <= SURFACE_TARGET
+        ok &= good
+        print(f"  {v1:36} {med(cpu[v1]) * 1e6:>8,.0f} us/turn")
+        print(f"  {chat:36} {med(cpu[chat]) * 1e6:>8,.0f} us/turn   ratio {ratio:.2f} "
+              f"(target <= {SURFACE_TARGET}) {'ok' if good else 'MISSED'}")
     return ok
 
 

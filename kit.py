@@ -38,8 +38,8 @@ from kit_catalog import *  # noqa: F403  (re-exported: kit_catalog.__all__)
 from kit_catalog import MCP, Agent, Skill, Skills, Workflow
 from kit_core import *  # noqa: F403  (re-exported: kit_core.__all__)
 from kit_core import (
-    ConfigError, DeckStateError, Due, Event, EventSinkPort, EventStorePort, InvocableSpec,
-    InterruptResult, Pending, RunStatus, Ticked, TurnResult, UnknownNameError,
+    ConfigError, DeckStateError, Due, Event, EventSinkPort, EventStorePort, HistoryMessage,
+    InvocableSpec, InterruptResult, Pending, RunStatus, Ticked, TurnResult, UnknownNameError,
 )
 from kit_core import aware as _aware  # a helper, not part of kit's surface
 
@@ -301,7 +301,8 @@ class Deck:
         return spec
 
     async def run(self, name: str, input: Any, *, context: Any = None, session_id: str | None = None,
-                  namespace: str | None = None, run_id: str | None = None
+                  namespace: str | None = None, run_id: str | None = None,
+                  history: Sequence[HistoryMessage] | None = None
                   ) -> TurnResult | InterruptResult | dict[str, Any]:
         """Play one turn to its end and return what it produced.
 
@@ -311,18 +312,23 @@ class Deck:
         ``session_id`` is the thread id (required for a durable workflow) and a later call on
         the same thread carries on from where it stopped.
 
+        ``history`` gives a one-off agent turn (no ``session_id``) the conversation before
+        ``input``: ``HistoryMessage``s the model reads first, recorded in ``run.started``.
+
         Raises ``DeckStateError`` unless open, ``UnknownNameError``, ``ContentError`` for bad
-        input, ``ConfigError`` for a block the engine cannot express, ``SessionBusyError`` when
-        another run holds the session (nothing is written then), and whatever made the run fail
-        (after ``run.failed`` is in the log).
+        input, ``ConfigError`` for a block the engine cannot express (or ``history`` with a
+        session or for a workflow), ``SessionBusyError`` when another run holds the session
+        (nothing is written then), and whatever made the run fail (after ``run.failed`` is in
+        the log).
         """
         spec = self._spec("run", name)
         return await self._runtime.run(spec, input, context=context, session_id=session_id,
-                                       namespace=namespace, run_id=run_id)
+                                       namespace=namespace, run_id=run_id, history=history)
 
     def stream(self, name: str, input: Any, *, context: Any = None, session_id: str | None = None,
                namespace: str | None = None, run_id: str | None = None,
-               committed: bool = False) -> AsyncIterator[Event]:
+               committed: bool = False,
+               history: Sequence[HistoryMessage] | None = None) -> AsyncIterator[Event]:
         """Play one turn, yielding its events live: ``run.started``, ``text.delta`` per chunk, ...,
         the terminal event last (yielded once durable).
 
@@ -336,7 +342,8 @@ class Deck:
         """
         spec = self._spec("stream", name)
         return self._runtime.stream(spec, input, context=context, session_id=session_id,
-                                    namespace=namespace, run_id=run_id, committed=committed)
+                                    namespace=namespace, run_id=run_id, committed=committed,
+                                    history=history)
 
     @property
     def store(self) -> EventStorePort:

@@ -46,10 +46,10 @@ from agents.memory import SessionABC
 from kit_bridge import on_asyncio
 from kit_context import HOOK_METHODS, is_context
 from kit_core import (
-    AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, ImageBlock,
-    InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock, RunCancelled, RunCompleted,
-    RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta, ToolCompleted, ToolStarted,
-    as_blocks, jsonable,
+    AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event,
+    HistoryMessage, ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock,
+    RunCancelled, RunCompleted, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta,
+    ToolCompleted, ToolStarted, as_blocks, jsonable,
 )
 
 if TYPE_CHECKING:
@@ -402,15 +402,33 @@ def _wants_chat(model: Any) -> bool:
     return os.environ.get("KIT_OPENAI_API", "responses") == "chat_completions"
 
 
-def _model_input(blocks: Sequence[Any], chat: bool) -> str | list[dict[str, Any]]:
-    """Content blocks as one user message of the Responses input format.
+def _model_input(blocks: Sequence[Any], chat: bool,
+                 history: Sequence[HistoryMessage] = ()) -> str | list[dict[str, Any]]:
+    """Content blocks as one user message of the Responses input format, after the messages of
+    ``history`` (a one-off turn's earlier conversation), each in its own role.
 
     Resource and data blocks are recorded in the log but not sent (SPEC 8). Raises
     ``ConfigError`` naming a block this engine path cannot express (audio off the
-    chat-completions path), ``ContentError`` when nothing is left to send.
+    chat-completions path; anything but text in an assistant message), ``ContentError`` when
+    nothing is left to send.
     """
-    if len(blocks) == 1 and isinstance(blocks[0], TextBlock):
+    if not history and len(blocks) == 1 and isinstance(blocks[0], TextBlock):
         return blocks[0].text
+    items = [_history_item(m, chat) for m in history]
+    return items + [{"role": "user", "content": _parts(blocks, chat)}]
+
+
+def _history_item(message: HistoryMessage, chat: bool) -> dict[str, Any]:
+    if message.role != "assistant":
+        return {"role": message.role, "content": _parts(message.content, chat)}
+    for b in message.content:
+        if not isinstance(b, TextBlock):
+            raise ConfigError(f"an assistant message in the history carries a {type(b).__name__}; "
+                              "the agents engine replays only the text of its own replies")
+    return {"role": "assistant", "content": "".join(b.text for b in message.content)}
+
+
+def _parts(blocks: Sequence[Any], chat: bool) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     for b in blocks:
         if isinstance(b, TextBlock):
@@ -431,7 +449,7 @@ def _model_input(blocks: Sequence[Any], chat: bool) -> str | list[dict[str, Any]
     if not parts:
         raise ContentError("nothing to send to the model: resource and data blocks are recorded "
                            "but not sent; add a TextBlock")
-    return [{"role": "user", "content": parts}]
+    return parts
 
 
 def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
@@ -468,10 +486,11 @@ class AgentEngine:
     def __init__(self, sdk_agent: sdk.Agent, chat: bool) -> None:
         self.sdk_agent, self.chat = sdk_agent, chat
 
-    def to_input(self, blocks: Sequence[Any]) -> str | list[dict[str, Any]]:
-        """The model input for ``blocks``; raises ``ConfigError``/``ContentError`` as
-        ``_model_input`` does (before anything is written)."""
-        return _model_input(blocks, self.chat)
+    def to_input(self, blocks: Sequence[Any],
+                 history: Sequence[HistoryMessage] = ()) -> str | list[dict[str, Any]]:
+        """The model input for ``blocks`` after ``history``; raises ``ConfigError`` /
+        ``ContentError`` as ``_model_input`` does (before anything is written)."""
+        return _model_input(blocks, self.chat, history)
 
     async def play(self, run: RunHandle, items: Any, session: Any, run_config: Any) -> Event:
         """Engine side: play one turn on ``run``, ending it with its terminal or parking event

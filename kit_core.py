@@ -39,7 +39,8 @@ __all__ = (
     "SessionBusyError", "LogConflictError", "StoreUnavailableError",
     # content
     "TextBlock", "ImageBlock", "AudioBlock", "ResourceBlock", "DataBlock", "ContentBlock",
-    "MAX_INLINE_BYTES", "as_blocks", "block_to_json", "block_from_json",
+    "MAX_INLINE_BYTES", "as_blocks", "block_to_json", "block_from_json", "HistoryMessage",
+    "HISTORY_ROLES", "as_history",
     # events
     "Event", "RunStarted", "TextDelta", "MessageCompleted", "ModelCompleted", "ToolStarted",
     "ToolCompleted", "SkillLoaded", "NodeUpdated", "ControlRequested", "RunInterrupted",
@@ -349,6 +350,49 @@ def as_blocks(value: str | ContentBlock | Iterable[ContentBlock]) -> tuple[Conte
     return blocks
 
 
+#: The roles an earlier message of a one-off turn may have (``HistoryMessage.role``).
+HISTORY_ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryMessage:
+    """One earlier message of a one-off agent turn (``Deck.run(..., history=[...])``).
+
+    ``role`` is one of ``HISTORY_ROLES``; ``content`` a ``str`` or content blocks, kept as a
+    tuple of blocks. The history is recorded in the turn's ``run.started`` and sent to the model
+    before the input, so the log holds the whole conversation the turn was given. Raises
+    ``ContentError`` for another role or content that is not blocks.
+    """
+    role: str
+    content: tuple[ContentBlock, ...]
+
+    def __post_init__(self) -> None:
+        if self.role not in HISTORY_ROLES:
+            raise ContentError(f"a history message's role is one of {', '.join(HISTORY_ROLES)}, "
+                               f"got {self.role!r}")
+        object.__setattr__(self, "content", as_blocks(self.content))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role, "content": [block_to_json(b) for b in self.content]}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> HistoryMessage:
+        return cls(obj["role"], tuple(block_from_json(b) for b in obj["content"]))
+
+
+def as_history(value: Iterable[HistoryMessage] | None) -> tuple[HistoryMessage, ...]:
+    """Coerce ``history=``: None or an iterable of ``HistoryMessage`` (``ContentError`` else)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, Mapping)) or not isinstance(value, Iterable):
+        raise ContentError(f"history must be a list of HistoryMessage, got {type(value).__name__}")
+    history = tuple(value)
+    for i, m in enumerate(history):
+        if not isinstance(m, HistoryMessage):
+            raise ContentError(f"history item {i} is a {type(m).__name__}, not a HistoryMessage")
+    return history
+
+
 # ===================================================================================== events ====
 
 class RunStatus(str, enum.Enum):
@@ -411,6 +455,8 @@ def jsonable(v: Any) -> Any:
         return v.to_json()
     if isinstance(v, _BLOCK_TYPES):
         return block_to_json(v)
+    if isinstance(v, HistoryMessage):
+        return v.to_json()
     if isinstance(v, (list, tuple)):
         return [jsonable(x) for x in v]
     if isinstance(v, Mapping):
@@ -447,11 +493,19 @@ class RunStarted(Payload):
     namespace: str | None = None
     input: tuple[ContentBlock, ...] = ()
     parent_run_id: str | None = None
+    history: tuple[HistoryMessage, ...] = ()  # a one-off agent turn's earlier messages
+
+    def to_json(self) -> dict[str, Any]:
+        out = Payload.to_json(self)
+        if not self.history:  # most runs have none: their rows stay as they were
+            del out["history"]
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> RunStarted:
         return cls(obj["name"], obj["invocable"], obj.get("session_id"), obj.get("namespace"),
-                   tuple(block_from_json(b) for b in obj.get("input") or ()), obj.get("parent_run_id"))
+                   tuple(block_from_json(b) for b in obj.get("input") or ()), obj.get("parent_run_id"),
+                   tuple(HistoryMessage.from_json(m) for m in obj.get("history") or ()))
 
 
 @_payload("text.delta")

@@ -55,6 +55,7 @@ import anyio
 import orjson
 import sniffio
 
+import kit_openai
 from kit_core import (
     ConfigError, ContentError, DeckStateError, Event, InterruptResult, KitError, LogConflictError,
     NodeUpdated, RunCancelled, RunCompleted, RunFailed, RunInterrupted, RunNotWaitingError,
@@ -66,7 +67,7 @@ if typing.TYPE_CHECKING:
     from kit import Deck
 
 __all__ = (
-    "App", "sse_frame", "serve", "main",
+    "App", "sse_frame", "serve", "main", "SURFACES",
     # errors (their statuses are in ERROR_STATUS)
     "HTTPError", "RouteNotFoundError", "MethodNotAllowedError", "MalformedRequestError",
     "BodyTooLargeError", "UnsupportedMediaTypeError", "ThreadNotWaitingError", "NotResumableError",
@@ -173,7 +174,7 @@ class _RunFailed(Exception):
 #: The one map from exception type to HTTP status; the first class along the MRO wins, and
 #: anything missing is a 500 with a generic message.
 ERROR_STATUS: dict[type[BaseException], int] = {
-    MalformedRequestError: 400, ContentError: 400, ConfigError: 400,
+    MalformedRequestError: 400, ContentError: 400, ConfigError: 400, kit_openai.ChatRequestError: 400,
     RouteNotFoundError: 404, UnknownNameError: 404, UnknownRunError: 404,
     RunNotWaitingError: 404, ThreadNotWaitingError: 404,
     MethodNotAllowedError: 405,
@@ -291,6 +292,11 @@ def _v1_workflow_frame(ev: Event) -> bytes | None:
     return _v1_frame(ev, agent=False)
 
 
+def _data_frames(items: list[Any], seq: int) -> bytes | None:
+    """Bare ``data:`` frames (the Chat Completions wire names no events), JSON or ``[DONE]``."""
+    return b"".join(sse_frame(i if isinstance(i, str) else _dumps(i), id=str(seq)) for i in items) or None
+
+
 def _workflow_body(result: Any, run_id: str, thread_id: str) -> dict[str, Any]:
     if isinstance(result, InterruptResult):
         return {"type": "interrupt", "payload": result.payload, "thread_id": result.thread_id,
@@ -302,11 +308,12 @@ def _workflow_body(result: Any, run_id: str, thread_id: str) -> dict[str, Any]:
 
 class _Request:
     """One HTTP exchange: the scope's facts, the body reader, and whether a response started."""
-    __slots__ = ("scope", "receive", "send", "started", "run_id", "query")
+    __slots__ = ("scope", "receive", "send", "started", "run_id", "query", "surface")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope, self.receive, self.send = scope, receive, send
         self.started = False
+        self.surface: str | None = None  # the optional surface whose route matched
         self.run_id: str | None = None  # set once this request's run exists: x-kit-run-id
         self.query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
 
@@ -334,11 +341,12 @@ class _Request:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def json(self, keys: tuple[str, ...], required: tuple[str, ...] = (), *,
+    async def json(self, keys: tuple[str, ...] | None, required: tuple[str, ...] = (), *,
                    optional: bool = False) -> dict[str, Any]:
-        """The body as a JSON object of the route's ``keys``, with every key of ``required``;
-        with ``optional``, an empty body is ``{}``. Raises ``MalformedRequestError`` naming an
-        unknown or missing key (a misspelt key must not pass for an absent one)."""
+        """The body as a JSON object of the route's ``keys`` (None: a wire whose reader checks
+        its own keys), with every key of ``required``; with ``optional``, an empty body is
+        ``{}``. Raises ``MalformedRequestError`` naming an unknown or missing key (a misspelt key
+        must not pass for an absent one)."""
         content_type = self.header(b"content-type") or ""
         body = await self.body()
         media = content_type.split(";", 1)[0].strip().lower()
@@ -348,8 +356,8 @@ class _Request:
                                                 media.endswith("+json")):
             raise UnsupportedMediaTypeError(f"the body must be application/json, got {content_type!r}")
         obj = _parse_object(body)
-        for key in obj:
-            if key not in keys:
+        for key in obj if keys is not None else ():
+            if key not in keys:  # type: ignore[operator]
                 takes = ", ".join(repr(k) for k in keys) or "no keys"
                 raise MalformedRequestError(f"unknown key {key!r} in the body; this route takes {takes}")
         for key in required:
@@ -386,17 +394,27 @@ class _Stream:
             self.scope.deadline = anyio.current_time() + STOP_GRACE
 
 
-_ROUTES = [(method, re.compile(pattern), handler, native) for method, pattern, handler, native in (
-    ("GET", r"/health", "_health", False),
-    ("POST", r"/agents/(?P<name>[^/]+)/chat", "_agent_chat", False),
-    ("GET", r"/workflows/pending", "_pending", False),
-    ("POST", r"/workflows/(?P<name>[^/]+)", "_workflow", False),
-    ("POST", r"/workflows/(?P<name>[^/]+)/(?P<thread_id>[^/]+)/resume", "_workflow_resume", False),
-    ("POST", r"/runs/(?P<run_id>[^/]+)/(?P<action>pause|cancel)", "_control", False),
-    ("POST", r"/runs/(?P<run_id>[^/]+)/resume", "_resume_run", False),
-    ("GET", r"/runs/(?P<run_id>[^/]+)/events", "_events", False),
-    ("POST", r"/v2/invocables/(?P<name>[^/]+)/chat", "_native_chat", True),
+#: (method, path pattern, handler, surface): a route whose surface is not None is served only
+#: when the App serves that surface (``native``, or one of ``SURFACES``).
+_ROUTES = [(method, re.compile(pattern), handler, surface) for method, pattern, handler, surface in (
+    ("GET", r"/health", "_health", None),
+    ("POST", r"/agents/(?P<name>[^/]+)/chat", "_agent_chat", None),
+    ("GET", r"/workflows/pending", "_pending", None),
+    ("POST", r"/workflows/(?P<name>[^/]+)", "_workflow", None),
+    ("POST", r"/workflows/(?P<name>[^/]+)/(?P<thread_id>[^/]+)/resume", "_workflow_resume", None),
+    ("POST", r"/runs/(?P<run_id>[^/]+)/(?P<action>pause|cancel)", "_control", None),
+    ("POST", r"/runs/(?P<run_id>[^/]+)/resume", "_resume_run", None),
+    ("GET", r"/runs/(?P<run_id>[^/]+)/events", "_events", None),
+    ("POST", r"/v2/invocables/(?P<name>[^/]+)/chat", "_native_chat", "native"),
+    ("POST", r"/v1/chat/completions", "_chat_completions", "openai"),
+    ("GET", r"/v1/models", "_models", "openai"),
+    ("POST", r"/mcp", "_mcp", "mcp"),
+    ("GET", r"/mcp", "_mcp", "mcp"),
+    ("DELETE", r"/mcp", "_mcp", "mcp"),
 )]
+#: The optional surfaces ``kit-serve`` turns on when ``KIT_SURFACES`` (or ``--surfaces``) names
+#: them: the Chat Completions wire (kit_openai) and the MCP server (kit_mcp).
+SURFACES = ("openai", "mcp")
 
 
 # ======================================================================================== App ====
@@ -407,11 +425,22 @@ class App:
     Its lifespan opens the deck at startup and closes it at shutdown; it may be mounted inside
     another ASGI app (paths are matched below ``scope["root_path"]``). ``native=True`` adds the
     native routes ``POST /v2/invocables/{name}/chat``, which ``kit-serve`` never mounts (SPEC 1).
-    HTTP runs never carry a namespace or a context (SPEC 4.3).
+    ``surfaces`` names optional surfaces to serve too (``SURFACES``; none by default):
+    ``"openai"`` adds ``POST /v1/chat/completions`` and ``GET /v1/models`` (kit_openai), ``"mcp"``
+    an MCP server at ``/mcp`` (kit_mcp, started by the lifespan once the deck is open).
+    HTTP runs never carry a namespace or a context (SPEC 4.3). Raises ``ConfigError`` for an
+    unknown surface.
     """
 
-    def __init__(self, deck: Deck, *, native: bool = False) -> None:
-        self.deck, self.native = deck, native
+    def __init__(self, deck: Deck, *, native: bool = False,
+                 surfaces: typing.Iterable[str] = ()) -> None:
+        self.deck, self.surfaces = deck, frozenset(surfaces)
+        unknown = sorted(self.surfaces - set(SURFACES))
+        if unknown:
+            raise ConfigError(f"unknown surface {', '.join(unknown)}; the surfaces are "
+                              f"{', '.join(SURFACES)}")
+        self._served = self.surfaces | ({"native"} if native else set())
+        self._mcp_server: Any = None  # kit_mcp.MCPSurface while the lifespan holds it open
         self._open = self._stopping = False
         self._agents: frozenset[str] = frozenset()
         self._workflows: frozenset[str] = frozenset()
@@ -441,6 +470,7 @@ class App:
                 if message["type"] == "lifespan.startup":
                     try:
                         await self.deck.__aenter__()
+                        await self._open_mcp()
                     except Exception as exc:
                         with anyio.CancelScope(shield=True):
                             await self.deck.aclose()  # a failed open frees the live-deck slot
@@ -457,6 +487,7 @@ class App:
                 elif message["type"] == "lifespan.shutdown":
                     await self.shutdown()
                     self._open = False
+                    await self._close_mcp()
                     await self.deck.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
@@ -464,7 +495,22 @@ class App:
             if self._open:  # the lifespan was cancelled or broke: still close the deck here
                 self._open = False
                 with anyio.CancelScope(shield=True):
+                    await self._close_mcp()
                     await self.deck.aclose()
+
+    async def _open_mcp(self) -> None:
+        """Start the MCP server over the open deck (its sessions' task group lives in the
+        lifespan task, like the deck's). ``mcp`` is imported here, only when it is served."""
+        if "mcp" in self.surfaces:
+            import kit_mcp
+            surface = kit_mcp.MCPSurface(self.deck, max_body=MAX_BODY_BYTES)
+            await surface.__aenter__()
+            self._mcp_server = surface
+
+    async def _close_mcp(self) -> None:
+        surface, self._mcp_server = self._mcp_server, None
+        if surface is not None:
+            await surface.__aexit__(None, None, None)
 
     async def shutdown(self) -> None:
         """Stop serving: new requests get 503, every open stream ends now with a final
@@ -507,10 +553,11 @@ class App:
         if root and path.startswith(root):
             path = path[len(root):] or "/"
         method, allowed = req.scope["method"], []
-        for route_method, pattern, handler, native in _ROUTES:
+        for route_method, pattern, handler, surface in _ROUTES:
             match = pattern.fullmatch(path)
-            if match is None or (native and not self.native):
+            if match is None or (surface is not None and surface not in self._served):
                 continue
+            req.surface = surface
             if route_method == method:
                 return await getattr(self, handler)(req, **match.groupdict())
             allowed.append(route_method)
@@ -531,7 +578,9 @@ class App:
             return
         name = exc.error if isinstance(exc, _RunFailed) else type(exc).__name__
         allow = ((b"allow", ", ".join(exc.allowed).encode()),) if isinstance(exc, MethodNotAllowedError) else ()
-        await _respond(req, status, {"error": name, "message": message}, allow)
+        body = kit_openai.error_body(status, name, message) if req.surface == "openai" else {
+            "error": name, "message": message}
+        await _respond(req, status, body, allow)
 
     def _check(self, name: str, kind: str) -> None:
         """Refuse a name that is not one of the deck's agents (``kind`` "agent") or workflows:
@@ -681,6 +730,30 @@ class App:
         events = self.deck.stream(name, value, session_id=session_id, committed=True)
         await self._stream_run(req, events, _native_frame)
 
+    # ------------------------------------------------------------------ optional surfaces --
+    async def _chat_completions(self, req: _Request) -> None:
+        # OpenAI clients send many optional fields; kit_openai reads the ones it serves.
+        turn = kit_openai.read_request(await req.json(None), req.header(kit_openai.SESSION_HEADER))
+        self._check(turn.model, "agent")
+        args: dict[str, Any] = {"session_id": turn.session_id, "history": turn.history}
+        if turn.stream:
+            chunks = kit_openai.Chunks(turn.model)
+            events = self.deck.stream(turn.model, turn.input, committed=True, **args)
+            return await self._stream_run(req, events, lambda ev: _data_frames(chunks(ev), ev.seq))
+        run_id = new_run_id()
+        result = await self._run(req, run_id, self.deck.run(turn.model, turn.input, run_id=run_id,
+                                                            **args))
+        await _respond(req, 200, kit_openai.completion(run_id, turn.model, result.output, result.usage))
+
+    async def _models(self, req: _Request) -> None:
+        await _respond(req, 200, kit_openai.model_list(self._agents))
+
+    async def _mcp(self, req: _Request) -> None:
+        async def send(message: Message) -> None:  # the MCP server answers for itself
+            req.started = True
+            await req.send(message)
+        await self._mcp_server(req.scope, req.receive, send)
+
     # ---------------------------------------------------------------------------- streams --
     async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf) -> None:
         # The first event (run.started) gives the run id before the headers go out; a start
@@ -829,8 +902,11 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
         from hypercorn.trio import serve as hypercorn_serve
     else:
         from hypercorn.asyncio import serve as hypercorn_serve
-    _log.info("listening on http://%s:%s (%s worker). The API is unauthenticated: anyone who can "
-              "reach this address can start, read, answer and cancel runs.", host, port, backend)
+    surfaces = [s for s in SURFACES if s in app.surfaces]
+    served = f", with {' and '.join(surfaces)}" if surfaces else ""
+    _log.info("listening on http://%s:%s (%s worker%s). The API is unauthenticated: anyone who can "
+              "reach this address can start, read, answer and cancel runs.", host, port, backend,
+              served)
     await hypercorn_serve(app, config, shutdown_trigger=trigger)
 
 

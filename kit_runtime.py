@@ -53,7 +53,7 @@ from kit_core import (
     InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled, RunCompleted,
     RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed, RunSleeping, RunStarted,
     RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked, TurnResult,
-    UnknownNameError, UnknownRunError, as_blocks, check_name, new_run_id,
+    UnknownNameError, UnknownRunError, as_blocks, as_history, check_name, new_run_id,
 )
 from kit_store import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
@@ -517,18 +517,23 @@ class Runtime:
     # --------------------------------------------------------------------------- turns --
     async def _begin(self, spec: InvocableSpec, input: Any, context: Any, session_id: str | None,
                      namespace: str | None, run_id: str | None, streaming: bool,
-                     command: Any = None) -> tuple[_Run, Callable[[], Any], Event]:
+                     command: Any = None, history: Any = None
+                     ) -> tuple[_Run, Callable[[], Any], Event]:
         """Check a new run's arguments, write its start (with its claim) and return the run,
         the engine-side job that plays it and its ``run.started``. Refused runs write nothing."""
         for what, value in (("session_id", session_id), ("run_id", run_id)):
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
+        history = as_history(history)
+        if history and (spec.kind != "agent" or session_id is not None):
+            raise ConfigError("history= is for a one-off agent turn: a session or a workflow's "
+                              "thread holds its own history")
         if namespace is not None:
             check_name("namespace", namespace)
         run = self._new_run(spec, run_id or new_run_id(), context, session_id, namespace, streaming)
         if spec.kind == "agent":
             blocks = as_blocks(input)
-            items = spec.engine.to_input(blocks)  # refuses what the engine cannot express
+            items = spec.engine.to_input(blocks, history)  # refuses what it cannot express
             session = self.sessions.get(session_id, namespace) if session_id else None  # type: ignore[union-attr]
             job = functools.partial(spec.engine.play, run, items, session,
                                     kit_agents.run_config(self._sdk_tracing, run.run_id, session_id))
@@ -539,8 +544,8 @@ class Runtime:
             blocks = (DataBlock(state),)
             job = functools.partial(spec.engine.play, run, self.graphs[spec.name],
                                     state if command is None else command)
-        started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks),
-                        spec.name)
+        started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks,
+                                                  history=history), spec.name)
         try:
             await self._start_run(run, started, fenced=session_id is not None or run_id is not None)
         except BaseException:
@@ -590,15 +595,18 @@ class Runtime:
 
     async def run(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                   session_id: str | None = None, namespace: str | None = None,
-                  run_id: str | None = None) -> Any:
-        run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False)
+                  run_id: str | None = None, history: Any = None) -> Any:
+        run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False,
+                                        history=history)
         return _result(run, await self._play(run, job))
 
     async def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                      session_id: str | None = None, namespace: str | None = None,
-                     run_id: str | None = None, committed: bool = False) -> AsyncIterator[Event]:
+                     run_id: str | None = None, committed: bool = False,
+                     history: Any = None) -> AsyncIterator[Event]:
         async def begin() -> tuple[_Run, Callable[[], Any], int]:
-            run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, True)
+            run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id,
+                                            True, history=history)
             return run, job, -1  # from its run.started on
         async with contextlib.aclosing(self._streamed(begin, committed)) as events:
             async for event in events:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 import anyio
 
 from kit_core import Event, KitError, RunFailed
-from kit_http import App, serve
+from kit_http import SURFACES, App, serve
 from kit_observers import resolve_observers
 
 __all__ = ("main", "FailedRunLog", "MAX_LOG_MESSAGE")
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", default=env.get("PORT", "8000"), help="bind port (PORT)")
     parser.add_argument("--worker", default=env.get("KIT_WORKER", "asyncio"),
                         help="asyncio or trio (KIT_WORKER)")
+    parser.add_argument("--surfaces", default=env.get("KIT_SURFACES", ""),
+                        help="optional surfaces to serve too, comma-separated: openai (POST "
+                        "/v1/chat/completions, GET /v1/models) and mcp (/mcp) (KIT_SURFACES)")
     parser.add_argument("--access-log", action="store_true",
                         default=env.get("KIT_ACCESS_LOG", "").lower() in ("1", "true", "yes"),
                         help="one line per request (KIT_ACCESS_LOG=1)")
@@ -105,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
     if not str(args.port).isdigit() or int(args.port) > 65535:
         parser.error(f"the port must be a number from 0 to 65535, got {args.port!r}")
+    surfaces = [name.strip() for name in args.surfaces.split(",") if name.strip()]
+    if set(surfaces) - set(SURFACES):
+        parser.error(f"the surfaces are {', '.join(SURFACES)}, got {args.surfaces!r}")
     _console()
     for module, extra in (("hypercorn", "serve"), ("trio", "trio")):
         if (extra == "serve" or args.worker == "trio") and importlib.util.find_spec(module) is None:
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         _log.error("%s", exc)
         return 1
     try:
-        anyio.run(lambda: serve(App(deck), host=args.host, port=int(args.port),
+        anyio.run(lambda: serve(App(deck, surfaces=surfaces), host=args.host, port=int(args.port),
                                 access_log=args.access_log), backend=args.worker)
     except OSError as exc:  # the address is taken or not ours: serve() named it
         _log.error("%s", exc.strerror or exc)

@@ -121,6 +121,8 @@ def test_block_json_round_trip_and_input_coercion():
 
 SAMPLES = [
     kit.RunStarted("a", "agent", "s", "ns", (TextBlock("x"), DataBlock({"k": 1})), "parent"),
+    kit.RunStarted("a", "agent", input=(TextBlock("and?"),), history=(
+        kit.HistoryMessage("user", "hi"), kit.HistoryMessage("assistant", [TextBlock("hello")]))),
     kit.TextDelta("tok"), kit.MessageCompleted("hi", {"k": 1}, "a"),
     kit.ModelCompleted("gpt-4o", 3, 4, 0.5), kit.ToolStarted("c1", "add", '{"a":1}'),
     kit.ToolCompleted("c1", "add", 3, False), kit.SkillLoaded("s", "ab" * 32),
@@ -410,6 +412,27 @@ async def test_session_keeps_history_across_turns(store):
         items = await deck.session_for("s1").get_items()
         assert [i.get("role") for i in items] == ["user", "assistant", "user", "assistant"]
         assert (await deck.session_for("s1").get_items(limit=1))[0]["role"] == "assistant"
+
+
+async def test_a_one_off_turn_gets_its_history_recorded_and_sent_in_roles(store):
+    model = ScriptedModel(["You are Ana."])
+    history = [kit.HistoryMessage("system", "Answer in one line."),
+               kit.HistoryMessage("user", [TextBlock("I am Ana"), ImageBlock("image/png", PNG)]),
+               kit.HistoryMessage("assistant", "Nice to meet you, Ana.")]
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        result = await deck.run("a", "Who am I?", history=history)
+        assert [(i["role"], i["content"] if i["role"] == "assistant" else len(i["content"]))
+                for i in model.calls[-1]["input"]] == [
+            ("system", 1), ("user", 2), ("assistant", "Nice to meet you, Ana."), ("user", 1)]
+        started = (await store.read(result.run_id))[0].payload
+        assert started.history == tuple(history) and started.input == (TextBlock("Who am I?"),)
+        with pytest.raises(ConfigError, match="one-off"):
+            await deck.run("a", "hi", history=history, session_id="s1")
+        with pytest.raises(ConfigError, match="only the text"):
+            await deck.run("a", "hi", history=[kit.HistoryMessage("assistant", [ImageBlock("image/png", PNG)])])
+        assert len(await store.runs()) == 1  # refused runs wrote nothing
+    with pytest.raises(ContentError, match="role"):
+        kit.HistoryMessage("tool", "42")
 
 
 async def test_second_concurrent_turn_on_a_session_is_refused(store):

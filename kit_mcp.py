@@ -1,0 +1,239 @@
+"""kit_mcp: a deck's agents and workflows as an MCP server, for kit_http to mount at ``/mcp``.
+
+Owns: ``MCPSurface``: the ``mcp`` package's low-level ``Server`` carrying kit's tools (each agent,
+each workflow, and ``answer``) and resources (each skill), served by that package's
+``StreamableHTTPSessionManager`` (an ASGI handler); the progress notifications of a playing
+turn; the structured results of tool calls.
+
+Must never: speak JSON-RPC or the transport itself (the mcp package does; this module registers
+handlers), reach a deck by anything but its public methods, be imported unless the MCP surface is
+served (it imports ``mcp``, which imports Starlette: kit_http imports it in the lifespan, only
+when asked), or put the application context or an unexpected exception's message in a result.
+
+Theory of operation
+-------------------
+Each agent is a tool ``{message, session_id?}`` and each workflow a tool ``{input, thread_id?}``
+(``thread_id`` required when the workflow is durable). A call plays one turn through
+``deck.stream``, exactly as ``POST /agents/{name}/chat?stream=true`` or
+``POST /workflows/{name}?stream=true`` would, so the log holds the same events; while it plays,
+each ``text.delta`` (an agent's streamed text) or ``node.updated`` (a workflow's node) goes to the
+caller as a progress notification when the call carries a progress token. The result is
+structured (``structuredContent``) and also given as text:
+
+- an agent's turn: ``{"output", "run_id", "session_id", "usage"}``;
+- a workflow's end: ``{"output", "thread_id", "run_id"}``;
+- a workflow waiting for a human: ``{"type": "interrupt", "payload", "thread_id", "run_id"}``; the
+  ``answer`` tool (``{run_id, value}``) resumes it and returns the next of these shapes;
+- a refusal (busy session, bad input) or a failed run: ``isError`` with ``{"error": <type>,
+  "message"}`` (a failed run's message names its run, whose log has the details).
+
+Leaving a call (the client cancels it, or goes away) ends its stream, never its run. Skills are
+resources ``skill://<name>`` (``text/markdown``: the body ``load_skill`` serves). The server is
+stateless (``stateless=True``): no MCP session lives between requests, so any replica sharing
+the deck's store can serve any call, and nothing is kept for idle clients.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+import typing
+from contextlib import aclosing
+from typing import Any
+
+import mcp.types as types
+from mcp.server.lowlevel import Server
+from mcp.server.lowlevel.helper_types import ReadResourceContents
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.shared.exceptions import McpError
+
+from kit_core import (
+    ConfigError, Event, InterruptResult, KitError, NodeUpdated, RunCancelled, RunCompleted,
+    RunFailed, RunInterrupted, RunPaused, RunSleeping, RunStoppedError, TextDelta, UnknownNameError,
+    UnknownRunError, jsonable,
+)
+
+if typing.TYPE_CHECKING:
+    from kit import Deck
+
+__all__ = ("MCPSurface", "ANSWER", "SKILL_SCHEME")
+
+#: The tool that answers a workflow run waiting for a human.
+ANSWER = "answer"
+#: Skills are resources ``skill://<name>``.
+SKILL_SCHEME = "skill"
+_INSTRUCTIONS = (
+    "kit: each tool plays one turn of a kit agent (message, optional session_id to keep a "
+    "conversation) or one run of a kit workflow (input state, optional thread_id). A workflow may "
+    "stop for a human: its result names the run and the question; call `answer` with that run_id "
+    "and the value to resume it. Skills are resources (skill://<name>).")
+_AGENT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["message"],
+                 "properties": {"message": {"type": "string", "description": "The user's message."},
+                                "session_id": {"type": "string", "description":
+                                               "A conversation to continue (or start)."}}}
+_ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["run_id", "value"],
+                  "properties": {"run_id": {"type": "string", "description":
+                                            "The run_id of an interrupt result."},
+                                 "value": {"description": "The human's answer (any JSON)."}}}
+
+
+def _workflow_schema(durable: bool) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False,
+            "required": ["thread_id"] if durable else [],
+            "properties": {"input": {"type": "object", "description": "The initial state."},
+                           "thread_id": {"type": "string", "description":
+                                         "The thread to run on (a later run carries its state on)."}}}
+
+
+def _result(structured: dict[str, Any], text: str, *, error: bool = False) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
+                                structuredContent=jsonable(structured), isError=error)
+
+
+def _error(name: str, message: str) -> types.CallToolResult:
+    return _result({"error": name, "message": message}, f"{name}: {message}", error=True)
+
+
+def _workflow_result(result: Any, run_id: str, thread_id: str) -> types.CallToolResult:
+    if isinstance(result, InterruptResult):
+        payload = jsonable(result.payload)
+        return _result({"type": "interrupt", "payload": payload, "thread_id": result.thread_id,
+                        "run_id": run_id},
+                       f"run {run_id} waits for a human: {json.dumps(payload)}; call `{ANSWER}` "
+                       "with this run_id and a value to resume it")
+    output = jsonable(result)
+    return _result({"output": output, "thread_id": thread_id, "run_id": run_id}, json.dumps(output))
+
+
+def _progress(ev: Event) -> str | None:
+    """The progress message an event gives a caller: streamed text, or a finished node."""
+    p = ev.payload
+    if type(p) is TextDelta:
+        return p.text
+    if type(p) is NodeUpdated:
+        return f"node {p.node}"
+    return None
+
+
+class MCPSurface:
+    """The deck as an MCP server (streamable HTTP): an ASGI handler once entered.
+
+    ``async with MCPSurface(deck, max_body=...)`` starts the session manager's task group (the
+    caller's task must also be the one that leaves it); calling the surface with an ASGI scope
+    serves one request. The deck must be open. Raises ``ConfigError`` when an agent or workflow
+    is named ``answer`` (it would hide the tool that answers interrupts).
+    """
+
+    def __init__(self, deck: Deck, *, max_body: int) -> None:
+        if ANSWER in deck.agents or ANSWER in deck.workflows:
+            raise ConfigError(f"an invocable named {ANSWER!r} clashes with the MCP server's "
+                              f"{ANSWER!r} tool; rename it to serve MCP")
+        self.deck = deck
+        server: Server[Any, Any] = Server("kit", instructions=_INSTRUCTIONS)
+        server.list_tools()(self._tools)
+        server.call_tool()(self._call)
+        server.list_resources()(self._resources)
+        server.read_resource()(self._read)
+        self.server = server
+        self.manager = StreamableHTTPSessionManager(server, stateless=True,
+                                                    max_request_body_size=max_body)
+        self._running: Any = None
+
+    async def __aenter__(self) -> MCPSurface:
+        self._running = self.manager.run()
+        await self._running.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._running.__aexit__(*exc)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.manager.handle_request(scope, receive, send)
+
+    # ------------------------------------------------------------------------------ tools --
+    async def _tools(self) -> list[types.Tool]:
+        tools = [types.Tool(name=name, inputSchema=_AGENT_SCHEMA, description=(
+            f"One turn of the kit agent {name!r}" + (f": {a.instructions}" if isinstance(
+                a.instructions, str) else ".")))
+            for name, a in sorted(self.deck.agents.items())]
+        tools += [types.Tool(name=name, inputSchema=_workflow_schema(bool(w.durable)), description=(
+            f"One run of the kit workflow {name!r} from an input state; it may stop for a "
+            f"human, who answers with `{ANSWER}`."))
+            for name, w in sorted(self.deck.workflows.items())]
+        tools.append(types.Tool(name=ANSWER, inputSchema=_ANSWER_SCHEMA, description=(
+            "Answer a workflow run waiting for a human (an interrupt result names its run_id "
+            "and payload); returns the run's output, or its next interrupt.")))
+        return tools
+
+    async def _call(self, name: str, args: dict[str, Any]) -> types.CallToolResult:
+        """One tool call; every refusal and failure is an ``isError`` result, never a raise."""
+        try:
+            if name == ANSWER:
+                return await self._answer(args["run_id"], args["value"])
+            if name in self.deck.agents:
+                return await self._play(name, args["message"], args.get("session_id"))
+            if name in self.deck.workflows:
+                return await self._play(name, args.get("input") or {}, args.get("thread_id"))
+            raise UnknownNameError(name, [*self.deck.agents, *self.deck.workflows])
+        except KitError as exc:
+            return _error(type(exc).__name__, str(exc))
+        except Exception as exc:  # its message may quote input or a secret: the log has it
+            print(f"kit_mcp: tool {name!r} failed with {type(exc).__name__}\n"
+                  f"{''.join(traceback.format_tb(exc.__traceback__))}", file=sys.stderr, end="")
+            return _error(type(exc).__name__, "internal error; the server log has the details")
+
+    async def _play(self, name: str, value: Any, session_id: str | None) -> types.CallToolResult:
+        ctx = self.server.request_context
+        token = ctx.meta.progressToken if ctx.meta is not None else None
+        end, sent = None, 0
+        try:
+            async with aclosing(self.deck.stream(name, value, session_id=session_id,
+                                                  committed=True)) as events:
+                async for ev in events:
+                    if ev.payload.ends is not None:
+                        end = ev
+                    elif token is not None and (message := _progress(ev)) is not None:
+                        sent += 1
+                        await ctx.session.send_progress_notification(
+                            token, sent, message=message, related_request_id=ctx.request_id)
+        except Exception:
+            if end is None or not isinstance(end.payload, RunFailed):
+                raise  # refused before it started, or broke: _call answers it
+        assert end is not None
+        p, run_id = end.payload, end.run_id
+        if isinstance(p, RunFailed):
+            return _error(p.error, f"run {run_id} failed ({p.error}); its log has the details")
+        if isinstance(p, (RunCancelled, RunPaused)):  # what deck.run raises for them
+            return _error(RunStoppedError.__name__, str(RunStoppedError(run_id, p.status, p.reason)))
+        if name in self.deck.agents:
+            assert isinstance(p, RunCompleted)
+            text = p.output if isinstance(p.output, str) else json.dumps(jsonable(p.output))
+            return _result({"output": p.output, "run_id": run_id, "session_id": session_id,
+                            "usage": p.usage.to_json()}, text)
+        thread_id = session_id or run_id
+        if isinstance(p, RunInterrupted):
+            return _workflow_result(InterruptResult(p.payload, p.thread_id or thread_id), run_id, thread_id)
+        if isinstance(p, RunSleeping):
+            sleep = {"kind": "sleep", "until": p.until}
+            return _workflow_result(InterruptResult(sleep, p.thread_id or thread_id), run_id, thread_id)
+        return _workflow_result(p.output, run_id, thread_id)  # type: ignore[union-attr]
+
+    async def _answer(self, run_id: str, value: Any) -> types.CallToolResult:
+        info = await self.deck.store.run_info(run_id)
+        if info is None or info.namespace is not None:  # runs started over HTTP have none
+            raise UnknownRunError(run_id)
+        result = await self.deck.answer(run_id, value)
+        return _workflow_result(result, run_id, info.session_id or run_id)
+
+    # -------------------------------------------------------------------------- resources --
+    async def _resources(self) -> list[types.Resource]:
+        return [types.Resource(uri=f"{SKILL_SCHEME}://{name}", name=name, mimeType="text/markdown",
+                               description=skill.description)
+                for name, skill in sorted(self.deck.skills.items())]
+
+    async def _read(self, uri: Any) -> list[ReadResourceContents]:
+        url = str(uri)
+        skill = self.deck.skills.get(url.removeprefix(f"{SKILL_SCHEME}://"))
+        if not url.startswith(f"{SKILL_SCHEME}://") or skill is None:
+            raise McpError(types.ErrorData(code=types.INVALID_PARAMS, message=f"no resource {url}"))
+        return [ReadResourceContents(content=skill.body, mime_type="text/markdown")]
