@@ -1,8 +1,10 @@
 """kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``kit-serve``.
 
 Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON and SSE responses), SSE
-framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, and ``main()``
-for ``python -m kit_http`` / ``kit-serve`` under Hypercorn.
+framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, serving the
+playground page (``kit_playground.html``) and the OpenAPI document (kit_openapi) and applying the
+browser-safety policy (kit_guard) at the top of dispatch, and ``main()`` for
+``python -m kit_http`` / ``kit-serve`` under Hypercorn.
 
 Must never: hold business logic (a handler passes plain arguments to the Deck: a name, a session
 id, input; the Runtime makes the run's context, always ``None`` here), reach a deck by anything
@@ -36,6 +38,10 @@ open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``STO
 from __future__ import annotations
 
 import argparse
+import base64
+import functools
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -46,6 +52,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 import typing
 from typing import Any
+from pathlib import Path
 from urllib.parse import parse_qs
 
 import anyio
@@ -58,6 +65,8 @@ from kit_core import (
     RunPaused, RunSleeping, RunStatus, RunStoppedError, SessionBusyError, TextDelta,
     UnknownNameError, UnknownRunError, block_from_json, new_run_id,
 )
+from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
+from kit_openapi import document
 
 if typing.TYPE_CHECKING:
     from kit import Deck
@@ -70,6 +79,7 @@ __all__ = (
     "ServerStoppingError", "ERROR_STATUS",
     # limits
     "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
+    "PLAYGROUND_FILE",
 )
 
 #: Bodies over this are 413: json.loads multiplies a body's footprint several times. 2 MiB leaves
@@ -86,6 +96,9 @@ STREAM_BUFFER = 256
 #: On shutdown: how long in-flight requests may take before they are cancelled, and how long a
 #: stream's writer may take to hand its last frame to a slow client.
 STOP_GRACE = 5.0
+#: The playground page, beside this module (a source tree, a vendored copy, an editable install)
+#: or among the package's data files (``share/kit/`` of a normal install).
+PLAYGROUND_FILE = "kit_playground.html"
 
 Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it
 Message = MutableMapping[str, Any]
@@ -98,6 +111,8 @@ _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
                 (b"x-accel-buffering", b"no")]
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,200}")  # a run id we echo in x-kit-run-id
+_OFF = ("0", "false", "no", "off")  # a switch setting that turns its feature off
+_SEQ = re.compile(r"(-?[0-9]{1,18})?")  # Last-Event-ID / ?after= (empty: from the start)
 
 
 # ===================================================================================== errors ====
@@ -158,11 +173,13 @@ class _RunFailed(Exception):
 #: anything missing is a 500 with a generic message.
 ERROR_STATUS: dict[type[BaseException], int] = {
     MalformedRequestError: 400, ContentError: 400, ConfigError: 400,
+    OriginNotAllowedError: 403,
     RouteNotFoundError: 404, UnknownNameError: 404, UnknownRunError: 404,
     RunNotWaitingError: 404, ThreadNotWaitingError: 404,
     MethodNotAllowedError: 405,
     SessionBusyError: 409, RunStoppedError: 409, NotResumableError: 409, LogConflictError: 409,
     BodyTooLargeError: 413, UnsupportedMediaTypeError: 415,
+    HostNotAllowedError: 421,  # Misdirected Request: not a name this server answers for
     _RunFailed: 500,
     DeckStateError: 503, ServerStoppingError: 503,
 }
@@ -321,10 +338,11 @@ class _Request:
         return _parse_object(body)
 
 
-async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    """The JSON response helper (``obj`` None: no body, as for 204)."""
-    body = b"" if obj is None else _dumps(obj).encode()
-    head = [(b"content-type", b"application/json")] if obj is not None else []
+async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = (),
+                   content_type: bytes = b"application/json") -> None:
+    """The JSON response helper (``obj`` None: no body, as for 204; bytes: sent as they are)."""
+    body = b"" if obj is None else obj if isinstance(obj, bytes) else _dumps(obj).encode()
+    head = [(b"content-type", content_type)] if obj is not None else []
     head.append((b"content-length", b"%d" % len(body)))
     if req.run_id and _HEADER_SAFE.fullmatch(req.run_id):
         head.append((b"x-kit-run-id", req.run_id.encode()))
@@ -349,17 +367,59 @@ class _Stream:
             self.scope.deadline = anyio.current_time() + STOP_GRACE
 
 
-_ROUTES = [(method, re.compile(pattern), handler, native) for method, pattern, handler, native in (
-    ("GET", r"/health", "_health", False),
-    ("POST", r"/agents/(?P<name>[^/]+)/chat", "_agent_chat", False),
-    ("GET", r"/workflows/pending", "_pending", False),
-    ("POST", r"/workflows/(?P<name>[^/]+)", "_workflow", False),
-    ("POST", r"/workflows/(?P<name>[^/]+)/(?P<thread_id>[^/]+)/resume", "_workflow_resume", False),
-    ("POST", r"/runs/(?P<run_id>[^/]+)/(?P<action>pause|cancel)", "_control", False),
-    ("POST", r"/runs/(?P<run_id>[^/]+)/resume", "_resume_run", False),
-    ("GET", r"/runs/(?P<run_id>[^/]+)/events", "_events", False),
-    ("POST", r"/v2/invocables/(?P<name>[^/]+)/chat", "_native_chat", True),
+#: The route table: method, path (an OpenAPI path template, the very key kit_openapi describes
+#: the route by), handler, and the switch that mounts it (None: always). A concrete path comes
+#: before the templated ones it also matches (``POST /workflows/pending`` is a 405, not a run).
+_ROUTES = [(method, path, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path)), handler, mount)
+           for method, path, handler, mount in (
+    ("GET", "/", "_playground", "playground"),
+    ("GET", "/openapi.json", "_openapi", None),
+    ("GET", "/health", "_health", None),
+    ("POST", "/agents/{name}/chat", "_agent_chat", None),
+    ("GET", "/workflows/pending", "_pending", None),
+    ("POST", "/workflows/{name}", "_workflow", None),
+    ("POST", "/workflows/{name}/{thread_id}/resume", "_workflow_resume", None),
+    ("POST", "/runs/{run_id}/pause", "_pause", None),
+    ("POST", "/runs/{run_id}/cancel", "_cancel", None),
+    ("POST", "/runs/{run_id}/resume", "_resume_run", None),
+    ("GET", "/runs/{run_id}/events", "_events", None),
+    ("POST", "/v2/invocables/{name}/chat", "_native_chat", "native"),
 )]
+
+
+def _playground_page() -> bytes | None:
+    """The playground page's bytes, or None when this copy of kit lacks the file."""
+    beside = Path(__file__).with_name(PLAYGROUND_FILE)
+    if beside.is_file():
+        return beside.read_bytes()
+    try:
+        shipped = [f for f in importlib.metadata.files("kit") or () if f.name == PLAYGROUND_FILE]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return shipped[0].read_binary() if shipped else None
+
+
+def _page_headers(page: bytes) -> tuple[tuple[bytes, bytes], ...]:
+    """A page's security headers: a CSP that lets only its own inline script and style run (by
+    their SHA-256) and fetch only from this origin, and no framing, sniffing or referrer."""
+    def hashes(tag: bytes) -> str:
+        blocks = re.findall(rb"<%s>(.*?)</%s>" % (tag, tag), page, re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'"
+                        for b in blocks)
+    csp = (f"default-src 'none'; script-src {hashes(b'script')}; style-src {hashes(b'style')}; "
+           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+           "frame-ancestors 'none'")
+    return ((b"content-security-policy", csp.encode()), (b"x-content-type-options", b"nosniff"),
+            (b"referrer-policy", b"no-referrer"), (b"cache-control", b"no-store"))
+
+
+def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` that adds ``headers`` to the response's start (CORS headers, whatever answers)."""
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+        await send(message)
+    return sending
 
 
 # ======================================================================================== App ====
@@ -370,11 +430,25 @@ class App:
     Its lifespan opens the deck at startup and closes it at shutdown; it may be mounted inside
     another ASGI app (paths are matched below ``scope["root_path"]``). ``native=True`` adds the
     native routes ``POST /v2/invocables/{name}/chat``, which ``kit-serve`` never mounts (SPEC 1).
-    HTTP runs never carry a namespace or a context (SPEC 4.3).
+    ``playground`` serves the playground page at ``GET /`` (default: unless ``KIT_PLAYGROUND``
+    is ``0``; off, ``/`` is a 404 as before). ``guard`` says which ``Host`` and ``Origin`` headers
+    are answered (default: ``Guard.from_env``, which answers loopback names only unless
+    ``KIT_ALLOWED_HOSTS`` says otherwise). Raises ``ConfigError`` for a malformed setting. HTTP
+    runs never carry a namespace or a context (SPEC 4.3).
     """
 
-    def __init__(self, deck: Deck, *, native: bool = False) -> None:
+    def __init__(self, deck: Deck, *, native: bool = False, playground: bool | None = None,
+                 guard: Guard | None = None) -> None:
         self.deck, self.native = deck, native
+        self.guard = Guard.from_env(os.environ) if guard is None else guard
+        if playground is None:
+            playground = os.environ.get("KIT_PLAYGROUND", "1").strip().lower() not in _OFF
+        self._page = _playground_page() if playground else None
+        self.playground = self._page is not None  # GET / is served
+        self._page_headers = _page_headers(self._page) if self._page is not None else ()
+        mounted = {None: True, "native": native, "playground": self.playground}
+        self._routes = [r for r in _ROUTES if mounted[r[-1]]]
+        self._document: bytes | None = None
         self._open = self._stopping = False
         self._agents: frozenset[str] = frozenset()
         self._workflows: frozenset[str] = frozenset()
@@ -461,17 +535,24 @@ class App:
             await self._fail(req, ServerStoppingError("the server is shutting down"))
 
     async def _dispatch(self, req: _Request) -> None:
+        origin = req.header(b"origin")
+        self.guard.check(host=req.header(b"host"), origin=origin, scheme=req.scope.get("scheme", "http"))
+        if cors := self.guard.cors_headers(origin):
+            req.send = _with_headers(req.send, cors)
+            if req.scope["method"] == "OPTIONS" and req.header(b"access-control-request-method"):
+                return await _respond(req, 204, None, _PREFLIGHT)
         if not self._open or self._stopping:
             await _respond(req, 503, {"status": "stopping" if self._stopping else "starting"})
             return
         path, root = req.scope["path"], req.scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):] or "/"
-        method, allowed = req.scope["method"], []
-        for route_method, pattern, handler, native in _ROUTES:
+        method, allowed, concrete = req.scope["method"], [], False
+        for route_method, template, pattern, handler, _ in self._routes:
             match = pattern.fullmatch(path)
-            if match is None or (native and not self.native):
-                continue
+            if match is None or (concrete and "{" in template):
+                continue  # a concrete path is matched before templated ones (OpenAPI's Paths Object)
+            concrete = "{" not in template
             if route_method == method:
                 return await getattr(self, handler)(req, **match.groupdict())
             allowed.append(route_method)
@@ -514,6 +595,15 @@ class App:
         return result
 
     # ------------------------------------------------------------------------- handlers --
+    async def _playground(self, req: _Request) -> None:
+        await _respond(req, 200, self._page, self._page_headers, b"text/html; charset=utf-8")
+
+    async def _openapi(self, req: _Request) -> None:
+        if self._document is None:  # built once, when the deck's names are known
+            self._document = _dumps(document([(m, p) for m, p, *_ in self._routes],
+                                             agents=self._agents, workflows=self._workflows)).encode()
+        await _respond(req, 200, self._document)
+
     async def _health(self, req: _Request) -> None:
         await _respond(req, 200, {"status": "ok", "agents": sorted(self._agents),
                                   "workflows": sorted(self._workflows), "skills": self._skills})
@@ -564,6 +654,9 @@ class App:
         req.run_id = run_id
         await _respond(req, 202, {"run_id": run_id, "requested": action})
 
+    _pause = functools.partialmethod(_control, action="pause")
+    _cancel = functools.partialmethod(_control, action="cancel")
+
     async def _resume_run(self, req: _Request, run_id: str) -> None:
         await req.json(optional=True)
         events = await self._run(req, run_id, self.deck.resume(run_id))
@@ -572,12 +665,12 @@ class App:
         await _respond(req, 200, {"run_id": run_id, "events": [e.to_json() for e in events]})
 
     async def _events(self, req: _Request, run_id: str) -> None:
-        raw = req.header(b"last-event-id")
-        raw = (req.query.get("after") or [""])[-1] if raw is None else raw
-        try:
-            after = int(raw) if raw.strip() else -1
-        except ValueError:
-            raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {raw!r}") from None
+        header, query = req.header(b"last-event-id"), (req.query.get("after") or [""])[-1]
+        for raw in (header or "", query):  # strictly what kit_openapi documents, not all int() takes
+            if not _SEQ.fullmatch(raw):
+                raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {raw!r}")
+        raw = query if header is None else header
+        after = int(raw) if raw else -1
         status = await self.deck.status(run_id)
         if status is None:
             raise UnknownRunError(run_id)
@@ -744,7 +837,9 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000,
 def main(argv: list[str] | None = None) -> int:
     """``kit-serve`` / ``python -m kit_http``: serve the project at ``KIT_PROJECT`` (default
     ``.kit``) on ``HOST``:``PORT`` (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio
-    or trio). Returns 0 after SIGINT/SIGTERM, 1 when the project cannot be served, 2 on usage."""
+    or trio), the playground at ``/`` unless ``--no-playground`` or ``KIT_PLAYGROUND=0``, and the
+    ``Host``/``Origin`` policy of ``KIT_ALLOWED_HOSTS`` / ``KIT_CORS_ORIGINS`` (kit_guard).
+    Returns 0 after SIGINT/SIGTERM, 1 when the project cannot be served, 2 on usage."""
     env = os.environ
     parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
                                      "and SSE. The API is unauthenticated.")
@@ -752,6 +847,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", default=env.get("PORT", "8000"), help="bind port (PORT)")
     parser.add_argument("--worker", default=env.get("KIT_WORKER", "asyncio"),
                         help="asyncio or trio (KIT_WORKER)")
+    parser.add_argument("--no-playground", dest="playground", action="store_const", const=False,
+                        help="do not serve the playground page at / (KIT_PLAYGROUND=0)")
     args = parser.parse_args(argv)
     if args.worker not in ("asyncio", "trio"):
         parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
@@ -762,15 +859,20 @@ def main(argv: list[str] | None = None) -> int:
         print("kit-serve: Hypercorn is missing: pip install 'kit[serve]'", file=sys.stderr)
         return 1
     try:
+        guard = Guard.from_env(env, bind=args.host)
         deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"))
+        app = App(deck, playground=args.playground, guard=guard)
     except KitError as exc:
         print(f"kit-serve: {exc}", file=sys.stderr)
         return 1
-    print(f"kit-serve: listening on http://{args.host}:{args.port} ({args.worker} worker). The API "
-          "is unauthenticated: anyone who can reach this address can start, read, answer and "
-          "cancel runs.", file=sys.stderr, flush=True)
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    local = f"[{local}]" if ":" in local else local
+    page = f"playground at http://{local}:{args.port}/" if app.playground else "no playground"
+    print(f"kit-serve: listening on http://{args.host}:{args.port} ({args.worker} worker); {page}; "
+          f"{guard.describe()}. The API is unauthenticated: anyone who can reach this address can "
+          "start, read, answer and cancel runs.", file=sys.stderr, flush=True)
     try:
-        anyio.run(lambda: serve(App(deck), host=args.host, port=int(args.port)), backend=args.worker)
+        anyio.run(lambda: serve(app, host=args.host, port=int(args.port)), backend=args.worker)
     except Exception as exc:  # the deck did not open, or the address is taken
         print(f"kit-serve: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
