@@ -49,9 +49,10 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def served(deck: Deck, *, native: bool = False):
-    """A real Hypercorn (the worker of the test's backend) serving ``App(deck)`` on loopback."""
-    app, port, stop = App(deck, native=native), free_port(), anyio.Event()
+async def served(deck: Deck, **options):
+    """A real Hypercorn (the worker of the test's backend) serving ``App(deck, **options)`` on
+    loopback."""
+    app, port, stop = App(deck, **options), free_port(), anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(partial(kit_http.serve, app, host="127.0.0.1", port=port,
                               shutdown_trigger=stop.wait))
