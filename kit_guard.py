@@ -151,9 +151,10 @@ class Guard:
 
     def describe(self) -> str:
         """One line for the startup banner: the hosts answered and the origins allowed."""
-        hosts = "any host (KIT_ALLOWED_HOSTS=*)" if self.any_host else ", ".join(self.hosts)
-        origins = ", ".join(sorted(self.origins)) or "none (KIT_CORS_ORIGINS)"
-        return f"answering Host {hosts}; pages of other origins allowed: {origins}"
+        hosts = "any host" if self.any_host else ", ".join(self.hosts)
+        origins = ", ".join(sorted(self.origins)) or "none"
+        return (f"answering Host {hosts} (KIT_ALLOWED_HOSTS); pages of other origins allowed: "
+                f"{origins} (KIT_CORS_ORIGINS)")
 
     def check(self, *, host: str | None, origin: str | None, scheme: str) -> None:
         """Refuse a request by its ``Host`` and ``Origin`` headers (None when absent).

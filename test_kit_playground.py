@@ -77,12 +77,12 @@ def test_kit_serve_no_playground_and_its_startup_line(tmp_path):
         r = httpx.get(f"{kit.base}/")
         assert (r.status_code, r.json()["error"]) == (404, "RouteNotFoundError")
         line = kit.stderr().splitlines()[0]
-        assert "no playground" in line and "answering Host kit.test, 127.0.0.1;" in line
+        assert "no playground" in line and "answering Host kit.test, 127.0.0.1 (KIT_ALLOWED_HOSTS);" in line
     with kit_serve(project, KIT_STORE="memory") as kit:
         assert httpx.get(f"{kit.base}/").headers["content-type"].startswith("text/html")
         line = kit.stderr().splitlines()[0]
         assert f"playground at {kit.base}/" in line
-        assert "answering Host localhost, 127.0.0.1, [::1];" in line
+        assert "answering Host localhost, 127.0.0.1, [::1] (KIT_ALLOWED_HOSTS);" in line
 
 
 # ------------------------------------------------------------------ in a browser ----
