@@ -2,7 +2,7 @@
 
 Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON and SSE responses), SSE
 framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, serving the
-playground page (``kit_playground.html``) and the OpenAPI document (kit_openapi) and applying the
+playground page (kit_playground) and the OpenAPI document (kit_openapi), applying the
 browser-safety policy (kit_guard) at the top of dispatch, and ``main()`` for
 ``python -m kit_http`` / ``kit-serve`` under Hypercorn.
 
@@ -38,10 +38,7 @@ open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``STO
 from __future__ import annotations
 
 import argparse
-import base64
 import functools
-import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -52,7 +49,6 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 import typing
 from typing import Any
-from pathlib import Path
 from urllib.parse import parse_qs
 
 import anyio
@@ -67,6 +63,7 @@ from kit_core import (
 )
 from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
+from kit_playground import load as load_playground
 
 if typing.TYPE_CHECKING:
     from kit import Deck
@@ -79,7 +76,6 @@ __all__ = (
     "ServerStoppingError", "ERROR_STATUS",
     # limits
     "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
-    "PLAYGROUND_FILE",
 )
 
 #: Bodies over this are 413: json.loads multiplies a body's footprint several times. 2 MiB leaves
@@ -96,9 +92,6 @@ STREAM_BUFFER = 256
 #: On shutdown: how long in-flight requests may take before they are cancelled, and how long a
 #: stream's writer may take to hand its last frame to a slow client.
 STOP_GRACE = 5.0
-#: The playground page, beside this module (a source tree, a vendored copy, an editable install)
-#: or among the package's data files (``share/kit/`` of a normal install).
-PLAYGROUND_FILE = "kit_playground.html"
 
 Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it
 Message = MutableMapping[str, Any]
@@ -387,32 +380,6 @@ _ROUTES = [(method, path, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path
 )]
 
 
-def _playground_page() -> bytes | None:
-    """The playground page's bytes, or None when this copy of kit lacks the file."""
-    beside = Path(__file__).with_name(PLAYGROUND_FILE)
-    if beside.is_file():
-        return beside.read_bytes()
-    try:
-        shipped = [f for f in importlib.metadata.files("kit") or () if f.name == PLAYGROUND_FILE]
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return shipped[0].read_binary() if shipped else None
-
-
-def _page_headers(page: bytes) -> tuple[tuple[bytes, bytes], ...]:
-    """A page's security headers: a CSP that lets only its own inline script and style run (by
-    their SHA-256) and fetch only from this origin, and no framing, sniffing or referrer."""
-    def hashes(tag: bytes) -> str:
-        blocks = re.findall(rb"<%s>(.*?)</%s>" % (tag, tag), page, re.S)
-        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'"
-                        for b in blocks)
-    csp = (f"default-src 'none'; script-src {hashes(b'script')}; style-src {hashes(b'style')}; "
-           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-           "frame-ancestors 'none'")
-    return ((b"content-security-policy", csp.encode()), (b"x-content-type-options", b"nosniff"),
-            (b"referrer-policy", b"no-referrer"), (b"cache-control", b"no-store"))
-
-
 def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
     """``send`` that adds ``headers`` to the response's start (CORS headers, whatever answers)."""
     async def sending(message: Message) -> None:
@@ -443,9 +410,8 @@ class App:
         self.guard = Guard.from_env(os.environ) if guard is None else guard
         if playground is None:
             playground = os.environ.get("KIT_PLAYGROUND", "1").strip().lower() not in _OFF
-        self._page = _playground_page() if playground else None
+        self._page = load_playground() if playground else None
         self.playground = self._page is not None  # GET / is served
-        self._page_headers = _page_headers(self._page) if self._page is not None else ()
         mounted = {None: True, "native": native, "playground": self.playground}
         self._routes = [r for r in _ROUTES if mounted[r[-1]]]
         self._document: bytes | None = None
@@ -596,7 +562,8 @@ class App:
 
     # ------------------------------------------------------------------------- handlers --
     async def _playground(self, req: _Request) -> None:
-        await _respond(req, 200, self._page, self._page_headers, b"text/html; charset=utf-8")
+        page, headers = self._page
+        await _respond(req, 200, page, headers, b"text/html; charset=utf-8")
 
     async def _openapi(self, req: _Request) -> None:
         if self._document is None:  # built once, when the deck's names are known
