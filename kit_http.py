@@ -218,7 +218,8 @@ def _parse_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object. Raises ``MalformedRequestError`` for anything else."""
     too_deep = MalformedRequestError(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        obj = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+        text = body.decode("utf-8")
+        obj = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise too_deep from None
     except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a >4300-digit integer
@@ -232,6 +233,12 @@ def _parse_object(body: bytes) -> dict[str, Any]:
             raise too_deep
         items = value.values() if isinstance(value, dict) else value
         stack.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
+    if "\\u" in text:  # only an escape spells a lone surrogate, which no log or response can encode
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise MalformedRequestError("the JSON has a lone surrogate escape (\\ud800-\\udfff), "
+                                        "which is not Unicode text") from None
     return obj
 
 

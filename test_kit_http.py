@@ -192,6 +192,7 @@ async def test_unknown_names_routes_and_methods():
 
 @pytest.mark.parametrize("body, headers, status, error", [
     (b'{"message": "\xff\xfe"}', JSON, 400, "MalformedRequestError"),  # invalid UTF-8
+    (b'{"message": "hi", "session_id": "\\ud800"}', JSON, 400, "MalformedRequestError"),  # no text
     (b"[" * 100_000, JSON, 400, "MalformedRequestError"),  # RecursionError in the parser
     (b'{"message": ' + b"1" * 5000 + b"}", JSON, 400, "MalformedRequestError"),  # >4300 digits
     (b'{"a":' * 100 + b"1" + b"}" * 100, JSON, 400, "MalformedRequestError"),  # over MAX_JSON_DEPTH
