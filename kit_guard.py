@@ -111,7 +111,8 @@ class Guard:
     """The browser-safety policy of one app: the host names it answers for and the origins
     (beside its own) whose pages may call it.
 
-    ``allowed_hosts``: host names (no port; ``[::1]`` or ``::1``), or ``ANY_HOST``.
+    ``allowed_hosts``: host names or addresses (a port is ignored; ``[::1]`` or ``::1``), or
+    ``ANY_HOST``.
     ``cors_origins``: ``scheme://host[:port]`` origins. Raises ``ConfigError`` for an entry that
     is neither.
     """

@@ -163,6 +163,9 @@ def test_a_pending_approval_is_answered_and_the_workflow_completes(page, tmp_pat
     assert output["log"] == ["drafted '<b>v2</b>'", "answer: 'yes'", "published"]
     expect(page.locator("#run-status")).to_have_text("completed")
     expect(page.locator("#events li[data-kind='node.updated']")).to_have_count(3)
+    nodes = page.locator("#wf-nodes [data-node]")
+    expect(nodes).to_have_count(3)
+    assert nodes.evaluate_all("boxes => boxes.map(b => b.dataset.node)") == ["draft", "approve", "publish"]
     expect(page.locator("#events li[data-kind='node.updated']").last).to_contain_text("publish →")
     expect(page.locator("#pending .pending-item[data-thread='release-v2']")).to_have_count(0)
     assert page.locator("main b", has_text="v2").count() == 0  # the title's <b> stayed text
