@@ -20,9 +20,10 @@ def anyio_backend(request):
 #: Debian's Chromium (apt-get install chromium), which Playwright drives: its own browser
 #: downloads fail here.
 CHROMIUM = "/usr/bin/chromium"
-#: Headless, as root, and quiet on a closed network: without the background-networking flags
-#: Chromium keeps trying (and failing) to reach Google's hosts.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+#: As root, and quiet on a closed network (headless, and a fresh profile, come from the
+#: launch): without the background-networking flags Chromium keeps trying, and failing, to
+#: reach Google's hosts.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
