@@ -19,7 +19,7 @@ try:
 except ImportError:  # the browser fixture skips the browser tests (fails them in CI)
     expect = None
 
-SLOW_AGENT = '''
+AGENT = '''
 import asyncio
 import kit
 
@@ -30,9 +30,12 @@ async def nap(seconds: float) -> str:
     return "rested"
 
 
-agent = kit.Agent("{name}", tools=[nap], model=kit.ScriptedModel({script!r}, cycle=True))
+agent = kit.Agent("{name}", tools=[nap], skills={skills!r},
+                  model=kit.ScriptedModel({script!r}, cycle=True))
 '''
 NAP = {"tool": "nap", "args": {"seconds": 0.5}}
+AGENTS = {"sleepy": ([NAP], []), "napper": ([NAP, "rested"], []),
+          "reader": ([{"tool": "load_skill", "args": {"name": "release-notes"}}, "read"], ["release-notes"])}
 #: Seconds a step of a scenario may take (a page action, a run), on a loaded 2-core machine.
 STEP = 15_000
 
@@ -90,12 +93,14 @@ def test_kit_serve_no_playground_and_its_startup_line(tmp_path):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """kit-serve on the example project (agent ``chat``, durable workflow ``approval``) plus
-    ``sleepy`` (naps until stopped) and ``napper`` (one nap, then "rested")."""
+    ``sleepy`` (naps until stopped), ``napper`` (one nap, then "rested") and ``reader`` (loads
+    the release-notes skill)."""
     project = tmp_path_factory.mktemp("playground") / "project"
     shutil.copytree(HERE / ".kit", project, ignore=shutil.ignore_patterns(".state"))
-    for name, script in (("sleepy", [NAP]), ("napper", [NAP, "rested"])):
+    for name, (script, skills) in AGENTS.items():
         (project / "agents" / name).mkdir()
-        (project / "agents" / name / "agent.py").write_text(SLOW_AGENT.format(name=name, script=script))
+        (project / "agents" / name / "agent.py").write_text(AGENT.format(name=name, script=script,
+                                                                          skills=skills))
     with kit_serve(project) as kit:
         yield kit
 
@@ -144,6 +149,20 @@ def test_a_message_streams_its_reply_beside_its_tool_events(page, tmp_path):
     expect(page.locator("#events li[data-kind='run.started'] .detail")).to_contain_text("<script>")
     assert page.locator("main img, main script").count() == 0 and page.title() == "kit playground"
     page.screenshot(path=tmp_path / "chat.png", full_page=True)
+
+
+def test_the_catalog_lists_every_name_and_a_skill_load_shows_in_the_events(page, tmp_path):
+    expect(page.locator("#agents li")).to_have_text(["chat", "napper", "reader", "sleepy"])
+    expect(page.locator("#workflows li")).to_have_text(["approval"])
+    expect(page.locator("#skills li")).to_have_text(["release-notes"])
+    page.click("#agents button:text-is('reader')")
+    page.fill("#message", "read the release notes skill")
+    page.press("#message", "Enter")
+    expect(page.locator("#run-status")).to_have_text("completed")
+    expect(page.locator("#events li[data-kind='skill.loaded'] .detail")).to_contain_text("release-notes (sha256 ")
+    expect(page.locator("#events li[data-kind='tool.started'] .detail")).to_have_text(
+        'load_skill({"name": "release-notes"})')
+    page.screenshot(path=tmp_path / "skill.png", full_page=True)
 
 
 def test_a_pending_approval_is_answered_and_the_workflow_completes(page, tmp_path):
