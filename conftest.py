@@ -1,4 +1,5 @@
-"""Test configuration: every async test runs on asyncio and trio; services are real or skipped.
+"""Test configuration: every async test runs on asyncio and trio; services (Redis, a browser)
+are real or skipped.
 
 ``KIT_REQUIRE_SERVICES=1`` (set by .ci/run) turns a missing service into a failure instead of a
 skip, so CI cannot pass by skipping.
@@ -16,14 +17,29 @@ def anyio_backend(request):
     return request.param
 
 
+#: Debian's Chromium (apt-get install chromium), which Playwright drives: its own browser
+#: downloads fail here.
+CHROMIUM = "/usr/bin/chromium"
+#: As root, and quiet on a closed network (headless, and a fresh profile, come from the
+#: launch): without the background-networking flags Chromium keeps trying, and failing, to
+#: reach Google's hosts.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def missing(message: str) -> None:
+    """Skip the test for a part of the machine that is absent; fail it under CI's
+    ``KIT_REQUIRE_SERVICES=1``."""
+    if os.environ.get("KIT_REQUIRE_SERVICES") == "1":
+        pytest.fail(message + "; KIT_REQUIRE_SERVICES=1 makes this a failure")
+    pytest.skip(message)
+
+
 def _service(name: str, port: int) -> None:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
     except OSError as exc:
-        message = f"{name} is not running on 127.0.0.1:{port} ({exc})"
-        if os.environ.get("KIT_REQUIRE_SERVICES") == "1":
-            pytest.fail(message + "; KIT_REQUIRE_SERVICES=1 makes this a failure")
-        pytest.skip(message)
+        missing(f"{name} is not running on 127.0.0.1:{port} ({exc})")
 
 
 @pytest.fixture
@@ -38,3 +54,23 @@ async def store(tmp_path, anyio_backend):
     """An open SQLite event store in a fresh file (test files may override it)."""
     async with SQLiteStore(tmp_path / "kit.db") as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """A headless Chromium driven by Playwright, with a fresh profile: one per test module
+    (each test opens its own page)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        missing(f"Playwright is not installed ({exc}): pip install -e '.[test]'")
+    if not os.access(CHROMIUM, os.X_OK):
+        missing(f"Chromium is not at {CHROMIUM}: apt-get install chromium")
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            tmp_path_factory.mktemp("chromium-profile"), executable_path=CHROMIUM, headless=True,
+            args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 900})
+        try:
+            yield context
+        finally:
+            context.close()

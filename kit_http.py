@@ -1,8 +1,10 @@
 """kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``serve`` under Hypercorn.
 
 Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON and SSE responses), SSE
-framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, and ``serve``
-(an app under Hypercorn). ``kit-serve``, the process, is kit_serve (``python -m kit_http`` runs it).
+framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, serving the
+playground page (kit_playground) and the OpenAPI document (kit_openapi), applying the
+browser-safety policy (kit_guard) at the top of dispatch, and ``serve`` (an app under Hypercorn).
+``kit-serve``, the process, is kit_serve (``python -m kit_http`` runs it).
 
 Must never: hold business logic (a handler passes plain arguments to the Deck: a name, a session
 id, input; the Runtime makes the run's context, always ``None`` here), reach a deck by anything
@@ -40,8 +42,10 @@ application, that application's logging decides.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -62,6 +66,9 @@ from kit_core import (
     RunPaused, RunSleeping, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError,
     TextDelta, UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id,
 )
+from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
+from kit_openapi import document
+from kit_playground import load as load_playground
 
 if typing.TYPE_CHECKING:
     from kit import Deck
@@ -106,10 +113,11 @@ FrameOf = Callable[[Event], "bytes | None"]
 
 _PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
-_MAX_SEQ = 2**63 - 1  # SQLite's INTEGER, Postgres's bigint
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
                 (b"x-accel-buffering", b"no")]
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,200}")  # a run id we echo in x-kit-run-id
+_OFF = ("0", "false", "no", "off")  # a switch setting that turns its feature off
+_SEQ = re.compile(r"(-1|[0-9]{1,18})?")  # Last-Event-ID / ?after= (empty or -1: from the start)
 
 
 # ===================================================================================== errors ====
@@ -175,12 +183,14 @@ class _RunFailed(Exception):
 #: anything missing is a 500 with a generic message.
 ERROR_STATUS: dict[type[BaseException], int] = {
     MalformedRequestError: 400, ContentError: 400, ConfigError: 400, kit_openai.ChatRequestError: 400,
+    OriginNotAllowedError: 403,
     RouteNotFoundError: 404, UnknownNameError: 404, UnknownRunError: 404,
     RunNotWaitingError: 404, ThreadNotWaitingError: 404,
     MethodNotAllowedError: 405,
     SessionBusyError: 409, RunStoppedError: 409, NotResumableError: 409, LogConflictError: 409,
     ControlRefusedError: 409,
     BodyTooLargeError: 413, UnsupportedMediaTypeError: 415,
+    HostNotAllowedError: 421,  # Misdirected Request: not a name this server answers for
     _RunFailed: 500,
     DeckStateError: 503, ServerStoppingError: 503, StoreUnavailableError: 503,
 }
@@ -227,7 +237,8 @@ def _parse_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object. Raises ``MalformedRequestError`` for anything else."""
     too_deep = MalformedRequestError(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        obj = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+        text = body.decode("utf-8")
+        obj = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise too_deep from None
     except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a >4300-digit integer
@@ -241,6 +252,12 @@ def _parse_object(body: bytes) -> dict[str, Any]:
             raise too_deep
         items = value.values() if isinstance(value, dict) else value
         stack.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
+    if "\\u" in text:  # only an escape spells a lone surrogate, which no log or response can encode
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise MalformedRequestError("the JSON has a lone surrogate escape (\\ud800-\\udfff), "
+                                        "which is not Unicode text") from None
     return obj
 
 
@@ -366,10 +383,11 @@ class _Request:
         return obj
 
 
-async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    """The JSON response helper (``obj`` None: no body, as for 204)."""
-    body = b"" if obj is None else _dumps(obj).encode()
-    head = [(b"content-type", b"application/json")] if obj is not None else []
+async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = (),
+                   content_type: bytes = b"application/json") -> None:
+    """The JSON response helper (``obj`` None: no body, as for 204; bytes: sent as they are)."""
+    body = b"" if obj is None else obj if isinstance(obj, bytes) else _dumps(obj).encode()
+    head = [(b"content-type", content_type)] if obj is not None else []
     head.append((b"content-length", b"%d" % len(body)))
     if req.run_id and _HEADER_SAFE.fullmatch(req.run_id):
         head.append((b"x-kit-run-id", req.run_id.encode()))
@@ -394,27 +412,41 @@ class _Stream:
             self.scope.deadline = anyio.current_time() + STOP_GRACE
 
 
-#: (method, path pattern, handler, surface): a route whose surface is not None is served only
-#: when the App serves that surface (``native``, or one of ``SURFACES``).
-_ROUTES = [(method, re.compile(pattern), handler, surface) for method, pattern, handler, surface in (
-    ("GET", r"/health", "_health", None),
-    ("POST", r"/agents/(?P<name>[^/]+)/chat", "_agent_chat", None),
-    ("GET", r"/workflows/pending", "_pending", None),
-    ("POST", r"/workflows/(?P<name>[^/]+)", "_workflow", None),
-    ("POST", r"/workflows/(?P<name>[^/]+)/(?P<thread_id>[^/]+)/resume", "_workflow_resume", None),
-    ("POST", r"/runs/(?P<run_id>[^/]+)/(?P<action>pause|cancel)", "_control", None),
-    ("POST", r"/runs/(?P<run_id>[^/]+)/resume", "_resume_run", None),
-    ("GET", r"/runs/(?P<run_id>[^/]+)/events", "_events", None),
-    ("POST", r"/v2/invocables/(?P<name>[^/]+)/chat", "_native_chat", "native"),
-    ("POST", r"/v1/chat/completions", "_chat_completions", "openai"),
-    ("GET", r"/v1/models", "_models", "openai"),
-    ("POST", r"/mcp", "_mcp", "mcp"),
-    ("GET", r"/mcp", "_mcp", "mcp"),
-    ("DELETE", r"/mcp", "_mcp", "mcp"),
+#: The route table: method, path (an OpenAPI path template, the very key kit_openapi describes
+#: the route by), handler, and the switch that mounts it (None: always). A concrete path comes
+#: before the templated ones it also matches (``POST /workflows/pending`` is a 405, not a run).
+_ROUTES = [(method, path, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path)), handler, mount)
+           for method, path, handler, mount in (
+    ("GET", "/", "_playground", "playground"),
+    ("GET", "/openapi.json", "_openapi", None),
+    ("GET", "/health", "_health", None),
+    ("POST", "/agents/{name}/chat", "_agent_chat", None),
+    ("GET", "/workflows/pending", "_pending", None),
+    ("POST", "/workflows/{name}", "_workflow", None),
+    ("POST", "/workflows/{name}/{thread_id}/resume", "_workflow_resume", None),
+    ("POST", "/runs/{run_id}/pause", "_pause", None),
+    ("POST", "/runs/{run_id}/cancel", "_cancel", None),
+    ("POST", "/runs/{run_id}/resume", "_resume_run", None),
+    ("GET", "/runs/{run_id}/events", "_events", None),
+    ("POST", "/v2/invocables/{name}/chat", "_native_chat", "native"),
+    ("POST", "/v1/chat/completions", "_chat_completions", "openai"),
+    ("GET", "/v1/models", "_models", "openai"),
+    ("POST", "/mcp", "_mcp", "mcp"),
+    ("GET", "/mcp", "_mcp", "mcp"),
+    ("DELETE", "/mcp", "_mcp", "mcp"),
 )]
 #: The optional surfaces ``kit-serve`` turns on when ``KIT_SURFACES`` (or ``--surfaces``) names
 #: them: the Chat Completions wire (kit_openai) and the MCP server (kit_mcp).
 SURFACES = ("openai", "mcp")
+
+
+def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` that adds ``headers`` to the response's start (CORS headers, whatever answers)."""
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+        await send(message)
+    return sending
 
 
 # ======================================================================================== App ====
@@ -428,19 +460,30 @@ class App:
     ``surfaces`` names optional surfaces to serve too (``SURFACES``; none by default):
     ``"openai"`` adds ``POST /v1/chat/completions`` and ``GET /v1/models`` (kit_openai), ``"mcp"``
     an MCP server at ``/mcp`` (kit_mcp, started by the lifespan once the deck is open).
-    HTTP runs never carry a namespace or a context (SPEC 4.3). Raises ``ConfigError`` for an
-    unknown surface.
+    ``playground`` serves the playground page at ``GET /`` (default: unless ``KIT_PLAYGROUND``
+    is ``0``; off, ``/`` is a 404 as before). ``guard`` says which ``Host`` and ``Origin`` headers
+    are answered (default: ``Guard.from_env``, which answers loopback names only unless
+    ``KIT_ALLOWED_HOSTS`` says otherwise). Raises ``ConfigError`` for an unknown surface or a
+    malformed setting. HTTP runs never carry a namespace or a context (SPEC 4.3).
     """
 
-    def __init__(self, deck: Deck, *, native: bool = False,
-                 surfaces: typing.Iterable[str] = ()) -> None:
-        self.deck, self.surfaces = deck, frozenset(surfaces)
+    def __init__(self, deck: Deck, *, native: bool = False, surfaces: typing.Iterable[str] = (),
+                 playground: bool | None = None, guard: Guard | None = None) -> None:
+        self.deck, self.native, self.surfaces = deck, native, frozenset(surfaces)
         unknown = sorted(self.surfaces - set(SURFACES))
         if unknown:
             raise ConfigError(f"unknown surface {', '.join(unknown)}; the surfaces are "
                               f"{', '.join(SURFACES)}")
-        self._served = self.surfaces | ({"native"} if native else set())
         self._mcp_server: Any = None  # kit_mcp.MCPSurface while the lifespan holds it open
+        self.guard = Guard.from_env(os.environ) if guard is None else guard
+        if playground is None:
+            playground = os.environ.get("KIT_PLAYGROUND", "1").strip().lower() not in _OFF
+        self._page = load_playground() if playground else None
+        self.playground = self._page is not None  # GET / is served
+        mounted = {None: True, "native": native, "playground": self.playground,
+                   **{s: s in self.surfaces for s in SURFACES}}
+        self._routes = [r for r in _ROUTES if mounted[r[-1]]]
+        self._document: bytes | None = None
         self._open = self._stopping = False
         self._agents: frozenset[str] = frozenset()
         self._workflows: frozenset[str] = frozenset()
@@ -546,18 +589,25 @@ class App:
             await self._fail(req, ServerStoppingError("the server is shutting down"))
 
     async def _dispatch(self, req: _Request) -> None:
+        origin = req.header(b"origin")
+        self.guard.check(host=req.header(b"host"), origin=origin, scheme=req.scope.get("scheme", "http"))
+        if cors := self.guard.cors_headers(origin):
+            req.send = _with_headers(req.send, cors)
+            if req.scope["method"] == "OPTIONS" and req.header(b"access-control-request-method"):
+                return await _respond(req, 204, None, _PREFLIGHT)
         if not self._open or self._stopping:
             await _respond(req, 503, {"status": "stopping" if self._stopping else "starting"})
             return
         path, root = req.scope["path"], req.scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):] or "/"
-        method, allowed = req.scope["method"], []
-        for route_method, pattern, handler, surface in _ROUTES:
+        method, allowed, concrete = req.scope["method"], [], False
+        for route_method, template, pattern, handler, mount in self._routes:
             match = pattern.fullmatch(path)
-            if match is None or (surface is not None and surface not in self._served):
-                continue
-            req.surface = surface
+            if match is None or (concrete and "{" in template):
+                continue  # a concrete path is matched before templated ones (OpenAPI's Paths Object)
+            concrete = "{" not in template
+            req.surface = mount if mount in SURFACES else None
             if route_method == method:
                 return await getattr(self, handler)(req, **match.groupdict())
             allowed.append(route_method)
@@ -610,6 +660,16 @@ class App:
         return result
 
     # ------------------------------------------------------------------------- handlers --
+    async def _playground(self, req: _Request) -> None:
+        page, headers = self._page
+        await _respond(req, 200, page, headers, b"text/html; charset=utf-8")
+
+    async def _openapi(self, req: _Request) -> None:
+        if self._document is None:  # built once, when the deck's names are known
+            self._document = _dumps(document([(m, p) for m, p, *_ in self._routes],
+                                             agents=self._agents, workflows=self._workflows)).encode()
+        await _respond(req, 200, self._document)
+
     async def _health(self, req: _Request) -> None:
         await _respond(req, 200, {"status": "ok", "agents": sorted(self._agents),
                                   "workflows": sorted(self._workflows), "skills": self._skills})
@@ -673,6 +733,9 @@ class App:
         req.run_id = run_id
         await _respond(req, 202, {"run_id": run_id, "requested": action})
 
+    _pause = functools.partialmethod(_control, action="pause")
+    _cancel = functools.partialmethod(_control, action="cancel")
+
     async def _resume_run(self, req: _Request, run_id: str) -> None:
         await req.json((), optional=True)
         info = await self.deck.store.run_info(run_id)
@@ -693,15 +756,12 @@ class App:
         await _respond(req, 200, {"run_id": run_id, "events": [e.to_json() for e in events]})
 
     async def _events(self, req: _Request, run_id: str) -> None:
-        raw = req.header(b"last-event-id")
-        raw = (req.query.get("after") or [""])[-1] if raw is None else raw
-        try:
-            after = int(raw) if raw.strip() else -1
-        except ValueError:
-            raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {raw!r}") from None
-        if not -1 <= after <= _MAX_SEQ:
-            raise MalformedRequestError(f"Last-Event-ID / after must be an event seq from -1 to "
-                                        f"{_MAX_SEQ}, got {after}")
+        header, query = req.header(b"last-event-id"), (req.query.get("after") or [""])[-1]
+        for raw in (header or "", query):  # strictly what kit_openapi documents, not all int() takes
+            if not _SEQ.fullmatch(raw):
+                raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {raw!r}")
+        raw = query if header is None else header
+        after = int(raw) if raw else -1
         status = await self.deck.status(run_id)
         if status is None:
             raise UnknownRunError(run_id)
@@ -904,9 +964,12 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
         from hypercorn.asyncio import serve as hypercorn_serve
     surfaces = [s for s in SURFACES if s in app.surfaces]
     served = f", with {' and '.join(surfaces)}" if surfaces else ""
-    _log.info("listening on http://%s:%s (%s worker%s). The API is unauthenticated: anyone who can "
-              "reach this address can start, read, answer and cancel runs.", host, port, backend,
-              served)
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    local = f"[{local}]" if ":" in local else local
+    page = f"playground at http://{local}:{port}/" if app.playground else "no playground"
+    _log.info("listening on http://%s:%s (%s worker%s); %s; %s. The API is unauthenticated: anyone "
+              "who can reach this address can start, read, answer and cancel runs.", host, port,
+              backend, served, page, app.guard.describe())
     await hypercorn_serve(app, config, shutdown_trigger=trigger)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 import anyio
 
 from kit_core import Event, KitError, RunFailed
+from kit_guard import Guard
 from kit_http import SURFACES, App, serve
 from kit_observers import resolve_observers
 
@@ -87,8 +88,11 @@ def _console() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``kit-serve``: serve the project at ``KIT_PROJECT`` (default ``.kit``) on ``HOST``:``PORT``
-    (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio or trio); ``--access-log`` (or
-    ``KIT_ACCESS_LOG=1``) logs every request. Returns 0 after SIGINT/SIGTERM, 1 when the project
+    (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio or trio), the surfaces
+    ``KIT_SURFACES`` names, the playground at ``/`` unless ``--no-playground`` or
+    ``KIT_PLAYGROUND=0``, and the ``Host``/``Origin`` policy of ``KIT_ALLOWED_HOSTS`` /
+    ``KIT_CORS_ORIGINS`` (kit_guard); ``--access-log`` (or ``KIT_ACCESS_LOG=1``) logs every
+    request. Returns 0 after SIGINT/SIGTERM, 1 when the project
     cannot be served (a missing extra, a broken project, a taken address), 2 on usage."""
     env = os.environ
     parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--surfaces", default=env.get("KIT_SURFACES", ""),
                         help="optional surfaces to serve too, comma-separated: openai (POST "
                         "/v1/chat/completions, GET /v1/models) and mcp (/mcp) (KIT_SURFACES)")
+    parser.add_argument("--no-playground", dest="playground", action="store_const", const=False,
+                        help="do not serve the playground page at / (KIT_PLAYGROUND=0)")
     parser.add_argument("--access-log", action="store_true",
                         default=env.get("KIT_ACCESS_LOG", "").lower() in ("1", "true", "yes"),
                         help="one line per request (KIT_ACCESS_LOG=1)")
@@ -118,13 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     import kit  # the composition root: only the console entry point builds a deck itself
     try:  # the observers the settings ask for, then the failed-run lines
+        guard = Guard.from_env(env, bind=args.host)
         deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"),
                                      observers=[*resolve_observers(None, env), FailedRunLog(env)])
+        app = App(deck, surfaces=surfaces, playground=args.playground, guard=guard)
     except KitError as exc:
         _log.error("%s", exc)
         return 1
     try:
-        anyio.run(lambda: serve(App(deck, surfaces=surfaces), host=args.host, port=int(args.port),
+        anyio.run(lambda: serve(app, host=args.host, port=int(args.port),
                                 access_log=args.access_log), backend=args.worker)
     except OSError as exc:  # the address is taken or not ours: serve() named it
         _log.error("%s", exc.strerror or exc)

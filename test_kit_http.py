@@ -46,9 +46,10 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def served(deck: Deck, *, native: bool = False, surfaces: tuple[str, ...] = ()):
-    """A real Hypercorn (the worker of the test's backend) serving ``App(deck)`` on loopback."""
-    app, port, stop = App(deck, native=native, surfaces=surfaces), free_port(), anyio.Event()
+async def served(deck: Deck, **options):
+    """A real Hypercorn (the worker of the test's backend) serving ``App(deck, **options)`` on
+    loopback."""
+    app, port, stop = App(deck, **options), free_port(), anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(partial(kit_http.serve, app, host="127.0.0.1", port=port,
                               shutdown_trigger=stop.wait))
@@ -116,7 +117,7 @@ async def first_frame_then_drop(client: httpx.AsyncClient, path: str, body: dict
     """POST over a raw socket, read up to the first SSE frame, then hang up (a lost client)."""
     data = json.dumps(body).encode()
     async with await anyio.connect_tcp("127.0.0.1", client.base_url.port) as conn:
-        await conn.send(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        await conn.send(b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                         b"content-length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
         reply = b""
         with anyio.fail_after(5):
@@ -244,6 +245,7 @@ async def test_a_durable_workflow_without_thread_id_is_a_400_that_speaks_http():
 
 @pytest.mark.parametrize("body, headers, status, error", [
     (b'{"message": "\xff\xfe"}', JSON, 400, "MalformedRequestError"),  # invalid UTF-8
+    (b'{"message": "hi", "session_id": "\\ud800"}', JSON, 400, "MalformedRequestError"),  # no text
     (b"[" * 100_000, JSON, 400, "MalformedRequestError"),  # RecursionError in the parser
     (b'{"message": ' + b"1" * 5000 + b"}", JSON, 400, "MalformedRequestError"),  # >4300 digits
     (b'{"a":' * 100 + b"1" + b"}" * 100, JSON, 400, "MalformedRequestError"),  # over MAX_JSON_DEPTH
@@ -266,7 +268,7 @@ async def test_a_body_over_the_cap_is_413_before_it_is_read():
     async with served(catalog()) as (client, _):
         port = client.base_url.port
         async with await anyio.connect_tcp("127.0.0.1", port) as conn:  # httpx would send it all
-            await conn.send(b"POST /agents/echo/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            await conn.send(b"POST /agents/echo/chat HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
                             b"\r\ncontent-length: %d\r\n\r\n{" % (kit_http.MAX_BODY_BYTES + 1))
             reply = b""
             with anyio.fail_after(5):

@@ -13,7 +13,8 @@ HERE = Path(__file__).parent
 #: From the ground floor up (README "Architecture"): a module imports only modules before it.
 LAYERS = ("kit_core", "kit_store", "kit_writer", "kit_bridge", "kit_context", "kit_scripted", "kit_agents",
           "kit_workflows", "kit_catalog", "kit_tracing", "kit_observers", "kit_runtime",
-          "kit_openai", "kit_mcp", "kit_http", "kit_serve", "kit", "kit_cli")
+          "kit_openai", "kit_mcp", "kit_guard", "kit_openapi", "kit_playground", "kit_http",
+          "kit_serve", "kit", "kit_cli")
 
 
 def _module_files() -> dict[str, Path]:

@@ -11,8 +11,12 @@ from langgraph.graph import END, START, StateGraph
 import kit
 
 
-class State(TypedDict, total=False):
+class Input(TypedDict, total=False):
+    """What a caller sets (anything else in the input is ignored): the log is the workflow's."""
     title: str
+
+
+class State(Input, total=False):
     log: Annotated[list[str], operator.add]
     approved: bool
 
@@ -31,7 +35,7 @@ async def publish(state: State) -> dict:
     return {"log": ["published" if state.get("approved") else "dropped"]}
 
 
-graph = StateGraph(State)
+graph = StateGraph(State, input_schema=Input)
 graph.add_node("draft", draft).add_node("approve", approve).add_node("publish", publish)
 graph.add_edge(START, "draft").add_edge("draft", "approve").add_edge("approve", "publish")
 graph.add_edge("publish", END)

@@ -1,0 +1,103 @@
+"""Tests of ``GET /openapi.json`` (kit_openapi): the document and kit_http's route table are
+one list, an OpenAPI validator accepts the document, and schemathesis, driven from the live
+document against a real kit-serve on the example project, finds no 5xx and no response that
+breaks it."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from openapi_spec_validator import validate
+
+import kit_http
+from kit_openapi import OPERATIONS, document
+from test_kit_http import HERE, catalog, served
+from test_kit_serve import kit_serve, stop
+
+#: Test cases per operation and phase: enough to reach every route's runs, refusals and
+#: streams (~600 requests), little enough for CI (~15 s).
+EXAMPLES = 30
+#: Fixed, so a failure reproduces (schemathesis prints the seed and `st replay` ids).
+SEED = 15
+#: A durable workflow refuses a run without a thread id (400), which a body schema shared by
+#: every workflow cannot say; schemathesis is told so for that operation only.
+CONFIG = '''
+[[operations]]
+include-path = "/workflows/{name}"
+include-method = "POST"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "404", "409"]
+'''
+
+
+def test_the_document_describes_exactly_the_route_table():
+    table = {(method, path) for method, path, *_ in kit_http._ROUTES}
+    assert set(OPERATIONS) == table
+    with pytest.raises(KeyError):
+        document([("GET", "/undocumented")])
+
+
+SURFACE_OPS = {("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/mcp"),
+               ("GET", "/mcp"), ("DELETE", "/mcp")}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("options, dropped", [
+    ({}, {("POST", "/v2/invocables/{name}/chat"), *SURFACE_OPS}),
+    ({"native": True, "playground": False}, {("GET", "/"), *SURFACE_OPS}),
+    ({"surfaces": ("openai",)}, {("POST", "/v2/invocables/{name}/chat"), *SURFACE_OPS} - {
+        ("POST", "/v1/chat/completions"), ("GET", "/v1/models")})])
+async def test_an_app_documents_the_routes_it_serves_and_a_validator_accepts_it(options, dropped):
+    async with served(catalog(), **options) as (client, _):
+        r = await client.get("/openapi.json")
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        doc = r.json()
+        validate(doc)  # raises OpenAPIValidationError
+        assert doc["openapi"] == "3.1.0"
+        served_ops = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+        assert served_ops == set(OPERATIONS) - dropped
+        # Every documented operation reaches its handler: no 404 for the route, no 405.
+        for method, path in served_ops:
+            url = path.replace("{name}", "echo").replace("{thread_id}", "t").replace("{run_id}", "r")
+            r = await client.request(method, url, json={"message": "hi"} if method == "POST" else None)
+            assert r.status_code != 405, (method, path)
+            assert r.status_code != 404 or r.json()["error"] != "RouteNotFoundError", (method, path)
+        name = {p["name"]: p for p in doc["paths"]["/agents/{name}/chat"]["post"]["parameters"]}["name"]
+        assert name["schema"] == {"enum": ["echo"]}
+        frames = doc["paths"]["/agents/{name}/chat"]["post"]["responses"]["200"]["content"]
+        assert set(frames) == {"application/json", "text/event-stream"}
+        assert "event: done" in doc["paths"]["/agents/{name}/chat"]["post"]["description"]
+
+
+def test_schemathesis_finds_no_5xx_and_no_response_that_breaks_the_document(tmp_path):
+    project = tmp_path / "project"
+    shutil.copytree(HERE / ".kit", project, ignore=shutil.ignore_patterns(".state"))
+    (tmp_path / "schemathesis.toml").write_text(CONFIG)
+    report, har = tmp_path / "report.json", tmp_path / "requests.har"
+    st = Path(sys.executable).with_name("schemathesis")
+    proc, base = kit_serve(project)
+    try:
+        out = subprocess.run(
+            [str(st), "--config-file", str(tmp_path / "schemathesis.toml"), "run",
+             f"{base}/openapi.json", "--checks", "all",
+             "--exclude-checks", "ignored_auth,object_level_authorization",  # kit has no auth
+             "--max-examples", str(EXAMPLES), "--seed", str(SEED), "--workers", "1",
+             "--generation-database", "none", "--no-color", "--report", "json,har",
+             "--report-json-path", str(report), "--report-har-path", str(har)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    finally:
+        stop(proc)
+    summary = json.loads(report.read_text())
+    statuses = Counter(e["response"]["status"] for e in json.loads(har.read_text())["log"]["entries"])
+    print(f"schemathesis: {summary['test_cases']['generated']} test cases, "
+          f"{sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert summary["failures"] == [] and summary["errors"] == []
+    # Every operation kit-serve serves but the native one, the surfaces and the document's own URL.
+    assert summary["operations"]["tested"] == summary["operations"]["total"] == len(OPERATIONS) - 2 - len(SURFACE_OPS)
+    assert not [s for s in statuses if s >= 500]
+    assert summary["test_cases"]["generated"] >= 200 and statuses[200] > 0
