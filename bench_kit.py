@@ -19,8 +19,10 @@ Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows 
 ``--http`` adds the HTTP surface (kit_http under a real Hypercorn on loopback, asyncio worker;
 ``--trio`` adds the trio worker, reported): (f) SSE tokens/s end to end for the same 500-token
 replies, read by an httpx client in the same process (so the client's CPU counts against it;
-target >= 25,000 tokens/s), with the frames per ``send()`` the coalescing writer reached and the
-figure with coalescing off (one frame per send) for comparison; (g) ``--concurrent N`` (default
+target >= 25,000 tokens/s; every frame is sent once its event is committed), with the frames per
+``send()`` the coalescing writer reached and the figure with coalescing off (one frame per send)
+for comparison; the time to the first token before and after commit-before-send (target: it
+grows by at most ``FLUSH_DELAY``) and over HTTP; (g) ``--concurrent N`` (default
 1,000) SSE streams of short replies opened at once by raw-socket clients in the same process
 (httpx's pool is O(n) per request at this size, so it would measure itself): zero errors
 expected, with the time, the peak number of streams open at once and the peak RSS.
@@ -60,6 +62,7 @@ from langgraph.graph import END, START, StateGraph
 
 import kit
 import kit_http
+import kit_writer
 from kit_store import SQLiteStore
 
 TURN_TARGET, STREAM_TARGET, WORKFLOW_TARGET = 1.5, 2.0, 1.5
@@ -350,11 +353,50 @@ async def http_stream(db: Path, streams: int, buffer: int | None) -> tuple[float
     return elapsed, app.frames / max(app.sends, 1)
 
 
+TTFT_TURNS = 50  # first-token latencies measured per side and repeat
+
+
+async def ttft(db: Path, n: int) -> tuple[float, float, float]:
+    """Median time to the first token of a short reply, in seconds: ``Deck.stream`` yielding
+    before commit (what every stream did before commit-before-send), ``Deck.stream(committed=
+    True)`` (what kit_http sends: the reader hurries the writer), and over HTTP (a real Hypercorn,
+    the first ``data: {"delta"`` frame read by httpx in this process)."""
+    import httpx  # the test extra: only --http needs it
+    med = statistics.median
+    async with SQLiteStore(db) as store:
+        app = kit_http.App(kit.Deck([kit.Agent("s", "Be brief.", model=kit.ScriptedModel(
+            [SHORT_REPLY], cycle=True))], store=store))
+        async with _served(app) as port:
+            async def in_process(committed: bool) -> float:
+                t, first = time.perf_counter(), None
+                async for ev in app.deck.stream("s", "hi", committed=committed):
+                    if first is None and ev.kind == "text.delta":
+                        first = time.perf_counter() - t
+                return first  # type: ignore[return-value]
+
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                async def over_http() -> float:
+                    t, first = time.perf_counter(), None
+                    async with client.stream("POST", "/agents/s/chat?stream=true",
+                                             json={"message": "hi"}) as r:
+                        async for chunk in r.aiter_raw():
+                            if first is None and b'data: {"delta"' in chunk:
+                                first = time.perf_counter() - t
+                    return first  # type: ignore[return-value]
+                await over_http()  # warm
+                rows: tuple[list[float], list[float], list[float]] = ([], [], [])
+                for _ in range(n):  # interleaved, so noise hits the three alike
+                    rows[0].append(await in_process(False))
+                    rows[1].append(await in_process(True))
+                    rows[2].append(await over_http())
+    return med(rows[0]), med(rows[1]), med(rows[2])
+
+
 async def http_concurrent(db: Path, n: int) -> tuple[float, int, int, list[str]]:
     """``n`` SSE streams of a short reply opened at once by raw-socket HTTP/1.1 clients; returns
     (seconds, streams that got their ``done`` frame, peak streams open at once, errors)."""
     request = json.dumps({"message": "hi"}).encode()
-    request = (b"POST /agents/a/chat?stream=true HTTP/1.1\r\nhost: bench\r\n"
+    request = (b"POST /agents/a/chat?stream=true HTTP/1.1\r\nhost: 127.0.0.1\r\n"
                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(request), request))
     errors: list[str] = []
     done = peak = 0
@@ -410,6 +452,14 @@ def http_report(a: argparse.Namespace, rows: dict[str, list[float]], backends: l
         print(f"  HTTP SSE ({b:7} worker) {unbatched:>10,.0f} tokens/s  one frame per send "
               f"(STREAM_BUFFER=0): coalescing gives {rate / unbatched:.1f}x (info)")
     with tempfile.TemporaryDirectory() as tmp:
+        firsts = [anyio.run(ttft, Path(tmp) / f"ttft{r}.db", TTFT_TURNS) for r in range(a.repeats)]
+        before, after, http = (med(f[i] for f in firsts) * 1e3 for i in range(3))
+        good = after - before <= kit_writer.FLUSH_DELAY * 1e3
+        ok &= good
+        print(f"  first token: Deck.stream {before:.2f} ms before commit, {after:.2f} ms once "
+              f"committed (+{after - before:.2f} ms; target: at most the flush delay, "
+              f"{kit_writer.FLUSH_DELAY * 1e3:.0f} ms) {'ok' if good else 'MISSED'}; over HTTP "
+              f"(committed) {http:.2f} ms")
         elapsed, done, peak, errors = anyio.run(http_concurrent, Path(tmp) / "c.db", a.concurrent)
     good = done == a.concurrent and not errors
     ok &= good
