@@ -92,10 +92,10 @@ class _Run(RunHandle):
 
     def __init__(self, spec: InvocableSpec, run_id: str, data: Any, session_id: str | None,
                  namespace: str | None, streaming: bool, *, deliver: Any, commit: Any, pace: Any,
-                 read: Callable[[str, int], Any], hurry: Callable[[], None]) -> None:
+                 read: Callable[[str, int], Any], writer: Writer) -> None:
         super().__init__(run_id, spec.name, data, deliver=deliver, commit=commit, pace=pace,
                          session_id=session_id, namespace=namespace, streaming=streaming)
-        self.spec, self._read, self._hurry = spec, read, hurry
+        self.spec, self._read, self._writer = spec, read, writer
         self.parent: str | None = None  # a child run (workflow-as-tool) ends with its parent
         self.live: deque[Event] | None = deque() if streaming else None
         self.committed = -1
@@ -113,7 +113,7 @@ class _Run(RunHandle):
             self.lagged = True
         self.live.append(event)
         if self.commit_reader:
-            self._hurry()  # the reader waits for this one to commit: commit now, not in 20 ms
+            self._writer.hurry()  # the reader waits for this one to commit: now, not in 20 ms
         else:
             self.wake.set()
 
@@ -137,10 +137,13 @@ class _Run(RunHandle):
             else:
                 n = ready()
                 if not n:
-                    if self.done.is_set() and (not self.live or self.abort_error is not None):
-                        return  # (an aborted run's tail commits when the store is back)
+                    if self.done.is_set() and (not self.live or self.abort_error is not None
+                                               or not self._writer.holds(self.run_id)):
+                        # The run is over and what is left will not commit now: an aborted
+                        # run's tail waits for the store; a refused one is not the log's.
+                        return
                     if self.live:
-                        self._hurry()  # what is left waits for its commit: commit now
+                        self._writer.hurry()  # what is left waits for its commit: commit now
                     self.wake = anyio.Event()
                     if not ready() and not (self.done.is_set() and not self.live):
                         await self.wake.wait()
@@ -261,11 +264,11 @@ class Runtime:
         observers = kit_observers.resolve_observers(self._observers, env)
         self.hub = kit_observers.ObserverHub(observers)
         self.writer = Writer(self.store, self._committed, self._give_up, down_limit=self.down_limit)
-        await self.store.reap()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         # Observers start in order before any run; one whose start() raises refuses the open.
         await self.hub.start(self._tg)
+        await self._reap()  # runs a dead process left: abandoned, and observed as such
         processors = [o.sdk_processor() for o in observers if getattr(o, "sdk_spans", False)]
         if processors:  # the SDK's own spans, as a second trace per run (kit_tracing)
             self._sdk_tracing = kit_agents.use_trace_processors(processors)
@@ -394,7 +397,13 @@ class Runtime:
         and only those; reap runs whose owner stopped renewing."""
         live = set(self.active) | self.writer.pending_runs()
         await self.store.renew(self.owner, self.lease, sorted(live))
-        await self.store.reap()
+        await self._reap()
+
+    async def _reap(self) -> None:
+        """Record the runs whose owner stopped renewing as abandoned (the store writes their
+        ``run.failed`` in the transaction that frees their claims); the observers get it too."""
+        for run_id in await self.store.reap():
+            self._committed((await self.store.read(run_id))[-1:])
 
     # ------------------------------------------------------------------ the write path --
     def _put(self, run: _Run | None, event: Event, claim: Claim | None = None) -> None:
@@ -502,7 +511,7 @@ class Runtime:
                  namespace: str | None, streaming: bool = False) -> _Run:
         run = _Run(spec, run_id, data, session_id, namespace, streaming, deliver=self._deliver,
                    commit=self._commit, pace=self._pace, read=self._read_committed,
-                   hurry=self.writer.hurry)
+                   writer=self.writer)
         run.start_child = self._child
         if spec.kind == "workflow":
             run.thread_id = session_id or run_id

@@ -95,6 +95,11 @@ class Writer:
         """The runs with events not yet committed."""
         return {e.run_id for e in self._buf} | {e.run_id for e in self._in_flight}
 
+    def holds(self, run_id: str) -> bool:
+        """Whether any of the run's events still waits to be committed."""
+        return any(e.run_id == run_id for e in self._buf) or any(
+            e.run_id == run_id for e in self._in_flight)
+
     def put(self, event: Event, claim: Claim | None = None) -> None:
         self._buf.append(event)
         if claim is not None:
