@@ -462,4 +462,5 @@ def test_kill_9_loses_nothing_a_client_was_told(worker):
     counts = faults_kit.run_trials(2, clients=3, worker=worker, seed=7)
     assert counts.frames > 0 and counts.killed_mid_stream > 0
     assert (counts.missing, counts.mismatched, counts.integrity_failures) == (0, 0, 0), counts.problems
-    assert counts.reached_end == counts.reconnects == counts.clients
+    # A client the kill cut before its headers was told nothing: nothing to pick up.
+    assert counts.reconnects > 0 and counts.reached_end == counts.reconnects
