@@ -31,7 +31,8 @@ from collections.abc import Sequence
 import anyio
 
 from kit_core import ConfigError, EventStorePort, RunStatus, UnknownRunError, control_refusal
-from kit_store import project_log_url, store_from_url
+from kit_pg import store_from_url
+from kit_store import project_log_url
 
 __all__ = ("main",)
 

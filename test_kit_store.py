@@ -17,7 +17,8 @@ import pytest
 import kit
 import kit_store
 from kit import Claim, Event, RunStatus
-from kit_store import MemoryStore, SQLiteStore, store_from_url
+from kit_pg import PostgresStore, store_from_url
+from kit_store import MemoryStore, SQLiteStore
 
 pytestmark = pytest.mark.anyio
 
@@ -39,10 +40,15 @@ def kinds(events: list[Event]) -> list[str]:
     return [e.kind for e in events]
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> kit_store.StoreBase:
+    if kind == "postgres":
+        return PostgresStore(request.getfixturevalue("postgres_url"))
+    return MemoryStore() if kind == "memory" else SQLiteStore(tmp_path / "kit.db")
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
 async def store(request, tmp_path, anyio_backend):
-    s = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "kit.db")
-    async with s:
+    async with make_store(request.param, tmp_path, request) as s:
         yield s
 
 
@@ -408,10 +414,19 @@ async def test_store_from_url_forms():
     rel = store_from_url("sqlite:///relative/path.db")
     assert isinstance(rel, SQLiteStore) and rel.path == "relative/path.db" and not rel.opened
     assert store_from_url("sqlite:////abs/path.db").path == "/abs/path.db"
-    for bad in ("postgresql://u@h/db", "sqlite://", "sqlite:///", "redis://x", ""):
-        with pytest.raises(kit.ConfigError, match="postgresql:// is not supported") as info:
+    pg = store_from_url("postgresql://u:s3cret@h:5433/db?schema=app_1&sslmode=disable")
+    assert isinstance(pg, PostgresStore) and pg.schema == "app_1" and not pg.opened
+    assert pg.url == "postgresql://u:s3cret@h:5433/db?schema=app_1&sslmode=disable"
+    assert "s3cret" not in repr(pg) and "u:***@h:5433" in repr(pg)
+    assert store_from_url("postgres://h/db").schema == "kit"
+    for bad in ("sqlite://", "sqlite:///", "redis://x", ""):
+        with pytest.raises(kit.ConfigError, match="unsupported store URL") as info:
             store_from_url(bad)
         assert repr(bad) in str(info.value)
+    for bad in ("redis://u:s3cret@h/0", "postgresql://u:s3cret@h/db?schema=No-Caps"):
+        with pytest.raises(kit.ConfigError) as info:  # the password never reaches an error
+            store_from_url(bad)
+        assert "s3cret" not in str(info.value) and "u:***@h" in str(info.value)
     with pytest.raises(kit.ConfigError):
         SQLiteStore("x.db", poll_interval=0)
 
