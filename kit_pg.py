@@ -225,7 +225,10 @@ BEGIN
             RAISE EXCEPTION USING ERRCODE = 'KB003', MESSAGE = bad::text;
         END IF;
         INSERT INTO runs SELECT * FROM unnest(s_run, s_name, s_invocable, s_session, s_ns,
-            s_parent, s_status, s_at, s_last) ON CONFLICT (run_id) DO NOTHING;
+            s_parent, s_status, s_at, s_last) ON CONFLICT (run_id) DO UPDATE  -- (a retry)
+            SET status = CASE WHEN EXCLUDED.last_seq > runs.last_seq THEN EXCLUDED.status
+                              ELSE runs.status END,
+                last_seq = GREATEST(runs.last_seq, EXCLUDED.last_seq);
     END IF;
     INSERT INTO events SELECT * FROM unnest(e_run, e_seq, e_kind, e_body) ON CONFLICT DO NOTHING;
     GET DIAGNOSTICS n = ROW_COUNT;
@@ -424,7 +427,8 @@ class PostgresStore(StoreBase):
         psycopg = _psycopg()
         from psycopg import sql
         async with await psycopg.AsyncConnection.connect(
-                self._conninfo, autocommit=True, application_name="kit-listen") as conn:
+                self._conninfo, autocommit=True,
+                application_name=f"kit-listen:{self.schema}"[:63]) as conn:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             ready()
             while True:
