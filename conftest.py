@@ -69,6 +69,16 @@ def postgres_url():
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def shared_url(request, tmp_path):
+    """A store URL that several processes (or store objects, or decks) share: a SQLite file or
+    a Postgres schema. SQLite's followers hear other processes through a poll, Postgres's
+    through NOTIFY."""
+    if request.param == "postgres":
+        return request.getfixturevalue("postgres_url")
+    return f"sqlite:///{tmp_path / 'kit.db'}"
+
+
 @pytest.fixture
 async def store(tmp_path, anyio_backend):
     """An open SQLite event store in a fresh file (test files may override it)."""

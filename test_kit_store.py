@@ -52,15 +52,6 @@ async def store(request, tmp_path, anyio_backend):
         yield s
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def shared_url(request, tmp_path):
-    """A store URL that several processes (or store objects) share: a SQLite file or a
-    Postgres schema. SQLite's followers hear other processes through a poll, Postgres's
-    through NOTIFY."""
-    if request.param == "postgres":
-        return request.getfixturevalue("postgres_url")
-    return f"sqlite:///{tmp_path / 'kit.db'}"
-
 
 # ==================================================================================== the log ====
 
