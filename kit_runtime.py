@@ -282,6 +282,7 @@ class Runtime:
         self._seen_request = backlog[-1].id if backlog else 0
         self._tg.start_soon(self._every, CONTROL_RETRY, self._watch_requests,
                             "following control requests")
+        await self._on_engine(self.sessions.open)  # type: ignore[union-attr]
         self.graphs, self._close_graphs, self._thread_locks = await self._on_engine(
             kit_workflows.open_graphs, list(self.specs.values()), getattr(self.store, "url", None))
         await self._start_mcp()

@@ -496,6 +496,31 @@ async def test_redis_session(monkeypatch, store, redis_url):
     r.close()
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_durable_sessions_outlive_the_deck(monkeypatch, store, tmp_path, request, kind):
+    """KIT_SESSION=sqlite:///path (the SDK's SQLiteSession) and postgresql:// (its
+    SQLAlchemySession, in the URL's schema): a conversation goes on in a deck opened later."""
+    url = (f"sqlite:///{tmp_path / 'sessions.db'}" if kind == "sqlite"
+           else request.getfixturevalue("postgres_url"))
+    monkeypatch.setenv("KIT_SESSION", url)
+    model = ScriptedModel(["Hi Ana.", "You are Ana."])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        await deck.run("a", "I am Ana", session_id="conv-1")
+        assert type(deck.session_for("conv-1")).__name__ == {
+            "sqlite": "SQLiteSession", "postgres": "SQLAlchemySession"}[kind]
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        await deck.run("a", "Who am I?", session_id="conv-1")
+    said = [(i.get("role"), str(i.get("content"))) for i in model.calls[-1]["input"]]
+    assert [r for r, _ in said] == ["user", "assistant", "user"] and "I am Ana" in said[0][1]
+
+
+def test_a_session_url_of_another_kind_is_refused_with_its_password_masked(monkeypatch):
+    import kit_agents
+    with pytest.raises(ConfigError, match=r"KIT_SESSION must be") as info:
+        kit_agents.Sessions("mysql://u:s3cret@h/db", None)
+    assert "s3cret" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- run endings ----
 
 async def test_leaving_a_stream_early_never_ends_the_run(store):
