@@ -82,6 +82,10 @@ POOL_TIMEOUT = 10.0
 LISTEN_CHECK = 5.0
 #: Reconnection backoff of the listener: doubles from 0.1 s up to this (seconds).
 RECONNECT_MAX = 5.0
+#: Setup locks are retried every _LOCK_RETRY s for up to _LOCK_PATIENCE s (another replica
+#: creating the tables takes well under a second).
+_LOCK_RETRY = 0.05
+_LOCK_PATIENCE = 60.0
 #: Takeovers of lapsed sessions one append tries before calling the session busy.
 _TAKEOVERS = 3
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,58}$")
@@ -141,14 +145,30 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, **k
 
     async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn, \
             conn.transaction():  # locked: concurrent twins of CREATE SCHEMA IF NOT EXISTS collide
-        await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                           (f"kit:schema:{schema}",))
+        await _try_lock(conn, f"kit:schema:{schema}", "xact_")
         await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     pool = AsyncConnectionPool(conninfo, min_size=1, max_size=max_size, open=False,
                                configure=configure, timeout=POOL_TIMEOUT,
                                kwargs={"autocommit": True, **kwargs})
     await pool.open(wait=True, timeout=POOL_TIMEOUT)
     return pool
+
+
+async def _try_lock(conn: Any, what: str, xact: str = "") -> None:
+    """Take advisory lock ``what`` (``xact="xact_"``: until the transaction ends) on ``conn``,
+    trying again every ``_LOCK_RETRY`` s for up to ``_LOCK_PATIENCE`` s.
+
+    Tried, never waited for: a statement blocked on a lock holds a snapshot, and langgraph's
+    setup builds an index CONCURRENTLY, which waits for every such snapshot: the holder would
+    wait for the waiter (seen with three replicas starting at once)."""
+    from psycopg.rows import tuple_row
+    cur = conn.cursor(row_factory=tuple_row)  # whatever rows the pool's connections make
+    for _ in range(int(_LOCK_PATIENCE / _LOCK_RETRY)):
+        await cur.execute(f"SELECT pg_try_advisory_{xact}lock(hashtextextended(%s, 0))", (what,))
+        if (await cur.fetchone())[0]:
+            return
+        await anyio.sleep(_LOCK_RETRY)
+    raise TimeoutError(f"advisory lock {what!r} was held by another process for {_LOCK_PATIENCE:g} s")
 
 
 @contextlib.asynccontextmanager
@@ -158,7 +178,7 @@ async def setup_lock(pool: Any, what: str) -> AsyncIterator[Any]:
     tables one after the other (``CREATE ... IF NOT EXISTS`` is not safe against a concurrent
     twin). The lock is the session's: a process that dies frees it at once (CONVENTIONS A5)."""
     async with pool.connection() as conn:
-        await conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (what,))
+        await _try_lock(conn, what)
         try:
             yield conn
         finally:
