@@ -210,7 +210,7 @@ _TABLES = (
 # batch's event MESSAGE (1-based) conflicts with the log.
 _APPEND = """
 CREATE OR REPLACE FUNCTION kit_append(
-    e_run text[], e_seq int[], e_kind text[], e_body text[],
+    e_runs text[], e_kinds text[], e_run_at text, e_seq_at text, e_kind_at text, e_body_at text,
     s_run text[], s_name text[], s_invocable text[], s_session text[], s_ns text[], s_parent text[],
     s_status text[], s_at text[], s_last int[], s_idx int[],
     u_run text[], u_last int[], u_status text[], free text[], park text[],
@@ -218,6 +218,8 @@ CREATE OR REPLACE FUNCTION kit_append(
     now float8, channel text, notes text[]) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     h_run text; h_until float8; bad bigint; n bigint;
+    e_seq int[] := string_to_array(e_seq_at, ',')::int[];
+    e_body text[] := string_to_array(e_body_at, chr(10));
 BEGIN
     FOR i IN 1 .. coalesce(array_length(c_run, 1), 0) LOOP
         UPDATE leases SET owner = c_owner[i], lease_until = c_until[i] WHERE run_id = c_run[i];
@@ -250,11 +252,14 @@ BEGIN
                               ELSE runs.status END,
                 last_seq = GREATEST(runs.last_seq, EXCLUDED.last_seq);
     END IF;
-    INSERT INTO events SELECT * FROM unnest(e_run, e_seq, e_kind, e_body) ON CONFLICT DO NOTHING;
+    INSERT INTO events SELECT e_runs[r], s, e_kinds[k], b FROM unnest(
+        string_to_array(e_run_at, ',')::int[], e_seq, string_to_array(e_kind_at, ',')::int[],
+        e_body) AS x(r, s, k, b) ON CONFLICT DO NOTHING;
     GET DIAGNOSTICS n = ROW_COUNT;
-    IF n < coalesce(array_length(e_run, 1), 0) THEN  -- taken seqs: identical is a retry
-        SELECT x.i INTO bad FROM unnest(e_run, e_seq, e_body) WITH ORDINALITY AS x(run_id, seq, body, i)
-            JOIN events e ON e.run_id = x.run_id AND e.seq = x.seq
+    IF n < coalesce(array_length(e_seq, 1), 0) THEN  -- taken seqs: identical is a retry
+        SELECT x.i INTO bad FROM unnest(string_to_array(e_run_at, ',')::int[], e_seq, e_body)
+                WITH ORDINALITY AS x(r, seq, body, i)
+            JOIN events e ON e.run_id = e_runs[x.r] AND e.seq = x.seq
             WHERE e.body <> x.body ORDER BY x.i LIMIT 1;
         IF bad IS NOT NULL THEN
             RAISE EXCEPTION USING ERRCODE = 'KB003', MESSAGE = bad::text;
@@ -274,21 +279,31 @@ BEGIN
     END IF;
     PERFORM pg_notify(channel, x) FROM unnest(notes) AS x;
 END $$"""
-_APPEND_CALL = ("SELECT kit_append(%s::text[], %s::int[], %s::text[], %s::text[], %s::text[], "
-                "%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
-                "%s::text[], %s::int[], %s::int[], %s::text[], %s::int[], %s::text[], %s::text[], "
-                "%s::text[], %s::text[], %s::text[], %s::float8[], %s::text[], %s::text[], "
-                "%s::float8, %s, %s::text[])")
+_APPEND_CALL = ("SELECT kit_append(%s::text[], %s::text[], %s, %s, %s, %s, %s::text[], %s::text[], "
+                "%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::int[], "
+                "%s::int[], %s::text[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[], "
+                "%s::text[], %s::float8[], %s::text[], %s::text[], %s::float8, %s, %s::text[])")
 
 
 def _append_args(events: list[Event], claims: Sequence[Claim], now: float,
                  channel: str) -> list[Any]:
     """The arguments of ``kit_append`` for a batch: what SQLite's ``_append`` does statement by
-    statement, prepared as column arrays."""
-    rows = [event_row(e) for e in events]
-    first = {}
+    statement, prepared as column arrays.
+
+    The events' columns go as text joined by ``,`` (numbers: indexes into the batch's distinct
+    run ids and kinds, seqs) and by a newline (the bodies: compact JSON never holds a raw
+    newline): psycopg quotes a list of JSON strings element by element, ~25 us each (measured:
+    6.5 ms for 256 bodies, 0.2 ms joined).
+    """
+    first: dict[str, int] = {}
+    kinds: dict[str, int] = {}
     for i, e in enumerate(events):
         first.setdefault(e.run_id, i)
+        kinds.setdefault(e.kind, len(kinds) + 1)
+    runs = {run_id: n for n, run_id in enumerate(first, 1)}
+    event_columns = [list(runs), list(kinds), ",".join(str(runs[e.run_id]) for e in events),
+                     ",".join(str(e.seq) for e in events), ",".join(str(kinds[e.kind]) for e in events),
+                     "\n".join(event_row(e)[3] for e in events)]
     claimed = {c.run_id for c in claims}
     started: list[list[Any]] = [[] for _ in range(10)]
     updated: list[list[Any]] = [[], [], []]
@@ -312,11 +327,10 @@ def _append_args(events: list[Event], claims: Sequence[Claim], now: float,
         elif ends == "parking":
             park.append(run_id)
         notes.append(f"e {last} {run_id}")
-    columns = [list(c) for c in zip(*rows)] if rows else [[], [], [], []]
     claim_columns = [[c.run_id for c in claims], [c.owner for c in claims],
                      [now + c.lease_seconds for c in claims], [c.session_id for c in claims],
                      [c.namespace or "" for c in claims]]
-    return [*columns, *started, *updated, free, park, *claim_columns, now, channel, notes]
+    return [*event_columns, *started, *updated, free, park, *claim_columns, now, channel, notes]
 
 
 # ====================================================================================== store ====
