@@ -33,7 +33,7 @@ the identical body is that earlier attempt, committed, and is skipped, so the re
 duplicates nor fails. A different body at a taken seq is a ``LogConflictError``.
 
 The listener connection LISTENs on ``kit:<schema>`` and wakes this process's followers of the
-run named (``StoreBase._woken``), and its control-request watchers. It pings the server every
+run named, or its control-request watchers (``StoreBase._woken``). It pings the server every
 ``LISTEN_CHECK`` idle seconds; a lost connection is reopened with backoff (``RECONNECT_MAX``) and
 then every follower re-reads, so a notification lost while it was down costs nothing.
 
@@ -45,6 +45,7 @@ appends are group-committed). The listener's wake-ups cross back with ``Bridge.t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -439,7 +440,7 @@ class PostgresStore(StoreBase):
             delay = 0.1
             if first:
                 first = False
-                self._to_kit(lambda: ready(None))
+                self._to_kit(functools.partial(ready, None))
             else:
                 _log.warning("the listener is back: every follower re-reads")
                 self._to_kit(self._wake_all)  # what was committed while it was away
@@ -449,7 +450,7 @@ class PostgresStore(StoreBase):
                 await self._listen(listening)
             except Exception as exc:
                 if first:
-                    self._to_kit(lambda: ready(exc))
+                    self._to_kit(functools.partial(ready, exc))  # (``exc`` is unbound after)
                     return
                 _log.warning("the listener lost its connection (%s); reconnecting in %.1f s",
                              type(exc).__name__, delay)
@@ -471,11 +472,13 @@ class PostgresStore(StoreBase):
                 await conn.execute("SELECT 1")  # idle: is the connection still there?
 
     def _heard(self, payload: str) -> Callable[[], None]:
-        what, number, *rest = payload.split(" ", 2)
-        if what == "c":
-            return self._requests_changed
-        seq, run_id = int(number), rest[0] if rest else ""
-        return lambda: self._woken(run_id, seq)
+        """What a notification wakes: ``e <seq> <run_id>`` that run's followers, ``c <id>`` the
+        request watchers; anything else (not kit's) everyone, who re-read and find nothing."""
+        what, _, rest = payload.partition(" ")
+        seq, _, run_id = rest.partition(" ")
+        if what in ("c", "e") and seq.isdigit():
+            return functools.partial(self._woken, run_id if what == "e" else None, int(seq))
+        return self._wake_all
 
     # --------------------------------------------------------------------------- hooks --
     async def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:

@@ -22,13 +22,14 @@ writers in other processes cannot set it, so the SQLite store also re-reads ever
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import operator
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -106,11 +107,10 @@ class StoreBase:
     _poll: float | None = None
 
     def __init__(self) -> None:
-        # Followers waiting, per run: [seq they have, event]. Created by ``__aenter__`` (the
-        # events need the running backend), so one store object can be opened under asyncio and
-        # later under trio; None while closed.
-        self._followers: dict[str, list[tuple[int, anyio.Event]]] | None = None
-        self._request_waiters: set[anyio.Event] = set()
+        # Followers waiting, per run (None: control requests): [what they have, event].
+        # Created by ``__aenter__`` (the events need the running backend), so one store object
+        # can be opened under asyncio and later under trio; None while closed.
+        self._followers: dict[str | None, list[tuple[int, anyio.Event]]] | None = None
 
     @property
     def opened(self) -> bool:
@@ -179,8 +179,9 @@ class StoreBase:
         return False
 
     # ---------------------------------------------------------------------- wake-ups --
-    def _woken(self, run_id: str, seq: int | None) -> None:
-        """Wake the followers of ``run_id`` that have not seen ``seq`` (None: all of them)."""
+    def _woken(self, run_id: str | None, seq: int | None) -> None:
+        """Wake the followers of ``run_id`` (None: of control requests) that have not seen
+        ``seq`` (None: all of them)."""
         waiting = self._followers.get(run_id) if self._followers is not None else None
         if waiting:
             for after, event in waiting:
@@ -188,15 +189,10 @@ class StoreBase:
                     event.set()
 
     def _wake_all(self) -> None:
-        """Wake every follower and request watcher: each re-reads (or finds the store closed)."""
+        """Wake every follower: each re-reads (or finds the store closed)."""
         for waiting in (self._followers or {}).values():
             for _, event in waiting:
                 event.set()
-        self._requests_changed()
-
-    def _requests_changed(self) -> None:
-        for event in self._request_waiters:
-            event.set()
 
     def _committed(self, events: Sequence[Event]) -> None:
         last: dict[str, int] = {}
@@ -205,13 +201,25 @@ class StoreBase:
         for run_id, seq in last.items():
             self._woken(run_id, seq)
 
-    async def _wait(self, event: anyio.Event, forget: Callable[[], None]) -> None:
-        """Wait on ``event`` for at most ``_poll`` seconds, then ``forget`` it."""
+    async def _read_or_wait(self, key: str | None, after: int,
+                            read: Callable[[int], Awaitable[list[Any]]]) -> list[Any]:
+        """``read(after)``; when that finds nothing, wait for a wake-up of ``key`` (or
+        ``_poll`` seconds) and return []. The waiter is registered before reading, so no commit
+        can slip between the read and the wait. Raises ``KitError`` if the store is closed."""
+        self._check()
+        entry = (after, anyio.Event())
+        waiting = self._followers.setdefault(key, [])  # type: ignore[union-attr]
+        waiting.append(entry)
         try:
-            with anyio.move_on_after(self._poll):
-                await event.wait()
+            found = await read(after)
+            if not found:
+                with anyio.move_on_after(self._poll):
+                    await entry[1].wait()
+            return found
         finally:
-            forget()
+            waiting.remove(entry)
+            if not waiting and self._followers is not None and self._followers.get(key) is waiting:
+                del self._followers[key]
 
     # ------------------------------------------------------------------------- the port --
     async def append(self, events: Sequence[Event], *, claims: Sequence[Claim] = ()) -> None:
@@ -246,18 +254,7 @@ class StoreBase:
         the store is not open or is closed while following.
         """
         while True:
-            self._check()
-            # Registered before reading, so no commit can slip between the read and the wait.
-            entry = (after, anyio.Event())
-            waiting = self._followers.setdefault(run_id, [])  # type: ignore[union-attr]
-            waiting.append(entry)
-            try:
-                batch = await self.read(run_id, after)
-            except BaseException:
-                waiting.remove(entry)
-                raise
-            if batch:
-                waiting.remove(entry)
+            batch = await self._read_or_wait(run_id, after, functools.partial(self.read, run_id))
             for i, event in enumerate(batch):
                 yield event
                 after = event.seq
@@ -266,31 +263,15 @@ class StoreBase:
                 if event.payload.ends == "parking" and i == len(batch) - 1 \
                         and not await self.read(run_id, after):
                     return  # parked now: a stream ends here, the run does not
-            if not batch:
-                await self._wait(entry[1], lambda: waiting.remove(entry))
-            if not waiting and self._followers is not None:
-                self._followers.pop(run_id, None)
 
     async def follow_requests(self, after: int = 0) -> AsyncIterator[ControlRequest]:
         """Yield the control requests with an id above ``after``, oldest first: those recorded
         already, then each new one (from this process or another) as it is recorded, forever.
         Raises ``KitError`` if the store is not open or is closed while following."""
         while True:
-            self._check()
-            event = anyio.Event()
-            self._request_waiters.add(event)
-            try:
-                found = await self.requests(after)
-            except BaseException:
-                self._request_waiters.discard(event)
-                raise
-            if found:
-                self._request_waiters.discard(event)
-            for req in found:
+            for req in await self._read_or_wait(None, after, self.requests):
                 yield req
                 after = req.id
-            if not found:
-                await self._wait(event, lambda: self._request_waiters.discard(event))
 
     async def runs(self, *, status: RunStatus | None = None, name: str | None = None,
                    session_id: str | None = None) -> list[RunInfo]:
@@ -332,7 +313,7 @@ class StoreBase:
         if await self._call(self._run_info, run_id) is None:
             raise UnknownRunError(run_id)
         request_id = await self._call(lambda: self._request(run_id, action, reason, source, time.time()))
-        self._requests_changed()
+        self._woken(None, request_id)
         return request_id
 
     async def requests(self, after: int = 0) -> list[ControlRequest]:

@@ -26,7 +26,7 @@ HERE = Path(__file__).parent
 #: A lapsed lease is reaped by a survivor within about this (renewals every third of it).
 LEASE = 1.5
 
-CHAT = '''
+PAUSING = '''
 import asyncio
 import kit
 
@@ -35,20 +35,8 @@ async def pause(seconds: float) -> str:
     await asyncio.sleep(seconds)
     return "waited"
 
-agent = kit.Agent("chat", tools=[pause], model=kit.ScriptedModel(
-    [{"tool": "pause", "args": {"seconds": 2}}, "done waiting"], cycle=True))
-'''
-SLOW = '''
-import asyncio
-import kit
-
-async def pause(seconds: float) -> str:
-    """Wait a while."""
-    await asyncio.sleep(seconds)
-    return "waited"
-
-agent = kit.Agent("slow", tools=[pause], model=kit.ScriptedModel(
-    [{"tool": "pause", "args": {"seconds": 60}}, "never"], cycle=True))
+agent = kit.Agent({name!r}, tools=[pause], model=kit.ScriptedModel(
+    [{{"tool": "pause", "args": {{"seconds": {seconds}}}}}, {reply!r}], cycle=True))
 '''
 TALK = '''
 import kit
@@ -77,7 +65,8 @@ workflow = kit.Workflow("approval", g, durable=True)
 
 
 def project(root: Path) -> Path:
-    for kind, name, source in (("agents", "chat", CHAT), ("agents", "slow", SLOW),
+    for kind, name, source in (("agents", "chat", PAUSING.format(name="chat", seconds=2, reply="done waiting")),
+                               ("agents", "slow", PAUSING.format(name="slow", seconds=60, reply="never")),
                                ("agents", "talk", TALK), ("workflows", "approval", APPROVAL)):
         path = root / kind / name / ("agent.py" if kind == "agents" else "workflow.py")
         path.parent.mkdir(parents=True)

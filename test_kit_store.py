@@ -504,6 +504,14 @@ async def test_postgres_schema_is_versioned_and_a_newer_one_refused(postgres_url
             pass
 
 
+async def test_postgres_that_cannot_be_reached_fails_the_open_without_the_password(anyio_backend):
+    store = store_from_url("postgresql://kit:s3cret@127.0.0.1:9/test?schema=nowhere")
+    with anyio.fail_after(20), pytest.raises(Exception) as info:
+        async with store:
+            pass
+    assert not store.opened and "s3cret" not in str(info.value) and "s3cret" not in repr(store)
+
+
 # ================================================================================= factory ====
 
 async def test_store_from_url_forms():
