@@ -133,7 +133,9 @@ def _psycopg() -> Any:
 
 async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, **kwargs: Any) -> Any:
     """On asyncio: an open ``psycopg_pool.AsyncConnectionPool`` of autocommit connections whose
-    ``search_path`` is ``schema`` (created if missing). ``kwargs`` go to each connection.
+    ``search_path`` is ``schema`` (created if missing), named ``kit:<schema>`` in
+    ``pg_stat_activity`` (the listener is ``kit-listen:<schema>``). ``kwargs`` go to each
+    connection.
     Raises ``ConfigError`` without the postgres extra; psycopg's errors when the server is
     unreachable (libpq's messages name the host, never the password)."""
     psycopg = _psycopg()
@@ -150,7 +152,8 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, **k
         await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     pool = AsyncConnectionPool(conninfo, min_size=1, max_size=max_size, open=False,
                                configure=configure, timeout=POOL_TIMEOUT,
-                               kwargs={"autocommit": True, **kwargs})
+                               kwargs={"autocommit": True, **kwargs,
+                                       "application_name": f"kit:{schema}"[:63]})
     await pool.open(wait=True, timeout=POOL_TIMEOUT)
     return pool
 
@@ -532,9 +535,19 @@ class PostgresStore(StoreBase):
         await conn.execute("DELETE FROM leases WHERE run_id = %s", (run_id,))
         await conn.execute("SELECT pg_notify(%s, %s)", (self.channel, f"e {event.seq} {run_id}"))
 
-    async def _fetch(self, query: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        async with self._pool.connection() as conn:
-            return await (await conn.execute(query, args)).fetchall()
+    async def _fetch(self, query: str, args: Sequence[Any] = (), *,
+                     again: bool = True) -> list[tuple[Any, ...]]:
+        """Rows of ``query``; with ``again`` (a read), once more when the connection turns out
+        dead, after the pool has dropped every dead one (after a server restart, all are)."""
+        psycopg = _psycopg()
+        try:
+            async with self._pool.connection() as conn:
+                return await (await conn.execute(query, args)).fetchall()
+        except psycopg.OperationalError:
+            if not again:
+                raise
+        await self._pool.check()
+        return await self._fetch(query, args, again=False)
 
     async def _read(self, run_id: str, after: int) -> list[Event]:
         rows = await self._fetch("SELECT body FROM events WHERE run_id = %s AND seq > %s "
@@ -585,7 +598,7 @@ class PostgresStore(StoreBase):
             "WITH r AS (INSERT INTO controls(run_id, action, reason, source, at) "
             "VALUES (%s, %s, %s, %s, %s) RETURNING id) "
             "SELECT id, pg_notify(%s, 'c ' || id) FROM r",
-            (run_id, action, reason, source, at, self.channel))
+            (run_id, action, reason, source, at, self.channel), again=False)  # not twice
         return rows[0][0]
 
     async def _requests(self, after: int) -> list[ControlRequest]:

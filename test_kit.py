@@ -22,6 +22,7 @@ from kit import (
     Agent, AudioBlock, ConfigError, ContentError, Context, DataBlock, Deck, DeckStateError, Event,
     ImageBlock, ResourceBlock, RunStatus, ScriptedModel, SessionBusyError, TextBlock,
 )
+from kit_pg import store_from_url
 from kit_store import MemoryStore, SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -519,6 +520,24 @@ def test_a_session_url_of_another_kind_is_refused_with_its_password_masked(monke
     with pytest.raises(ConfigError, match=r"KIT_SESSION must be") as info:
         kit_agents.Sessions("mysql://u:s3cret@h/db", None)
     assert "s3cret" not in str(info.value)
+
+
+async def test_a_run_outlives_postgres_dropping_its_connections(postgres_url, anyio_backend):
+    """The writer retries a batch whose connection died (its commit may or may not have
+    happened): the run completes and its log has every seq once."""
+    from test_kit_store import kill_connections
+    reply = " ".join(f"w{i}" for i in range(400))
+    async with store_from_url(postgres_url) as store:
+        async with Deck([Agent("a", model=ScriptedModel([reply]))], store=store) as deck:
+            kills = 0
+            with anyio.fail_after(60):
+                async for event in deck.stream("a", "go", committed=True):
+                    if event.kind == "text.delta" and event.seq % 50 == 0:
+                        kills += await anyio.to_thread.run_sync(kill_connections, postgres_url, "kit")
+            log = await store.read(event.run_id)
+    assert kills and event.kind == "run.completed"
+    assert [e.seq for e in log] == list(range(len(log))) and log[-1].kind == "run.completed"
+    assert sum(e.kind == "text.delta" for e in log) == 400
 
 
 # --------------------------------------------------------------------------- run endings ----

@@ -441,13 +441,15 @@ async def test_postgres_wakes_other_stores_through_notify_not_a_poll(postgres_ur
     assert [(r.run_id, r.action, r.reason) for r in requests] == [("r1", "cancel", "enough")]
 
 
-def _kill_listeners(url: str) -> int:
+def kill_connections(url: str, name: str = "kit-listen") -> int:
+    """Terminate the store's Postgres connections named ``<name>:<schema>`` (``kit-listen``:
+    the listeners; ``kit``: the pools); how many there were."""
     import psycopg
     from kit_pg import pg_url
     conninfo, schema = pg_url(url)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         return len(conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                "WHERE application_name = %s", (f"kit-listen:{schema}",)).fetchall())
+                                "WHERE application_name = %s", (f"{name}:{schema}",)).fetchall())
 
 
 async def test_a_lost_listener_reconnects_and_its_followers_miss_nothing(postgres_url):
@@ -461,7 +463,7 @@ async def test_a_lost_listener_reconnects_and_its_followers_miss_nothing(postgre
             async with anyio.create_task_group() as tg:
                 tg.start_soon(collect)
                 await anyio.sleep(0.05)
-                assert await anyio.to_thread.run_sync(_kill_listeners, postgres_url) == 2
+                assert await anyio.to_thread.run_sync(kill_connections, postgres_url) == 2
                 # Committed while the listeners are down: their NOTIFY reaches nobody.
                 await writer.append([started("r1"), ev("r1", 1, kit.TextDelta("a"))])
                 await writer.append([ev("r1", 2, kit.RunCompleted("a"))])
