@@ -44,7 +44,6 @@ from agents.function_schema import function_schema
 from agents.memory import SessionABC
 
 from kit_bridge import on_asyncio
-from kit_pg import masked, open_pool, pg_url, setup_lock
 from kit_context import HOOK_METHODS, is_context
 from kit_core import (
     AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event,
@@ -52,6 +51,7 @@ from kit_core import (
     RunCancelled, RunCompleted, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta,
     ToolCompleted, ToolStarted, as_blocks, jsonable,
 )
+from kit_pg import masked, open_pool, pg_url, setup_lock
 
 if TYPE_CHECKING:
     from kit_catalog import MCP, Agent, Skill

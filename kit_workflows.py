@@ -3,9 +3,10 @@
 Owns: compiling a ``Workflow`` for Deck runs (``compile_workflow``: a copy of its graph whose
 nodes that declare a ``Context`` receive the run's), the checkpointers (``open_graphs``: durable
 workflows on a SQLite file beside the log or in the Postgres schema of the log, the others in
-memory) and the locks that keep two tickers off one thread (``ThreadLocks``), playing and resuming a run
-(``WorkflowEngine.play``), reading parked threads off a checkpointer (``due_threads``), the
-headless ``Workflow.run``/``resume`` (``run_headless``) and workflow-as-tool (``workflow_tool``).
+memory) and the locks that keep two tickers off one thread (``ThreadLocks``), playing and
+resuming a run (``WorkflowEngine.play``), reading parked threads off a checkpointer
+(``due_threads``), the headless ``Workflow.run``/``resume`` (``run_headless``) and
+workflow-as-tool (``workflow_tool``).
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
@@ -37,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kit_bridge import on_asyncio
-from kit_pg import open_pool, pg_url, setup_lock
 from kit_context import context_params, node_function
 from kit_core import (
     ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, InterruptResult,
     InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
     RunPaused, RunSleeping, Usage, jsonable, new_run_id,
 )
+from kit_pg import open_pool, pg_url, setup_lock
 
 if TYPE_CHECKING:
     from kit_catalog import Workflow
