@@ -50,7 +50,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import anyio
 import orjson
@@ -117,7 +117,7 @@ def pg_url(url: str) -> tuple[str, str]:
     if not _SCHEMA_NAME.match(schema):
         raise ConfigError(f"schema must be 1-59 lower-case letters, digits or '_', starting with a "
                           f"letter or '_', got {schema!r} in {masked(url)!r}")
-    rest = urlencode([(k, v) for k, v in query if k != "schema"])
+    rest = urlencode([(k, v) for k, v in query if k != "schema"], quote_via=quote)  # libpq: %20
     return urlunsplit(parts._replace(query=rest)), schema
 
 

@@ -17,7 +17,7 @@ import pytest
 import kit
 import kit_store
 from kit import Claim, Event, RunStatus
-from kit_pg import PostgresStore, store_from_url
+from kit_pg import SCHEMA_VERSION, PostgresStore, pg_url, store_from_url
 from kit_store import MemoryStore, SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -445,7 +445,6 @@ def kill_connections(url: str, name: str = "kit-listen") -> int:
     """Terminate the store's Postgres connections named ``<name>:<schema>`` (``kit-listen``:
     the listeners; ``kit``: the pools); how many there were."""
     import psycopg
-    from kit_pg import pg_url
     conninfo, schema = pg_url(url)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         return len(conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
@@ -492,7 +491,6 @@ async def test_postgres_a_retried_batch_that_committed_is_not_written_twice(post
 
 async def test_postgres_schema_is_versioned_and_a_newer_one_refused(postgres_url):
     import psycopg
-    from kit_pg import SCHEMA_VERSION, pg_url
     async with store_from_url(postgres_url) as store:
         await store.append([started("r1")])
     async with store_from_url(postgres_url) as store:  # opened again: nothing recreated
@@ -526,6 +524,8 @@ async def test_store_from_url_forms():
     assert pg.url == "postgresql://u:s3cret@h:5433/db?schema=app_1&sslmode=disable"
     assert "s3cret" not in repr(pg) and "u:***@h:5433" in repr(pg)
     assert store_from_url("postgres://h/db").schema == "kit"
+    assert pg_url("postgresql://h/db?options=-c%20synchronous_commit%3Doff&schema=s") == (
+        "postgresql://h/db?options=-c%20synchronous_commit%3Doff", "s")  # libpq decodes %20 only
     for bad in ("sqlite://", "sqlite:///", "redis://x", ""):
         with pytest.raises(kit.ConfigError, match="unsupported store URL") as info:
             store_from_url(bad)
