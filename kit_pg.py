@@ -221,7 +221,7 @@ CREATE OR REPLACE FUNCTION kit_append(
     c_run text[], c_owner text[], c_until float8[], c_session text[], c_ns text[],
     now float8, channel text, notes text[]) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
-    h_run text; h_until float8; bad bigint; n bigint;
+    h_run text; h_until float8; bad bigint; n bigint; fresh_ids text[];
     e_seq int[] := string_to_array(e_seq_at, ',')::int[];
     e_body text[] := string_to_array(e_body_at, chr(10));
 BEGIN
@@ -241,20 +241,27 @@ BEGIN
         INSERT INTO leases VALUES (c_run[i], c_ns[i], c_session[i], c_owner[i], c_until[i]);
     END LOOP;
     IF array_length(s_run, 1) > 0 THEN
-        -- an indexed run: this batch, retried (its run.started is there, identical), or a reuse
-        SELECT x.idx INTO bad FROM unnest(s_run, s_idx) AS x(run_id, idx)
-            WHERE EXISTS (SELECT 1 FROM runs r WHERE r.run_id = x.run_id)
-              AND NOT EXISTS (SELECT 1 FROM events e WHERE e.run_id = x.run_id
-                              AND e.seq = e_seq[x.idx] AND e.body = e_body[x.idx])
-            LIMIT 1;
-        IF bad IS NOT NULL THEN
-            RAISE EXCEPTION USING ERRCODE = 'KB003', MESSAGE = bad::text;
+        WITH fresh AS (INSERT INTO runs SELECT * FROM unnest(s_run, s_name, s_invocable,
+                s_session, s_ns, s_parent, s_status, s_at, s_last)
+                ON CONFLICT (run_id) DO NOTHING RETURNING run_id)
+            SELECT coalesce(array_agg(run_id), '{}') INTO fresh_ids FROM fresh;
+        IF array_length(fresh_ids, 1) IS DISTINCT FROM array_length(s_run, 1) THEN
+            -- runs indexed already: this batch, retried (its run.started is there, identical),
+            -- or a reused run id
+            SELECT x.idx INTO bad FROM unnest(s_run, s_idx) AS x(run_id, idx)
+                WHERE x.run_id <> ALL(fresh_ids)
+                  AND NOT EXISTS (SELECT 1 FROM events e WHERE e.run_id = x.run_id
+                                  AND e.seq = e_seq[x.idx] AND e.body = e_body[x.idx])
+                LIMIT 1;
+            IF bad IS NOT NULL THEN
+                RAISE EXCEPTION USING ERRCODE = 'KB003', MESSAGE = bad::text;
+            END IF;
+            UPDATE runs r SET status = CASE WHEN x.last > r.last_seq THEN x.status
+                                            ELSE r.status END,
+                              last_seq = GREATEST(r.last_seq, x.last)
+                FROM unnest(s_run, s_status, s_last) AS x(run_id, status, last)
+                WHERE r.run_id = x.run_id;
         END IF;
-        INSERT INTO runs SELECT * FROM unnest(s_run, s_name, s_invocable, s_session, s_ns,
-            s_parent, s_status, s_at, s_last) ON CONFLICT (run_id) DO UPDATE  -- (a retry)
-            SET status = CASE WHEN EXCLUDED.last_seq > runs.last_seq THEN EXCLUDED.status
-                              ELSE runs.status END,
-                last_seq = GREATEST(runs.last_seq, EXCLUDED.last_seq);
     END IF;
     INSERT INTO events SELECT e_runs[r], s, e_kinds[k], b FROM unnest(
         string_to_array(e_run_at, ',')::int[], e_seq, string_to_array(e_kind_at, ',')::int[],
