@@ -489,6 +489,66 @@ async def test_postgres_a_retried_batch_that_committed_is_not_written_twice(post
         assert len(await store.read("r1")) == 4
 
 
+class CommitThenCut:
+    """A TCP proxy in front of Postgres that, once armed, lets the next ``kit_append`` call
+    reach the server and commit, then cuts the connection before the client hears of it: the
+    commit whose outcome the writer cannot know."""
+
+    def __init__(self) -> None:
+        self.armed, self.cuts = False, 0
+
+    async def serve(self, listener: anyio.abc.Listener, upstream_port: int) -> None:
+        async def handle(client: anyio.abc.ByteStream) -> None:
+            async with client, await anyio.connect_tcp("127.0.0.1", upstream_port) as server:
+                cut = anyio.Event()
+
+                async def up() -> None:
+                    async for chunk in client:
+                        await server.send(chunk)
+                        if self.armed and b"kit_append" in chunk:
+                            self.armed = False
+                            cut.set()
+
+                async def down() -> None:
+                    seen = b""
+                    async for chunk in server:
+                        if cut.is_set():
+                            seen += chunk
+                            if b"Z\x00\x00\x00\x05" in seen:  # ReadyForQuery: it committed
+                                self.cuts += 1
+                                tg.cancel_scope.cancel()  # closes both sides unanswered
+                                return
+                            continue
+                        await client.send(chunk)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(up)
+                    tg.start_soon(down)
+
+        await listener.serve(handle)
+
+
+async def test_postgres_a_commit_whose_answer_was_lost_is_retried_once(postgres_url):
+    import psycopg
+    proxy = CommitThenCut()
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            anyio.create_task_group() as tg:
+        tg.start_soon(proxy.serve, listener, 5432)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        url = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
+        batch = [started("r1", session_id="s"), ev("r1", 1, kit.TextDelta("a"))]
+        claim = Claim("r1", "me", 30, session_id="s")
+        with anyio.fail_after(20):
+            async with store_from_url(url) as store:
+                proxy.armed = True
+                with pytest.raises(psycopg.OperationalError):  # the writer would retry it
+                    await store.append(batch, claims=[claim])
+                assert proxy.cuts == 1 and await store.read("r1") == batch  # committed though
+                await store.append(batch, claims=[claim])  # the retry: taken as done
+                assert await store.read("r1") == batch and await store.session_holder("s") == "r1"
+        tg.cancel_scope.cancel()
+
+
 async def test_postgres_schema_is_versioned_and_a_newer_one_refused(postgres_url):
     import psycopg
     async with store_from_url(postgres_url) as store:
