@@ -14,7 +14,8 @@ per-repeat ratios, so machine noise hits both sides alike (notes/PERF.md). ``--t
 the kit side under trio (engines on kit's asyncio thread) against the same raw figures.
 
 Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows N] [--trio]
-[--http] [--surfaces] [--check]; ``--check`` exits 1 when a target is missed.
+[--http] [--surfaces] [--store postgresql://...] [--check]; ``--check`` exits 1 when a target
+is missed.
 
 ``--http`` adds the HTTP surface (kit_http under a real Hypercorn on loopback, asyncio worker;
 ``--trio`` adds the trio worker, reported): (f) SSE tokens/s end to end for the same 500-token
@@ -26,6 +27,14 @@ grows by at most ``FLUSH_DELAY``) and over HTTP; (g) ``--concurrent N`` (default
 1,000) SSE streams of short replies opened at once by raw-socket clients in the same process
 (httpx's pool is O(n) per request at this size, so it would measure itself): zero errors
 expected, with the time, the peak number of streams open at once and the peak RSS.
+
+``--store postgresql://...`` adds (i) the same agent turns/s and streamed tokens/s on that
+Postgres (a fresh schema, dropped after) against the SQLite file, interleaved (targets: turns
+within 2x of SQLite, streamed tokens within 1.5x); (j) events/s of the group-committed append
+(batches of ``FLUSH_MAX`` events, and one event per commit, for both stores); (k) the live-follow
+latency across two processes: a child appends one event per commit and notes when each commit
+returned, this process follows the run and notes when it read each event (p50/p99; Postgres
+wakes on NOTIFY, SQLite on its poll).
 
 ``--surfaces`` adds (h) the server's CPU per turn on the Chat Completions route against the v1
 chat route, JSON and streamed, the same ScriptedModel agent behind both: ``kit-serve``'s App with
@@ -63,6 +72,7 @@ from langgraph.graph import END, START, StateGraph
 import kit
 import kit_http
 import kit_writer
+from kit_pg import masked, pg_url, store_from_url
 from kit_store import SQLiteStore
 
 TURN_TARGET, STREAM_TARGET, WORKFLOW_TARGET = 1.5, 2.0, 1.5
@@ -173,8 +183,9 @@ async def kit_observed(db: Path, turns: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-async def kit_side(db: Path, turns: int, streams: int) -> tuple[float, float]:
-    async with SQLiteStore(db) as store:
+async def kit_side(db: Path | str, turns: int, streams: int) -> tuple[float, float]:
+    """Deck.run turns and Deck.stream replies on a SQLite file (a path) or a store URL."""
+    async with (store_from_url(db) if isinstance(db, str) else SQLiteStore(db)) as store:
         deck = kit.Deck([
             kit.Agent("a", "Be brief.", model=kit.ScriptedModel(["hello there"], cycle=True)),
             kit.Agent("s", "Be brief.", model=kit.ScriptedModel([_reply(REPLY_TOKENS)], cycle=True)),
@@ -207,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="concurrent SSE streams with --http")
     p.add_argument("--surfaces", action="store_true",
                    help="also bench the server's CPU per Chat Completions turn against v1")
+    p.add_argument("--store", metavar="postgresql://...",
+                   help="also bench a Postgres store against the SQLite file (in a schema of its own)")
     a = p.parse_args(argv)
     backends = ["asyncio"] + (["trio"] if a.trio else [])
     rows: dict[str, list[float]] = {k: [] for k in ("raw_turn", "raw_stream", "raw_wf_mem",
@@ -272,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         ok &= http_report(a, rows, backends)
     if a.surfaces:
         ok &= surfaces_report(a)
+    if a.store:
+        ok &= store_report(a)
     return 0 if ok or not a.check else 1
 
 
@@ -560,6 +575,111 @@ def surfaces_report(a: argparse.Namespace) -> bool:
         print(f"  {v1:36} {med(cpu[v1]) * 1e6:>8,.0f} us/turn")
         print(f"  {chat:36} {med(cpu[chat]) * 1e6:>8,.0f} us/turn   ratio {ratio:.2f} "
               f"(target <= {SURFACE_TARGET}) {'ok' if good else 'MISSED'}")
+    return ok
+
+
+
+# ================================================================= Postgres (--store URL) ====
+
+PG_TURN_TARGET, PG_STREAM_TARGET = 2.0, 1.5  # Postgres against the SQLite file, same run
+APPEND_BATCHES = 100
+FOLLOW_EVENTS, FOLLOW_EVERY = 300, 0.005  # the follow child's commits, and their spacing
+
+
+async def append_rate(url: str, batch: int) -> float:
+    """Events/s of ``store.append`` in batches of ``batch`` text deltas (one run per batch)."""
+    async with store_from_url(url) as store:
+        n = APPEND_BATCHES if batch > 1 else APPEND_BATCHES * 5
+        runs = [uuid.uuid4().hex for _ in range(n)]
+        t = time.perf_counter()
+        for run_id in runs:
+            await store.append([kit.Event(run_id, seq, kit.TextDelta("w123 ")) for seq in range(batch)])
+        return n * batch / (time.perf_counter() - t)
+
+
+FOLLOWED = """
+import json, sys, time, anyio, kit
+from kit_pg import store_from_url
+
+async def main():
+    async with store_from_url(sys.argv[1]) as store:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        done = []
+        for seq in range(int(sys.argv[3])):
+            await store.append([kit.Event(sys.argv[2], seq, kit.TextDelta("w "))])
+            done.append(time.time())
+            await anyio.sleep(float(sys.argv[4]))
+        print(json.dumps(done), flush=True)
+
+anyio.run(main)
+"""
+
+
+async def follow_latency(url: str) -> list[float]:
+    """Seconds from a child's commit returning to this process having read the event."""
+    run_id, read = uuid.uuid4().hex, []
+    async with store_from_url(url) as store:
+        async with await anyio.open_process(
+                [sys.executable, "-c", FOLLOWED, url, run_id, str(FOLLOW_EVENTS), str(FOLLOW_EVERY)],
+                cwd=Path(__file__).parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as child:
+            out = b""
+            while not out.endswith(b"ready\n"):
+                out += await child.stdout.receive()
+            await child.stdin.send(b"go\n")
+            async for event in store.follow(run_id):
+                read.append(time.time())
+                if event.seq == FOLLOW_EVENTS - 1:
+                    break
+            out = b""
+            while not out.endswith(b"\n"):
+                out += await child.stdout.receive()
+    return [r - c for r, c in zip(read, json.loads(out))]
+
+
+def store_report(a: argparse.Namespace) -> bool:
+    """Print the --store rows; True when Postgres is within its targets of the SQLite file."""
+    import psycopg
+    med, ok = statistics.median, True
+    conninfo, _ = pg_url(a.store)
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    pg = f"{conninfo}{'&' if '?' in conninfo else '?'}schema={schema}"
+    rows: dict[str, list[float]] = {k: [] for k in ("turn_sqlite", "turn_pg", "stream_sqlite", "stream_pg")}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            anyio.run(kit_side, pg, 50, 2)  # warm: the schema, the pool, prepared statements
+            for r in range(a.repeats):
+                for name, where in (("sqlite", Path(tmp) / f"pg-vs-{r}.db"), ("pg", pg)):
+                    tt, ts = anyio.run(kit_side, where, a.turns, a.streams)
+                    rows[f"turn_{name}"].append(tt)
+                    rows[f"stream_{name}"].append(ts)
+            sqlite = f"sqlite:///{tmp}/append.db"
+            rates = {(name, batch): med(anyio.run(append_rate, url, batch) for _ in range(a.repeats))
+                     for name, url in (("SQLite", sqlite), ("Postgres", pg))
+                     for batch in (kit_writer.FLUSH_MAX, 1)}
+            lags = {name: sorted(anyio.run(follow_latency, url))
+                    for name, url in (("Postgres", pg), ("SQLite", f"sqlite:///{tmp}/follow.db"))}
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    print(f"kit store bench: Postgres ({masked(conninfo)}, schema {schema}) against the SQLite "
+          f"file, {a.repeats} repeats, {a.turns} turns and {a.streams} x {REPLY_TOKENS}-token streams")
+    for what, unit, n, target in (("turn", "turns/s", a.turns, PG_TURN_TARGET),
+                                  ("stream", "tokens/s", a.streams * REPLY_TOKENS, PG_STREAM_TARGET)):
+        ratio = med(p / s for p, s in zip(rows[f"{what}_pg"], rows[f"{what}_sqlite"]))
+        good = ratio <= target
+        ok &= good
+        label = "Deck.run   " if what == "turn" else "Deck.stream"
+        print(f"  {label} SQLite   {n / med(rows[f'{what}_sqlite']):>10,.0f} {unit}")
+        print(f"  {label} Postgres {n / med(rows[f'{what}_pg']):>10,.0f} {unit}   ratio {ratio:.2f} "
+              f"(target <= {target}) {'ok' if good else 'MISSED'}")
+    for (name, batch), rate in rates.items():
+        print(f"  append, {batch:>3} events per commit ({name:8}) {rate:>10,.0f} events/s")
+    for name, lag in lags.items():
+        p50, p99 = lag[len(lag) // 2] * 1e3, lag[int(len(lag) * 0.99)] * 1e3
+        how = "NOTIFY" if name == "Postgres" else "its poll"
+        print(f"  follow across processes ({name:8}, wakes on {how}): commit to the follower's "
+              f"read p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     return ok
 
 

@@ -6,6 +6,7 @@ skip, so CI cannot pass by skipping.
 """
 import os
 import socket
+import uuid
 
 import pytest
 
@@ -47,6 +48,35 @@ def redis_url():
     """The machine's Redis (database 15, which the tests own)."""
     _service("Redis", 6379)
     return "redis://127.0.0.1:6379/15"
+
+
+#: The machine's PostgreSQL (trust auth); each test gets a schema of its own in database ``test``.
+POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture
+def postgres_url():
+    """A ``KIT_STORE`` URL on the machine's PostgreSQL, in a fresh schema dropped after the test
+    (so runs never see each other)."""
+    _service("PostgreSQL", 5432)
+    try:
+        import psycopg
+    except ImportError as exc:
+        missing(f"psycopg is not installed ({exc}): pip install -e '.[test,postgres]'")
+    schema = f"test_{uuid.uuid4().hex[:16]}"
+    yield f"{POSTGRES}?schema={schema}"
+    with psycopg.connect(POSTGRES, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def shared_url(request, tmp_path):
+    """A store URL that several processes (or store objects, or decks) share: a SQLite file or
+    a Postgres schema. SQLite's followers hear other processes through a poll, Postgres's
+    through NOTIFY."""
+    if request.param == "postgres":
+        return request.getfixturevalue("postgres_url")
+    return f"sqlite:///{tmp_path / 'kit.db'}"
 
 
 @pytest.fixture

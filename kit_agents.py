@@ -51,6 +51,7 @@ from kit_core import (
     RunCancelled, RunCompleted, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta,
     ToolCompleted, ToolStarted, as_blocks, jsonable,
 )
+from kit_pg import masked, open_pool, pg_url, setup_lock
 
 if TYPE_CHECKING:
     from kit_catalog import MCP, Agent, Skill
@@ -715,36 +716,71 @@ class MemorySession(SessionABC):
 class Sessions:
     """The conversation-memory sessions (``agents.memory.Session``) of a deck's agent runs.
 
-    ``factory(key)`` when given; else the SDK's ``RedisSession`` when ``url`` is a Redis URL
-    (``KIT_SESSION``); else ``MemorySession``s in one in-process database, lost on exit. One
-    object per key (``<namespace>:<session_id>``, or the session id).
+    ``factory(key)`` when given; else, by ``url`` (``KIT_SESSION``), one of the SDK's own
+    durable sessions: ``RedisSession`` (``redis://``, ``rediss://``, ``unix://``: replicas on
+    several machines), ``SQLiteSession`` on a file (``sqlite:///path``: processes of one
+    machine) or ``SQLAlchemySession`` on psycopg (``postgresql://...[?schema=name]``: replicas,
+    beside a Postgres log); else ``MemorySession``s in one in-process database, lost on exit.
+    One object per key (``<namespace>:<session_id>``, or the session id).
 
     At most ``max_sessions`` are kept (``KIT_SESSION_MAX``), least recently used dropped first:
     for the in-process default that *forgets the conversation* (its history is deleted; the log
-    keeps every turn); for Redis or a factory only the cached object goes (the data stays where
-    it lives). Keep it above the number of conversations in flight at once. Raises
-    ``ConfigError`` for another URL scheme or a bound below 1.
+    keeps every turn); for the others only the cached object goes (the data stays where it
+    lives). Keep it above the number of conversations in flight at once. Raises
+    ``ConfigError`` for another URL scheme (the URL masked), a missing extra, or a bound below 1.
     """
 
     def __init__(self, url: str | None, factory: Callable[[str], Any] | None,
                  max_sessions: int = MAX_SESSIONS) -> None:
-        if url and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"KIT_SESSION must be a redis:// URL, got {url!r}")
         if not isinstance(max_sessions, int) or max_sessions < 1:
             raise ConfigError(f"KIT_SESSION_MAX must be a positive integer, got {max_sessions!r}")
         self._factory, self._url, self.max_sessions = factory, url, max_sessions
         self._sessions: OrderedDict[str, Any] = OrderedDict()
         self._redis: Any = None
+        self._sqlite: str | None = None
+        self._postgres: tuple[str, str] | None = None
+        self._engine: Any = None  # SQLAlchemy's, made on the engine side by open()
         self.memory: _MemoryDB | None = None
-        if url:
+        if not url:
+            if factory is None:
+                self.memory = _MemoryDB()
+        elif url.startswith(("redis://", "rediss://", "unix://")):
             try:
                 import redis.asyncio
             except ImportError:
                 raise ConfigError(f"KIT_SESSION={url.split('://')[0]}://... needs the redis extra: "
                                   "pip install 'kit[redis]'") from None
             self._redis = redis.asyncio.from_url(url)
-        elif factory is None:
-            self.memory = _MemoryDB()
+        elif url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
+            self._sqlite = url[len("sqlite:///"):]
+        elif url.startswith(("postgresql://", "postgres://")):
+            self._postgres = pg_url(url)
+        else:
+            raise ConfigError("KIT_SESSION must be a redis://, sqlite:///path or postgresql:// "
+                              f"URL, got {masked(url)!r}")
+
+    async def open(self) -> None:
+        """Engine side: with ``postgresql://``, the SQLAlchemy engine, and the SDK's tables in
+        the URL's schema, created once even when replicas open together."""
+        if self._postgres is None:
+            return
+        try:
+            from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+            from sqlalchemy.ext.asyncio import create_async_engine
+        except ImportError:
+            raise ConfigError("KIT_SESSION=postgresql://... needs the postgres extra: "
+                              "pip install 'kit[postgres]'") from None
+        conninfo, schema = self._postgres
+        pool = await open_pool(conninfo, schema, max_size=1)  # creates the schema
+        try:
+            async with setup_lock(pool, f"kit:sessions:{schema}"):
+                self._engine = create_async_engine(
+                    "postgresql+psycopg://" + conninfo.split("://", 1)[1],
+                    connect_args={"options": f"-c search_path={schema}"})
+                await SQLAlchemySession("kit:setup", engine=self._engine,
+                                        create_tables=True).get_items(limit=1)
+        finally:
+            await pool.close()
 
     def get(self, session_id: str, namespace: str | None = None) -> Any:
         key = session_id if namespace is None else f"{namespace}:{session_id}"
@@ -757,6 +793,11 @@ class Sessions:
             elif self._redis is not None:
                 from agents.extensions.memory.redis_session import RedisSession
                 session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
+            elif self._sqlite is not None:
+                session = sdk.SQLiteSession(key, self._sqlite)
+            elif self._engine is not None:
+                from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+                session = SQLAlchemySession(key, engine=self._engine)
             else:
                 session = MemorySession(self.memory, key)  # type: ignore[arg-type]
             self._sessions[key] = session
@@ -770,8 +811,11 @@ class Sessions:
         return len(self._sessions)
 
     async def aclose(self) -> None:
-        """Engine side: close the Redis client (its connections belong to the engine's loop)."""
+        """Engine side: close the Redis client or the SQLAlchemy engine (their connections
+        belong to the engine's loop)."""
         if self._redis is not None:
             await self._redis.aclose()
+        if self._engine is not None:
+            await self._engine.dispose()
         if self.memory is not None:
             self.memory.close()

@@ -1,7 +1,8 @@
 """kit_bridge: the asyncio loop that plays the engines when kit runs under trio.
 
 Owns: ``Bridge`` (one asyncio loop in a daemon thread, the calls into it and the mailbox out of
-it) and ``on_asyncio`` (await an engine coroutine from asyncio or trio alike). This is the only
+it), ``on_asyncio`` (await an engine coroutine from asyncio or trio alike) and ``spawn`` (a
+background asyncio task that outlives the call that starts it). This is the only
 kit module that touches asyncio directly.
 
 Must never: know what a run, an event or a store is (it carries opaque items), block the trio
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -33,7 +35,7 @@ import sniffio
 
 from kit_core import DeckStateError
 
-__all__ = ("Bridge", "on_asyncio", "WAKE_DELAY", "CANCEL_TIMEOUT", "STOP_TIMEOUT")
+__all__ = ("Bridge", "on_asyncio", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT", "STOP_TIMEOUT")
 
 #: Ordinary items wait up to this long before waking the trio side, so one wake-up carries many
 #: (PERF.md section 5, strategy D); urgent items wake it at once.
@@ -193,3 +195,27 @@ async def on_asyncio(fn: Callable[[], Awaitable[Any]]) -> Any:
         return await bridge.call(fn)
     finally:
         await bridge.stop()
+
+
+def spawn(fn: Callable[[], Awaitable[Any]], bridge: Bridge | None = None
+          ) -> Callable[[], Awaitable[None]]:
+    """Start ``fn()`` as an asyncio task: on this loop (asyncio), or on ``bridge``'s (called from
+    trio). Returns ``stop``: awaited from where ``spawn`` was called, it cancels the task and
+    waits for it to end. Unlike a task group, the task may be stopped from any task, not only
+    from the one that started it (a store opened in one task and closed in another)."""
+    if bridge is None:
+        task = asyncio.get_running_loop().create_task(fn())
+        return functools.partial(_stop_task, task)
+    box: list[asyncio.Task[Any]] = []
+    bridge.loop.call_soon_threadsafe(lambda: box.append(bridge.loop.create_task(fn())),
+                                     context=contextvars.Context())
+
+    async def stop() -> None:
+        await bridge.call(lambda: _stop_task(box[0]))  # queued after the create: box is filled
+
+    return stop
+
+
+async def _stop_task(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

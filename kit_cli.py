@@ -31,7 +31,8 @@ from collections.abc import Sequence
 import anyio
 
 from kit_core import ConfigError, EventStorePort, RunStatus, UnknownRunError, control_refusal
-from kit_store import project_log_url, store_from_url
+from kit_pg import store_from_url
+from kit_store import project_log_url
 
 __all__ = ("main",)
 
@@ -125,7 +126,7 @@ def _store(a: argparse.Namespace) -> EventStorePort:
     if url == "memory":
         raise ConfigError(f"{source} names the in-memory store, whose log lives and dies with its "
                           "process: pass --store sqlite:///path/to/kit.db")
-    if not os.path.exists(url[len("sqlite:///"):]):
+    if url.startswith("sqlite:///") and not os.path.exists(url[len("sqlite:///"):]):
         raise FileNotFoundError(f"no event log at {url[len('sqlite:///'):]} (from {source}); pass "
                                 "--store sqlite:///path/to/kit.db, or set KIT_STORE or KIT_PROJECT")
     return store

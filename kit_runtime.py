@@ -55,15 +55,16 @@ from kit_core import (
     RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked, TurnResult,
     UnknownNameError, UnknownRunError, as_blocks, as_history, check_name, new_run_id,
 )
-from kit_store import store_from_url
+from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
 
-__all__ = ("Runtime", "CONTROL_POLL", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT",
+__all__ = ("Runtime", "CONTROL_RETRY", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT",
            "BACKOFF_MAX")
 
-#: How often a deck looks for control requests written by other processes (the CLI, replicas):
-#: a pause or cancel from elsewhere reaches the run's next safe point within about this long.
-CONTROL_POLL = 0.1
+#: The control-request watcher follows the store (``follow_requests``), so a pause or cancel
+#: written anywhere reaches the run's next safe point as soon as the store hears of it; when
+#: following fails (the store is down) it starts again after this long, backing off.
+CONTROL_RETRY = 0.1
 #: A stream's live buffer. A consumer that falls this far behind is not allowed to grow memory:
 #: its buffer is dropped and it catches up from the log (which has every event) instead.
 LIVE_MAX = 10_000
@@ -77,6 +78,7 @@ CLOSE_TIMEOUT = 10.0
 #: between tries (seconds), logging once per burst; it never takes the deck down.
 BACKOFF_MAX = 30.0
 _PARKED = (RunStatus.PAUSED, RunStatus.WAITING_HUMAN, RunStatus.SLEEPING)
+_SKIPPED = object()  # a due thread another ticker has
 _log = logging.getLogger("kit.runtime")
 
 
@@ -236,6 +238,7 @@ class Runtime:
         self._tg: Any = None
         self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
         self._close_graphs: Any = None
+        self._thread_locks: Any = None  # kit_workflows.ThreadLocks: one ticker per thread
         self._seen_request = 0  # the newest control request this deck has looked at
         self._handled: set[int] = set()  # requests made here, acted on already
 
@@ -280,10 +283,11 @@ class Runtime:
         self._tg.start_soon(self._every, self.lease / 3, self._keep_leases, "renewing leases")
         backlog = await self.store.requests()  # older requests are history, not orders
         self._seen_request = backlog[-1].id if backlog else 0
-        self._tg.start_soon(self._every, CONTROL_POLL, self._watch_requests,
-                            "reading control requests")
-        self.graphs, self._close_graphs = await self._on_engine(
-            kit_workflows.open_graphs, list(self.specs.values()), getattr(self.store, "path", None))
+        self._tg.start_soon(self._every, CONTROL_RETRY, self._watch_requests,
+                            "following control requests")
+        await self._on_engine(self.sessions.open)  # type: ignore[union-attr]
+        self.graphs, self._close_graphs, self._thread_locks = await self._on_engine(
+            kit_workflows.open_graphs, list(self.specs.values()), getattr(self.store, "url", None))
         await self._start_mcp()
 
     async def close(self) -> None:
@@ -753,10 +757,11 @@ class Runtime:
             self._streams.pop(run.run_id, None)
 
     async def _watch_requests(self) -> None:
-        """Requests written by other processes (the CLI, replicas): pause/cancel reach the runs
+        """Requests written by other processes (the CLI, replicas), as the store hears of them
+        (``follow_requests``: NOTIFY on Postgres; SQLite's poll): pause/cancel reach the runs
         played here; a resume is taken up by any deck that has the run's invocable (the first
         to write wins); a parked run's cancel is written by whichever deck sees it first."""
-        for req in await self.store.requests(after=self._seen_request):
+        async for req in self.store.follow_requests(after=self._seen_request):
             self._seen_request = req.id
             if req.id in self._handled:
                 self._handled.discard(req.id)
@@ -840,8 +845,9 @@ class Runtime:
     async def tick(self, now: datetime) -> list[Ticked]:
         """Resume every due thread once. A thread whose parked run is in the log is resumed
         through that run (two tickers race on its next seq: one wins); one without (its run
-        was never recorded) gets a new run that claims the thread, so a second ticker gets
-        ``SessionBusyError`` and skips it."""
+        was never recorded) is resumed under the thread's lock (``ThreadLocks``: an advisory
+        lock with Postgres) by a new run that claims the thread, once the lock holder has seen
+        that the thread still waits, so a second ticker skips it, now or later."""
         woke = {"woke_at": now.isoformat()}
         out = []
         for due, interrupt_id, namespace in await self._due(now):
@@ -849,14 +855,31 @@ class Runtime:
                 if due.run_id is not None:
                     result = await self._resume(due.run_id, "run.sleeping", woke, "tick", None)
                 else:
-                    run, job, _ = await self._begin(
-                        self.specs[due.workflow], {}, None, due.thread_id, namespace, None, False,
-                        command=kit_workflows.resume_command(interrupt_id, woke))
-                    result = _result(run, await self._play(run, job))
+                    result = await self._tick_thread(due, interrupt_id, namespace, woke)
             except (RunNotWaitingError, SessionBusyError):
                 continue  # another ticker (or a live run) has this thread
-            out.append(Ticked(due.workflow, due.thread_id, result))
+            if result is not _SKIPPED:
+                out.append(Ticked(due.workflow, due.thread_id, result))
         return out
+
+    async def _tick_thread(self, due: Due, interrupt_id: str, namespace: str | None,
+                           woke: Any) -> Any:
+        """Resume a thread only the checkpointer knows, holding its lock; ``_SKIPPED`` when
+        another ticker holds it or has resumed it already."""
+        spec = self.specs[due.workflow]
+        key = spec.engine.key(namespace, due.thread_id)
+        if not await self._on_engine(self._thread_locks.acquire, key):
+            return _SKIPPED
+        try:
+            if not await self._on_engine(kit_workflows.still_due, self.graphs[due.workflow], key,
+                                         interrupt_id):
+                return _SKIPPED
+            run, job, _ = await self._begin(spec, {}, None, due.thread_id, namespace, None, False,
+                                            command=kit_workflows.resume_command(interrupt_id, woke))
+            return _result(run, await self._play(run, job))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_engine(self._thread_locks.release, key)
 
     def session_for(self, session_id: str, namespace: str | None = None) -> Any:
         return self.sessions.get(session_id, namespace)  # type: ignore[union-attr]

@@ -1,10 +1,12 @@
 """kit_store: the event-store implementations of ``kit.EventStorePort`` (DESIGN 4.4, 4.5).
 
-Owns: ``SQLiteStore`` (one file, shared by every process that opens it), ``MemoryStore`` (one
-process, no persistence), ``store_from_url`` and ``project_log_url`` (where a project's log
-lives). Both stores keep the same three things: the log (events keyed by ``(run_id, seq)``), the
-run index (``runs``, folded from the log in the same transaction) and the claims (``leases``: one
-row per live or parked run, unique per ``(namespace, session_id)``).
+Owns: ``StoreBase`` (what every store shares: the port's checks, wake-ups and ``follow``),
+``SQLiteStore`` (one file, shared by every process that opens it), ``MemoryStore`` (one
+process, no persistence) and ``project_log_url`` (where a project's log lives); ``kit_pg`` holds
+the Postgres store and ``store_from_url``. Every store keeps the same three things: the log
+(events keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same
+transaction) and the claims (``leases``: one row per live or parked run, unique per
+``(namespace, session_id)``).
 
 Must never: run engine code, read the environment at import, or do I/O at import. Files are opened
 by ``async with store:`` only.
@@ -12,20 +14,22 @@ by ``async with store:`` only.
 Theory of operation: ``append`` is the only writer of events and does everything a batch implies in
 one transaction (claim, events, run index, leases), so a reader never sees a half-applied batch.
 SQLite calls run inline on the event loop thread: an inline commit costs ~30 us where a thread hop
-costs 80-190 us, and the Runtime group-commits, so ``append`` receives batches. ``follow`` waits on
-an ``anyio.Event`` that every local write sets; writers in other processes cannot set it, so the
-SQLite store also re-reads every ``poll_interval`` seconds (the one poll kit allows).
+costs 80-190 us, and the Runtime group-commits, so ``append`` receives batches. ``follow`` (and
+``follow_requests``) wait on an ``anyio.Event`` per follower that a local write to its run sets;
+writers in other processes cannot set it, so the SQLite store also re-reads every
+``poll_interval`` seconds (the one poll kit allows; ``kit_pg``'s store hears them instead).
 """
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import operator
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -39,7 +43,8 @@ import orjson
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
-__all__ = ("SQLiteStore", "MemoryStore", "store_from_url", "project_log_url", "BUSY_WAIT",
+__all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "event_row", "run_row",
+           "abandoned", "by_run", "RUN_COLUMNS", "BUSY_WAIT",
            "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
@@ -61,7 +66,7 @@ _ABANDONED = "the process playing this run stopped renewing its lease"
 _seq = operator.attrgetter("seq")
 
 
-def _abandoned(run_id: str, seq: int, name: str) -> Event:
+def abandoned(run_id: str, seq: int, name: str) -> Event:
     """The ``run.failed`` event that records a run whose owner stopped renewing its lease."""
     return Event(run_id, seq, RunFailed(error="RunAbandoned", message=_ABANDONED), origin=name)
 
@@ -77,35 +82,47 @@ def _check_unique(events: Sequence[Event]) -> None:
         seen.update(keys)
 
 
-def _by_run(events: Sequence[Event]) -> dict[str, list[Event]]:
+def by_run(events: Sequence[Event]) -> dict[str, list[Event]]:
+    """A batch's events grouped by run, each group in batch order."""
     out: dict[str, list[Event]] = {}
     for e in events:
         out.setdefault(e.run_id, []).append(e)
     return out
 
 
-class _Store:
-    """The shared surface: lifecycle, checks, wake-ups and ``follow``; subclasses do storage."""
+class StoreBase:
+    """The shared surface of kit's stores: lifecycle, checks, wake-ups, ``follow`` and
+    ``follow_requests``. Subclasses (``SQLiteStore``, ``MemoryStore`` here, ``kit_pg``'s
+    ``PostgresStore``) implement the storage hooks at the end of the class.
 
-    #: Seconds between re-reads while following; None when every writer is in this process.
+    The hooks run through ``_call``: here they are synchronous and run inline (``_retrying``);
+    a store whose I/O is asynchronous overrides ``_call`` (and ``_opening``/``_closing``) and
+    makes them coroutine functions. Followers wait per run: ``_woken(run_id, seq)`` wakes the
+    followers of ``run_id`` that have not seen ``seq``; a store whose other writers can tell it
+    of their commits (Postgres: LISTEN/NOTIFY) calls it for them, one that cannot re-reads every
+    ``_poll`` seconds.
+    """
+
+    #: Seconds between re-reads while following; None when every writer is heard of.
     _poll: float | None = None
 
     def __init__(self) -> None:
-        # Set by every local write and then replaced. Created by ``__aenter__`` (it needs the
-        # running backend), so one store object can be opened under asyncio and later under trio.
-        self._wake: anyio.Event | None = None
+        # Followers waiting, per run (None: control requests): [what they have, event].
+        # Created by ``__aenter__`` (the events need the running backend), so one store object
+        # can be opened under asyncio and later under trio; None while closed.
+        self._followers: dict[str | None, list[tuple[int, anyio.Event]]] | None = None
 
     @property
     def opened(self) -> bool:
         """True between ``async with store:`` (or ``__aenter__``) and ``aclose``."""
-        return self._wake is not None
+        return self._followers is not None
 
     async def __aenter__(self) -> Self:
         """Open the store; raises ``KitError`` if it is open already."""
-        if self._wake is not None:
+        if self._followers is not None:
             raise KitError("event store is already open")
-        await self._retrying(self._open)
-        self._wake = anyio.Event()
+        await self._opening()
+        self._followers = {}
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -113,19 +130,24 @@ class _Store:
 
     async def aclose(self) -> None:
         """Close the store (idempotent). Followers waiting on it wake and raise ``KitError``."""
-        if self._wake is None:
+        if self._followers is None:
             return
-        wake, self._wake = self._wake, None
-        self._close()
-        wake.set()
+        self._wake_all()
+        self._followers = None
+        await self._closing()
 
-    def _check(self) -> anyio.Event:
-        if self._wake is None:
+    async def _opening(self) -> None:
+        await self._retrying(self._open)
+
+    async def _closing(self) -> None:
+        self._close()
+
+    def _check(self) -> None:
+        if self._followers is None:
             raise KitError(_NOT_OPEN)
-        return self._wake
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a synchronous storage hook on the open store (see ``_retrying``)."""
+        """Run a storage hook on the open store (see ``_retrying``)."""
         self._check()
         return await self._retrying(fn, *args)
 
@@ -156,10 +178,50 @@ class _Store:
         """Whether ``exc`` means "locked by someone else, try again" (storage-specific)."""
         return False
 
-    def _notify(self) -> None:
-        wake, self._wake = self._check(), anyio.Event()
-        wake.set()
+    # ---------------------------------------------------------------------- wake-ups --
+    def _woken(self, run_id: str | None, seq: int | None) -> None:
+        """Wake the followers of ``run_id`` (None: of control requests) that have not seen
+        ``seq`` (None: all of them)."""
+        waiting = self._followers.get(run_id) if self._followers is not None else None
+        if waiting:
+            for after, event in waiting:
+                if seq is None or after < seq:
+                    event.set()
 
+    def _wake_all(self) -> None:
+        """Wake every follower: each re-reads (or finds the store closed)."""
+        for waiting in (self._followers or {}).values():
+            for _, event in waiting:
+                event.set()
+
+    def _committed(self, events: Sequence[Event]) -> None:
+        last: dict[str, int] = {}
+        for e in events:
+            last[e.run_id] = max(e.seq, last.get(e.run_id, -1))
+        for run_id, seq in last.items():
+            self._woken(run_id, seq)
+
+    async def _read_or_wait(self, key: str | None, after: int,
+                            read: Callable[[int], Awaitable[list[Any]]]) -> list[Any]:
+        """``read(after)``; when that finds nothing, wait for a wake-up of ``key`` (or
+        ``_poll`` seconds) and return []. The waiter is registered before reading, so no commit
+        can slip between the read and the wait. Raises ``KitError`` if the store is closed."""
+        self._check()
+        entry = (after, anyio.Event())
+        waiting = self._followers.setdefault(key, [])  # type: ignore[union-attr]
+        waiting.append(entry)
+        try:
+            found = await read(after)
+            if not found:
+                with anyio.move_on_after(self._poll):
+                    await entry[1].wait()
+            return found
+        finally:
+            waiting.remove(entry)
+            if not waiting and self._followers is not None and self._followers.get(key) is waiting:
+                del self._followers[key]
+
+    # ------------------------------------------------------------------------- the port --
     async def append(self, events: Sequence[Event], *, claims: Sequence[Claim] = ()) -> None:
         """Append a batch atomically; durable when this returns.
 
@@ -177,7 +239,7 @@ class _Store:
         _check_unique(events)
         if events or claims:
             await self._call(lambda: self._append(events, claims, time.time()))
-            self._notify()
+            self._committed(events)
 
     async def read(self, run_id: str, after: int = -1) -> list[Event]:
         """The run's committed events with ``seq > after``, in seq order ([] for an unknown run)."""
@@ -192,8 +254,7 @@ class _Store:
         the store is not open or is closed while following.
         """
         while True:
-            wake = self._check()  # taken before reading, so no write can slip between the two
-            batch = await self.read(run_id, after)
+            batch = await self._read_or_wait(run_id, after, functools.partial(self.read, run_id))
             for i, event in enumerate(batch):
                 yield event
                 after = event.seq
@@ -202,9 +263,15 @@ class _Store:
                 if event.payload.ends == "parking" and i == len(batch) - 1 \
                         and not await self.read(run_id, after):
                     return  # parked now: a stream ends here, the run does not
-            if not batch:
-                with anyio.move_on_after(self._poll):
-                    await wake.wait()
+
+    async def follow_requests(self, after: int = 0) -> AsyncIterator[ControlRequest]:
+        """Yield the control requests with an id above ``after``, oldest first: those recorded
+        already, then each new one (from this process or another) as it is recorded, forever.
+        Raises ``KitError`` if the store is not open or is closed while following."""
+        while True:
+            for req in await self._read_or_wait(None, after, self.requests):
+                yield req
+                after = req.id
 
     async def runs(self, *, status: RunStatus | None = None, name: str | None = None,
                    session_id: str | None = None) -> list[RunInfo]:
@@ -229,8 +296,8 @@ class _Store:
         its claim is freed.
         """
         reaped = await self._call(lambda: self._reap(time.time()))
-        if reaped:
-            self._notify()
+        for run_id in reaped:
+            self._woken(run_id, None)
         return reaped
 
     async def request(self, run_id: str, action: str, reason: str | None = None,
@@ -246,7 +313,7 @@ class _Store:
         if await self._call(self._run_info, run_id) is None:
             raise UnknownRunError(run_id)
         request_id = await self._call(lambda: self._request(run_id, action, reason, source, time.time()))
-        self._notify()
+        self._woken(None, request_id)
         return request_id
 
     async def requests(self, after: int = 0) -> list[ControlRequest]:
@@ -297,10 +364,11 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS controls(id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, "
     "action TEXT NOT NULL, reason TEXT, source TEXT, at REAL NOT NULL)",
 )
-_RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
+RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
 
 
-def _row(e: Event) -> tuple[str, int, str, str]:
+def event_row(e: Event) -> tuple[str, int, str, str]:
+    """``(run_id, seq, kind, body)``: an event as the stores keep it, ``body`` its JSON text."""
     # orjson (a dependency of langgraph's): ~5x faster than json here, on every event written.
     obj = e.to_json()
     try:
@@ -310,7 +378,8 @@ def _row(e: Event) -> tuple[str, int, str, str]:
     return e.run_id, e.seq, e.kind, body
 
 
-def _run_row(r: tuple[Any, ...]) -> RunInfo:
+def run_row(r: tuple[Any, ...]) -> RunInfo:
+    """A ``RunInfo`` from a row of ``RUN_COLUMNS`` (``started_at`` as ISO text)."""
     return RunInfo(r[0], r[1], r[2], r[3], r[4], RunStatus(r[5]), datetime.fromisoformat(r[6]), r[7])
 
 
@@ -350,7 +419,7 @@ class _Checkpointer(threading.Thread):
             db.close()
 
 
-class SQLiteStore(_Store):
+class SQLiteStore(StoreBase):
     """The log in one SQLite file (WAL), shared by every process that opens the same path.
 
     ``poll_interval`` bounds how late a follower sees events written by another process; events
@@ -371,6 +440,11 @@ class SQLiteStore(_Store):
 
     def __repr__(self) -> str:
         return f"SQLiteStore({self.path!r})"
+
+    @property
+    def url(self) -> str:
+        """The ``KIT_STORE`` URL that names this store (its durable workflows checkpoint beside it)."""
+        return f"sqlite:///{self.path}"
 
     @property
     def _con(self) -> sqlite3.Connection:
@@ -425,14 +499,14 @@ class SQLiteStore(_Store):
             raise
 
     def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:
-        rows = [_row(e) for e in events]  # serialised before the write lock is taken
+        rows = [event_row(e) for e in events]  # serialised before the write lock is taken
         try:
             with self._tx() as db:
                 for claim in claims:
                     self._claim(db, claim, now)
                 db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
                 claimed = {c.run_id for c in claims}
-                for run_id, run_events in _by_run(events).items():
+                for run_id, run_events in by_run(events).items():
                     status = fold_status(e.kind for e in run_events)
                     last = max(map(_seq, run_events))
                     first = run_events[0]
@@ -475,8 +549,8 @@ class SQLiteStore(_Store):
         name, last = db.execute("SELECT (SELECT name FROM runs WHERE run_id = ?), "
                                 "(SELECT MAX(seq) FROM events WHERE run_id = ?)",
                                 (run_id, run_id)).fetchone()
-        event = _abandoned(run_id, 0 if last is None else last + 1, name or "")
-        db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", _row(event))
+        event = abandoned(run_id, 0 if last is None else last + 1, name or "")
+        db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", event_row(event))
         db.execute("UPDATE runs SET status = ?, last_seq = ? WHERE run_id = ?",
                    (RunStatus.FAILED.value, event.seq, run_id))
         db.execute("DELETE FROM leases WHERE run_id = ?", (run_id,))
@@ -502,19 +576,19 @@ class SQLiteStore(_Store):
     def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None) -> list[RunInfo]:
         where = [(c, v) for c, v in (("status", status.value if status else None), ("name", name),
                                      ("session_id", session_id)) if v is not None]
-        sql = f"SELECT {_RUN_COLUMNS} FROM runs"
+        sql = f"SELECT {RUN_COLUMNS} FROM runs"
         terms = [f"{c} = ?" for c, _ in where]
         if status is not None and status not in _FINISHED:
             terms.append(_LIVE)  # the partial index's own term, so SQLite can use it
         if terms:
             sql += " WHERE " + " AND ".join(terms)
         rows = self._con.execute(sql + " ORDER BY started_at, run_id", [v for _, v in where])
-        return [_run_row(r) for r in rows.fetchall()]
+        return [run_row(r) for r in rows.fetchall()]
 
     def _run_info(self, run_id: str) -> RunInfo | None:
-        row = self._con.execute(f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?",
+        row = self._con.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?",
                                 (run_id,)).fetchone()
-        return None if row is None else _run_row(row)
+        return None if row is None else run_row(row)
 
     def _busy(self, exc: Exception) -> bool:
         return isinstance(exc, sqlite3.OperationalError) and (
@@ -566,11 +640,13 @@ class _Lease:
     until: float | None  # None = parked
 
 
-class MemoryStore(_Store):
+class MemoryStore(StoreBase):
     """The log in this process's memory: same semantics as ``SQLiteStore``, nothing persisted.
 
     Data survives ``aclose`` and reopening the same object, and nothing else.
     """
+
+    url = "memory"  # the KIT_STORE URL that names it
 
     def __init__(self) -> None:
         super().__init__()
@@ -609,7 +685,7 @@ class MemoryStore(_Store):
             if isinstance(p := e.payload, RunStarted):
                 self._index[e.run_id] = RunInfo(e.run_id, p.name, p.invocable, p.session_id,
                                                 p.namespace, RunStatus.RUNNING, e.at, p.parent_run_id)
-        for run_id, run_events in _by_run(events).items():
+        for run_id, run_events in by_run(events).items():
             status, info = fold_status(e.kind for e in run_events), self._index.get(run_id)
             if status is not None and info is not None:
                 self._index[run_id] = replace(info, status=status)
@@ -629,7 +705,7 @@ class MemoryStore(_Store):
 
     def _abandon(self, run_id: str) -> None:
         log, info = self._logs.get(run_id), self._index.get(run_id)
-        self._insert(_abandoned(run_id, log[-1].seq + 1 if log else 0, info.name if info else ""))
+        self._insert(abandoned(run_id, log[-1].seq + 1 if log else 0, info.name if info else ""))
         if info is not None:
             self._index[run_id] = replace(info, status=RunStatus.FAILED)
         del self._leases[run_id]
@@ -672,23 +748,7 @@ class MemoryStore(_Store):
                      if lease.session_id == session_id and lease.namespace == namespace), None)
 
 
-# ==================================================================================== factory ====
-
-def store_from_url(url: str, *, sqlite_sync: str | None = None) -> SQLiteStore | MemoryStore:
-    """Build (not open) the store a ``KIT_STORE``-style URL names.
-
-    ``memory``, ``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``; ``sqlite_sync``
-    (``KIT_SQLITE_SYNC``: ``NORMAL``, the default, or ``FULL``) is SQLite's ``synchronous``.
-    Raises ``ConfigError`` naming the URL for anything else (``postgresql://`` is not supported
-    yet), or naming a bad ``sqlite_sync``.
-    """
-    if url == "memory":
-        return MemoryStore()
-    if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
-        return SQLiteStore(url[len("sqlite:///"):], synchronous=(sqlite_sync or "NORMAL").upper())
-    raise ConfigError(f"unsupported store URL {url!r}: use 'memory', 'sqlite:///relative/path.db' "
-                      "or 'sqlite:////absolute/path.db' (postgresql:// is not supported yet)")
-
+# ================================================================================== locations ====
 
 def project_log_url(project: str | os.PathLike[str]) -> str:
     """The store URL of a project's own log, ``<project>/.state/kit.db`` as an absolute

@@ -2,9 +2,11 @@
 
 Owns: compiling a ``Workflow`` for Deck runs (``compile_workflow``: a copy of its graph whose
 nodes that declare a ``Context`` receive the run's), the checkpointers (``open_graphs``: durable
-workflows on a SQLite file beside the log, the others in memory), playing and resuming a run
-(``WorkflowEngine.play``), reading parked threads off a checkpointer (``due_threads``), the
-headless ``Workflow.run``/``resume`` (``run_headless``) and workflow-as-tool (``workflow_tool``).
+workflows on a SQLite file beside the log or in the Postgres schema of the log, the others in
+memory) and the locks that keep two tickers off one thread (``ThreadLocks``), playing and
+resuming a run (``WorkflowEngine.play``), reading parked threads off a checkpointer
+(``due_threads``), the headless ``Workflow.run``/``resume`` (``run_headless``) and
+workflow-as-tool (``workflow_tool``).
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
@@ -42,13 +44,18 @@ from kit_core import (
     InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
     RunPaused, RunSleeping, Usage, jsonable, new_run_id,
 )
+from kit_pg import open_pool, pg_url, setup_lock
 
 if TYPE_CHECKING:
     from kit_catalog import Workflow
 
 __all__ = ("compile_workflow", "WorkflowEngine", "open_graphs", "checkpoint_path", "due_threads",
-           "run_headless", "workflow_tool", "child_tool")
+           "still_due", "ThreadLocks", "PgThreadLocks", "run_headless", "workflow_tool",
+           "child_tool", "CHECKPOINT_POOL")
 
+#: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
+#: share them, and a ticker holds one per thread it is resuming.
+CHECKPOINT_POOL = 4
 _CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"
 _NO_VALUE = object()
@@ -217,35 +224,115 @@ def checkpoint_path(store_path: str) -> str:
     return f"{root}.checkpoints{ext or '.db'}"
 
 
-async def open_graphs(specs: Sequence[InvocableSpec], store_path: str | None
-                      ) -> tuple[dict[str, Any], Callable[[], Awaitable[None]] | None]:
-    """Engine side: each workflow compiled with its checkpointer, and how to close them.
+async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
+                      ) -> tuple[dict[str, Any], Callable[[], Awaitable[None]] | None, ThreadLocks]:
+    """Engine side: each workflow compiled with its checkpointer, how to close them, and the
+    locks that keep two tickers off one thread.
 
-    Durable workflows share one ``AsyncSqliteSaver`` on ``checkpoint_path(store_path)``, with
-    ``synchronous=NORMAL`` like the log; with a store that has no file, and for the others, each
-    has an in-memory saver. Returns ``(graphs by name, close)`` where ``close`` (engine side)
-    closes the file, or None when there is none.
+    Durable workflows share one persistent saver where the log is: an ``AsyncSqliteSaver`` on
+    ``checkpoint_path`` beside a ``sqlite:///`` log (``synchronous=NORMAL`` like the log), an
+    ``AsyncPostgresSaver`` in the schema of a ``postgresql://`` log (its tables created once when
+    replicas open together); with any other store, and for the others, each has an in-memory
+    saver. Returns ``(graphs by name, close, locks)`` where ``close`` (engine side) closes the
+    file or the pool, or is None when there is none.
     """
     from langgraph.checkpoint.memory import InMemorySaver
-    path = checkpoint_path(store_path) if store_path else None
-    graphs, durable, db = {}, None, None
+    durable, close, locks = None, None, ThreadLocks()
+    if store_url and any(s.kind == "workflow" and s.engine.durable for s in specs):
+        if store_url.startswith("sqlite:///"):
+            import aiosqlite
+            from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+            db = await aiosqlite.connect(checkpoint_path(store_url[len("sqlite:///"):]))
+            await db.execute("PRAGMA busy_timeout=5000")
+            await db.execute("PRAGMA synchronous=NORMAL")
+            durable, close = AsyncSqliteSaver(db), db.close
+            await durable.setup()
+        elif store_url.startswith(("postgresql://", "postgres://")):
+            from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+            from psycopg.rows import dict_row
+            conninfo, schema = pg_url(store_url)
+            # The saver's own connection settings (AsyncPostgresSaver.from_conn_string's).
+            pool = await open_pool(conninfo, schema, max_size=CHECKPOINT_POOL,
+                                   prepare_threshold=0, row_factory=dict_row)
+            try:
+                durable, close, locks = AsyncPostgresSaver(pool), pool.close, PgThreadLocks(pool)
+                async with setup_lock(pool, f"kit:checkpoints:{schema}"):
+                    await durable.setup()
+            except BaseException:
+                await pool.close()
+                raise
+    graphs = {}
     for spec in specs:
-        if spec.kind != "workflow":
-            continue
-        if spec.engine.durable and path:
-            if durable is None:
-                import aiosqlite
-                from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
-                db = await aiosqlite.connect(path)
-                await db.execute("PRAGMA busy_timeout=5000")
-                await db.execute("PRAGMA synchronous=NORMAL")
-                durable = AsyncSqliteSaver(db)
-                await durable.setup()
-            saver = durable
-        else:
-            saver = InMemorySaver()
-        graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
-    return graphs, (db.close if db is not None else None)
+        if spec.kind == "workflow":
+            saver = durable if spec.engine.durable and durable is not None else InMemorySaver()
+            graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
+    return graphs, close, locks
+
+
+class ThreadLocks:
+    """Engine side: which checkpoint threads a ticker of this process is resuming, so a thread
+    that only the checkpointer knows (no parked run in the log to fence it) is resumed once.
+
+    ``acquire(key)`` is False when another ticker holds ``key``. Here the holders are this
+    process's; ``PgThreadLocks`` makes them every replica's.
+    """
+
+    def __init__(self) -> None:
+        self._held: set[str] = set()
+
+    async def acquire(self, key: str) -> bool:
+        if key in self._held:
+            return False
+        self._held.add(key)
+        return True
+
+    async def release(self, key: str) -> None:
+        self._held.discard(key)
+
+
+class PgThreadLocks(ThreadLocks):
+    """``ThreadLocks`` as Postgres session advisory locks, on a pooled connection held while
+    locked: two replicas ticking at once resume a thread once, and a replica that dies mid-way
+    frees its locks with its connections (notes/CONVENTIONS.md A5)."""
+
+    def __init__(self, pool: Any) -> None:
+        super().__init__()
+        self._pool, self._conns = pool, {}
+
+    async def acquire(self, key: str) -> bool:
+        if not await super().acquire(key):
+            return False
+        conn = await self._pool.getconn()
+        try:
+            row = await (await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0)) "
+                                            "AS got", (f"kit:thread:{key}",))).fetchone()
+        except BaseException:
+            await self._pool.putconn(conn)
+            await super().release(key)
+            raise
+        if not row["got"]:
+            await self._pool.putconn(conn)
+            await super().release(key)
+            return False
+        self._conns[key] = conn
+        return True
+
+    async def release(self, key: str) -> None:
+        conn = self._conns.pop(key, None)
+        await super().release(key)
+        if conn is not None:
+            try:
+                await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
+                                   (f"kit:thread:{key}",))
+            finally:
+                await self._pool.putconn(conn)
+
+
+async def still_due(graph: Any, key: str, interrupt_id: str) -> bool:
+    """Engine side: whether thread ``key`` of ``graph`` still waits on ``interrupt_id`` (a
+    ticker that listed it may find another one resumed it since)."""
+    ct = await graph.checkpointer.aget_tuple(_config(key))
+    return ct is not None and any(i.id == interrupt_id for i in _pending_interrupts(ct))
 
 
 def _pending_interrupts(ct: Any) -> list[Any]:

@@ -22,6 +22,7 @@ from kit import (
     Agent, AudioBlock, ConfigError, ContentError, Context, DataBlock, Deck, DeckStateError, Event,
     ImageBlock, ResourceBlock, RunStatus, ScriptedModel, SessionBusyError, TextBlock,
 )
+from kit_pg import store_from_url
 from kit_store import MemoryStore, SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -494,6 +495,49 @@ async def test_redis_session(monkeypatch, store, redis_url):
     stored = [json.loads(x) for x in r.lrange("kit:session:conv-1:messages", 0, -1)]
     assert [i.get("role") for i in stored] == ["user", "assistant", "user", "assistant"]
     r.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_durable_sessions_outlive_the_deck(monkeypatch, store, tmp_path, request, kind):
+    """KIT_SESSION=sqlite:///path (the SDK's SQLiteSession) and postgresql:// (its
+    SQLAlchemySession, in the URL's schema): a conversation goes on in a deck opened later."""
+    url = (f"sqlite:///{tmp_path / 'sessions.db'}" if kind == "sqlite"
+           else request.getfixturevalue("postgres_url"))
+    monkeypatch.setenv("KIT_SESSION", url)
+    model = ScriptedModel(["Hi Ana.", "You are Ana."])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        await deck.run("a", "I am Ana", session_id="conv-1")
+        assert type(deck.session_for("conv-1")).__name__ == {
+            "sqlite": "SQLiteSession", "postgres": "SQLAlchemySession"}[kind]
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        await deck.run("a", "Who am I?", session_id="conv-1")
+    said = [(i.get("role"), str(i.get("content"))) for i in model.calls[-1]["input"]]
+    assert [r for r, _ in said] == ["user", "assistant", "user"] and "I am Ana" in said[0][1]
+
+
+def test_a_session_url_of_another_kind_is_refused_with_its_password_masked(monkeypatch):
+    import kit_agents
+    with pytest.raises(ConfigError, match=r"KIT_SESSION must be") as info:
+        kit_agents.Sessions("mysql://u:s3cret@h/db", None)
+    assert "s3cret" not in str(info.value)
+
+
+async def test_a_run_outlives_postgres_dropping_its_connections(postgres_url, anyio_backend):
+    """The writer retries a batch whose connection died (its commit may or may not have
+    happened): the run completes and its log has every seq once."""
+    from test_kit_store import kill_connections
+    reply = " ".join(f"w{i}" for i in range(400))
+    async with store_from_url(postgres_url) as store:
+        async with Deck([Agent("a", model=ScriptedModel([reply]))], store=store) as deck:
+            kills = 0
+            with anyio.fail_after(60):
+                async for event in deck.stream("a", "go", committed=True):
+                    if event.kind == "text.delta" and event.seq % 50 == 0:
+                        kills += await anyio.to_thread.run_sync(kill_connections, postgres_url, "kit")
+            log = await store.read(event.run_id)
+    assert kills and event.kind == "run.completed"
+    assert [e.seq for e in log] == list(range(len(log))) and log[-1].kind == "run.completed"
+    assert sum(e.kind == "text.delta" for e in log) == 400
 
 
 # --------------------------------------------------------------------------- run endings ----

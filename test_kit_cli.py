@@ -15,6 +15,7 @@ import pytest
 
 import kit
 import kit_cli as cli
+from kit_pg import store_from_url
 from kit_store import SQLiteStore
 from test_kit_control import Gate
 
@@ -40,22 +41,21 @@ def kit_cli(*args: str) -> Ran:
     return Ran(code, out.getvalue(), err.getvalue())
 
 
-async def test_runs_list_reads_the_log(tmp_path):
-    db = tmp_path / "kit.db"
-    async with SQLiteStore(db) as store:
+async def test_runs_list_reads_the_log(shared_url):
+    async with store_from_url(shared_url) as store:
         model = kit.ScriptedModel(["hi", RuntimeError("down")])
         async with kit.Deck([kit.Agent("greeter", model=model)], store=store) as deck:
             ok = await deck.run("greeter", "hello", session_id="s1")
             with pytest.raises(RuntimeError):
                 await deck.run("greeter", "again", session_id="s2")
-    out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", f"sqlite:///{db}")
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url)
     assert out.returncode == 0, out.stderr
     header, *lines = out.stdout.splitlines()
     assert header.split() == ["RUN_ID", "STATUS", "NAME", "SESSION", "STARTED"]
     assert len(lines) == 2 and lines[0].startswith(ok.run_id) and "COMPLETED" in lines[0]
     assert "FAILED" in lines[1] and "s2" in lines[1]
     assert [line.index("greeter") for line in lines] == [header.index("NAME")] * 2  # columns align
-    out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", f"sqlite:///{db}",
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url,
                                          "--status", "FAILED", "--json")
     [row] = [json.loads(line) for line in out.stdout.splitlines()]
     assert (row["status"], row["name"], row["session_id"]) == ("FAILED", "greeter", "s2")

@@ -17,7 +17,8 @@ import pytest
 import kit
 import kit_store
 from kit import Claim, Event, RunStatus
-from kit_store import MemoryStore, SQLiteStore, store_from_url
+from kit_pg import SCHEMA_VERSION, PostgresStore, pg_url, store_from_url
+from kit_store import MemoryStore, SQLiteStore
 
 pytestmark = pytest.mark.anyio
 
@@ -39,11 +40,17 @@ def kinds(events: list[Event]) -> list[str]:
     return [e.kind for e in events]
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> kit_store.StoreBase:
+    if kind == "postgres":
+        return PostgresStore(request.getfixturevalue("postgres_url"))
+    return MemoryStore() if kind == "memory" else SQLiteStore(tmp_path / "kit.db")
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
 async def store(request, tmp_path, anyio_backend):
-    s = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "kit.db")
-    async with s:
+    async with make_store(request.param, tmp_path, request) as s:
         yield s
+
 
 
 # ==================================================================================== the log ====
@@ -211,8 +218,8 @@ async def test_reap_abandons_lapsed_runs_once(store):
     assert (await store.run_info("c")).status is RunStatus.RUNNING
 
 
-async def test_two_sqlite_reapers_write_one_failure(tmp_path):
-    async with SQLiteStore(tmp_path / "kit.db") as one, SQLiteStore(tmp_path / "kit.db") as two:
+async def test_two_reapers_write_one_failure(shared_url):
+    async with store_from_url(shared_url) as one, store_from_url(shared_url) as two:
         await one.append([started("r1")], claims=[Claim("r1", "dead", 0.05)])
         await anyio.sleep(0.1)
         async with anyio.create_task_group() as tg:
@@ -283,9 +290,9 @@ async def test_closing_the_store_ends_a_waiting_follow(store):
 # =========================================================================== cross-process ====
 
 CHILD_RUN = """
-import sys, anyio, kit, kit_store
+import sys, anyio, kit, kit_pg
 async def main():
-    async with kit_store.SQLiteStore(sys.argv[1]) as store:
+    async with kit_pg.store_from_url(sys.argv[1]) as store:
         await store.append([kit.Event("r1", 0, kit.RunStarted("child", "agent"))])
         print("started", flush=True)
         if sys.argv[2] == "wait":
@@ -298,9 +305,9 @@ async def main():
 anyio.run(main)
 """
 CHILD_CLAIM = """
-import sys, time, anyio, kit, kit_store
+import sys, time, anyio, kit, kit_pg
 async def main():
-    async with kit_store.SQLiteStore(sys.argv[1]) as store:
+    async with kit_pg.store_from_url(sys.argv[1]) as store:
         await store.append([kit.Event("old", 0, kit.RunStarted("child", "agent", "s"))],
                            claims=[kit.Claim("old", "child", 0.3, session_id="s")])
         print(time.time() + 0.3, flush=True)
@@ -308,10 +315,10 @@ async def main():
 anyio.run(main)
 """
 CHILD_WRITER = """
-import sys, anyio, kit, kit_store
+import sys, anyio, kit, kit_pg
 async def main():
     run_id = sys.argv[2]
-    async with kit_store.SQLiteStore(sys.argv[1]) as store:
+    async with kit_pg.store_from_url(sys.argv[1]) as store:
         print("ready", flush=True)
         sys.stdin.readline()
         events = [kit.Event(run_id, 0, kit.RunStarted(run_id, "agent"))]
@@ -335,11 +342,11 @@ async def readline(proc: anyio.abc.Process) -> str:
     return line.decode().strip()
 
 
-async def test_follow_sees_another_process_live_through_the_poll(tmp_path):
+async def test_follow_sees_another_process_live(shared_url):
     got: list[Event] = []
     first = anyio.Event()
 
-    async with SQLiteStore(tmp_path / "kit.db", poll_interval=0.02) as store:
+    async with store_from_url(shared_url) as store:
         async def collect() -> None:
             async for e in store.follow("r1"):
                 got.append(e)
@@ -349,7 +356,7 @@ async def test_follow_sees_another_process_live_through_the_poll(tmp_path):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(collect)
                 await anyio.sleep(0.01)
-                async with await spawn(CHILD_RUN, str(tmp_path / "kit.db"), "wait") as proc:
+                async with await spawn(CHILD_RUN, shared_url, "wait") as proc:
                     await first.wait()  # the child is blocked on stdin: this arrived live
                     assert kinds(got) == ["run.started"]
                     await proc.stdin.send(b"go\n")
@@ -360,10 +367,10 @@ async def test_follow_sees_another_process_live_through_the_poll(tmp_path):
         assert log[1:6] == got[1:6] and (await store.run_info("r1")).status is RunStatus.COMPLETED
 
 
-async def test_a_killed_process_lease_lapses_and_its_session_is_taken_over(tmp_path):
-    async with SQLiteStore(tmp_path / "kit.db") as store:
+async def test_a_killed_process_lease_lapses_and_its_session_is_taken_over(shared_url):
+    async with store_from_url(shared_url) as store:
         with anyio.fail_after(20):
-            async with await spawn(CHILD_CLAIM, str(tmp_path / "kit.db")) as proc:
+            async with await spawn(CHILD_CLAIM, shared_url) as proc:
                 until = float(await readline(proc))
                 proc.kill()  # SIGKILL: it never renews
                 await proc.wait()
@@ -381,11 +388,10 @@ async def test_a_killed_process_lease_lapses_and_its_session_is_taken_over(tmp_p
         assert (await store.run_info("old")).status is RunStatus.FAILED
 
 
-async def test_two_processes_append_concurrently_without_lock_errors(tmp_path):
-    db = str(tmp_path / "kit.db")
-    async with SQLiteStore(db) as store:
+async def test_two_processes_append_concurrently_without_lock_errors(shared_url):
+    async with store_from_url(shared_url) as store:
         with anyio.fail_after(25):
-            procs = [await spawn(CHILD_WRITER, db, run_id) for run_id in ("p1", "p2")]
+            procs = [await spawn(CHILD_WRITER, shared_url, run_id) for run_id in ("p1", "p2")]
             try:
                 for p in procs:
                     assert await readline(p) == "ready"
@@ -401,6 +407,171 @@ async def test_two_processes_append_concurrently_without_lock_errors(tmp_path):
         assert sorted(r.run_id for r in await store.runs(status=RunStatus.RUNNING)) == ["p1", "p2"]
 
 
+# ================================================================================ postgres ====
+
+async def test_postgres_wakes_other_stores_through_notify_not_a_poll(postgres_url):
+    assert PostgresStore._poll is None  # nothing re-reads on a timer: only NOTIFY wakes
+    got: list[Event] = []
+    requests: list[kit.ControlRequest] = []
+    async with store_from_url(postgres_url) as writer, store_from_url(postgres_url) as reader:
+        async def collect() -> None:
+            async for e in reader.follow("r1"):
+                got.append(e)
+
+        async def watch() -> None:
+            async for req in reader.follow_requests():
+                requests.append(req)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(collect)
+                tg.start_soon(watch)
+                await anyio.sleep(0.05)
+                await writer.append([started("r1")])
+                while not got:
+                    await anyio.sleep(0.005)
+                await writer.request("r1", "cancel", "enough", "test")
+                while not requests:
+                    await anyio.sleep(0.005)
+                await writer.append([ev("r1", 1, kit.RunCancelled("enough"))])
+                while len(got) < 2:
+                    await anyio.sleep(0.005)
+                tg.cancel_scope.cancel()
+    assert kinds(got) == ["run.started", "run.cancelled"]
+    assert [(r.run_id, r.action, r.reason) for r in requests] == [("r1", "cancel", "enough")]
+
+
+def kill_connections(url: str, name: str = "kit-listen") -> int:
+    """Terminate the store's Postgres connections named ``<name>:<schema>`` (``kit-listen``:
+    the listeners; ``kit``: the pools); how many there were."""
+    import psycopg
+    conninfo, schema = pg_url(url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return len(conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                "WHERE application_name = %s", (f"{name}:{schema}",)).fetchall())
+
+
+async def test_a_lost_listener_reconnects_and_its_followers_miss_nothing(postgres_url):
+    got: list[Event] = []
+    async with store_from_url(postgres_url) as writer, store_from_url(postgres_url) as reader:
+        async def collect() -> None:
+            async for e in reader.follow("r1"):
+                got.append(e)
+
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(collect)
+                await anyio.sleep(0.05)
+                assert await anyio.to_thread.run_sync(kill_connections, postgres_url) == 2
+                # Committed while the listeners are down: their NOTIFY reaches nobody.
+                await writer.append([started("r1"), ev("r1", 1, kit.TextDelta("a"))])
+                await writer.append([ev("r1", 2, kit.RunCompleted("a"))])
+    assert [e.seq for e in got] == [0, 1, 2]
+
+
+async def test_postgres_a_retried_batch_that_committed_is_not_written_twice(postgres_url):
+    """The writer retries a batch whose commit it could not confirm (the connection died after
+    COMMIT was sent): the identical events found in the log are that commit, not a conflict."""
+    batch = [started("r1", session_id="s"), ev("r1", 1, kit.TextDelta("a"))]
+    claim = Claim("r1", "me", 30, session_id="s")
+    async with store_from_url(postgres_url) as store:
+        await store.append(batch, claims=[claim])
+        await store.append(batch, claims=[claim])  # the retry: nothing new, no error
+        assert await store.read("r1") == batch and await store.session_holder("s") == "r1"
+        more = [ev("r1", 2, kit.TextDelta("b")), ev("r1", 3, kit.RunCompleted("ab"))]
+        await store.append(batch + more, claims=[claim])  # put back in front of newer events
+        assert await store.read("r1") == batch + more
+        assert (await store.run_info("r1")).status is RunStatus.COMPLETED
+        assert await store.session_holder("s") is None
+        with pytest.raises(kit.LogConflictError) as info:  # another writer's event: a conflict
+            await store.append([ev("r1", 4, kit.TextDelta("x")), ev("r1", 1, kit.TextDelta("z"))])
+        assert (info.value.run_id, info.value.seq) == ("r1", 1)
+        assert len(await store.read("r1")) == 4
+
+
+class CommitThenCut:
+    """A TCP proxy in front of Postgres that, once armed, lets the next ``kit_append`` call
+    reach the server and commit, then cuts the connection before the client hears of it: the
+    commit whose outcome the writer cannot know."""
+
+    def __init__(self) -> None:
+        self.armed, self.cuts = False, 0
+
+    async def serve(self, listener: anyio.abc.Listener, upstream_port: int) -> None:
+        async def handle(client: anyio.abc.ByteStream) -> None:
+            async with client, await anyio.connect_tcp("127.0.0.1", upstream_port) as server:
+                cut = anyio.Event()
+
+                async def up() -> None:
+                    async for chunk in client:
+                        await server.send(chunk)
+                        if self.armed and b"kit_append" in chunk:
+                            self.armed = False
+                            cut.set()
+
+                async def down() -> None:
+                    seen = b""
+                    async for chunk in server:
+                        if cut.is_set():
+                            seen += chunk
+                            if b"Z\x00\x00\x00\x05" in seen:  # ReadyForQuery: it committed
+                                self.cuts += 1
+                                tg.cancel_scope.cancel()  # closes both sides unanswered
+                                return
+                            continue
+                        await client.send(chunk)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(up)
+                    tg.start_soon(down)
+
+        await listener.serve(handle)
+
+
+async def test_postgres_a_commit_whose_answer_was_lost_is_retried_once(postgres_url):
+    import psycopg
+    proxy = CommitThenCut()
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            anyio.create_task_group() as tg:
+        tg.start_soon(proxy.serve, listener, 5432)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        url = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
+        batch = [started("r1", session_id="s"), ev("r1", 1, kit.TextDelta("a"))]
+        claim = Claim("r1", "me", 30, session_id="s")
+        with anyio.fail_after(20):
+            async with store_from_url(url) as store:
+                proxy.armed = True
+                with pytest.raises(psycopg.OperationalError):  # the writer would retry it
+                    await store.append(batch, claims=[claim])
+                assert proxy.cuts == 1 and await store.read("r1") == batch  # committed though
+                await store.append(batch, claims=[claim])  # the retry: taken as done
+                assert await store.read("r1") == batch and await store.session_holder("s") == "r1"
+        tg.cancel_scope.cancel()
+
+
+async def test_postgres_schema_is_versioned_and_a_newer_one_refused(postgres_url):
+    import psycopg
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1")])
+    async with store_from_url(postgres_url) as store:  # opened again: nothing recreated
+        assert kinds(await store.read("r1")) == ["run.started"]
+    conninfo, schema = pg_url(postgres_url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        assert conn.execute(f"SELECT value FROM {schema}.kit_meta").fetchall() == [(str(SCHEMA_VERSION),)]
+        conn.execute(f"UPDATE {schema}.kit_meta SET value = '99'")
+    with pytest.raises(kit.ConfigError, match="version 99, newer"):
+        async with store_from_url(postgres_url):
+            pass
+
+
+async def test_postgres_that_cannot_be_reached_fails_the_open_without_the_password(anyio_backend):
+    store = store_from_url("postgresql://kit:s3cret@127.0.0.1:9/test?schema=nowhere")
+    with anyio.fail_after(20), pytest.raises(Exception) as info:
+        async with store:
+            pass
+    assert not store.opened and "s3cret" not in str(info.value) and "s3cret" not in repr(store)
+
+
 # ================================================================================= factory ====
 
 async def test_store_from_url_forms():
@@ -408,10 +579,21 @@ async def test_store_from_url_forms():
     rel = store_from_url("sqlite:///relative/path.db")
     assert isinstance(rel, SQLiteStore) and rel.path == "relative/path.db" and not rel.opened
     assert store_from_url("sqlite:////abs/path.db").path == "/abs/path.db"
-    for bad in ("postgresql://u@h/db", "sqlite://", "sqlite:///", "redis://x", ""):
-        with pytest.raises(kit.ConfigError, match="postgresql:// is not supported") as info:
+    pg = store_from_url("postgresql://u:s3cret@h:5433/db?schema=app_1&sslmode=disable")
+    assert isinstance(pg, PostgresStore) and pg.schema == "app_1" and not pg.opened
+    assert pg.url == "postgresql://u:s3cret@h:5433/db?schema=app_1&sslmode=disable"
+    assert "s3cret" not in repr(pg) and "u:***@h:5433" in repr(pg)
+    assert store_from_url("postgres://h/db").schema == "kit"
+    assert pg_url("postgresql://h/db?options=-c%20synchronous_commit%3Doff&schema=s") == (
+        "postgresql://h/db?options=-c%20synchronous_commit%3Doff", "s")  # libpq decodes %20 only
+    for bad in ("sqlite://", "sqlite:///", "redis://x", ""):
+        with pytest.raises(kit.ConfigError, match="unsupported store URL") as info:
             store_from_url(bad)
         assert repr(bad) in str(info.value)
+    for bad in ("redis://u:s3cret@h/0", "postgresql://u:s3cret@h/db?schema=No-Caps"):
+        with pytest.raises(kit.ConfigError) as info:  # the password never reaches an error
+            store_from_url(bad)
+        assert "s3cret" not in str(info.value) and "u:***@h" in str(info.value)
     with pytest.raises(kit.ConfigError):
         SQLiteStore("x.db", poll_interval=0)
 

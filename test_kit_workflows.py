@@ -18,6 +18,8 @@ from langgraph.graph import END, START, StateGraph
 
 import kit
 from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Workflow
+from kit_bridge import on_asyncio
+from kit_pg import pg_url, store_from_url
 from kit_store import SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -311,11 +313,11 @@ async def test_headless_run_resume_and_as_tool_write_no_log(store):
 CHILD = """
 import sys, anyio, kit
 from datetime import datetime, timezone
-from kit_store import SQLiteStore
+from kit_pg import store_from_url
 import test_kit_workflows as t
 
 async def main():
-    async with SQLiteStore(sys.argv[1]) as store:
+    async with store_from_url(sys.argv[1]) as store:
         async with kit.Deck(workflows=[t.durable_approval(), t.durable_sleeper()], store=store) as deck:
             asked = await deck.run("approval", {"log": []}, session_id="ask-1")
             slept = await deck.run("sleeper", {"log": [], "wake_at": t.NOW.isoformat()}, session_id="nap-1")
@@ -325,14 +327,13 @@ anyio.run(main)
 """
 
 
-async def test_a_durable_thread_is_answered_and_ticked_from_a_fresh_process(tmp_path):
-    db = tmp_path / "shared.db"
+async def test_a_durable_thread_is_answered_and_ticked_from_a_fresh_process(shared_url):
     out = await anyio.to_thread.run_sync(lambda: subprocess.run(
-        [sys.executable, "-c", CHILD, str(db)], cwd=HERE, capture_output=True, text=True,
+        [sys.executable, "-c", CHILD, shared_url], cwd=HERE, capture_output=True, text=True,
         timeout=120, env={**os.environ, "PYTHONPATH": str(HERE)}))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ask-1", "nap-1"]
-    async with SQLiteStore(db) as store:
+    async with store_from_url(shared_url) as store:
         async with Deck(workflows=[durable_approval(), durable_sleeper()], store=store) as deck:
             [pending] = await deck.pending()
             assert (pending.workflow, pending.thread_id) == ("approval", "ask-1")
@@ -441,3 +442,96 @@ async def test_durable_checkpoints_live_beside_the_log_not_in_it(store, monkeypa
                 assert (await deck.run("w", {"log": []}, session_id=f"t{i}"))["log"][-1] == "done"
     checkpoints = Path(kit_workflows.checkpoint_path(store.path))
     assert checkpoints.exists() and checkpoints != Path(store.path)
+
+
+async def orphans(url: str, *threads: str) -> None:
+    """Threads asleep in the checkpointer of the log at ``url`` with no run in the log."""
+    import kit_workflows
+    spec = kit_workflows.compile_workflow(durable_sleeper())
+
+    async def play() -> None:
+        graphs, close, _ = await kit_workflows.open_graphs([spec], url)
+        try:
+            for thread in threads:
+                await graphs["sleeper"].ainvoke({"log": [], "wake_at": NOW.isoformat()},
+                                                {"configurable": {"thread_id": f"sleeper::{thread}"}},
+                                                durability="sync")
+        finally:
+            await close()
+
+    await on_asyncio(play)
+
+
+TICKER = """
+import json, sys, anyio, kit
+from kit_pg import store_from_url
+import test_kit_workflows as t
+
+async def main():
+    async with store_from_url(sys.argv[1]) as store:
+        async with kit.Deck(workflows=[t.durable_sleeper()], store=store) as deck:
+            print("ready", flush=True)
+            sys.stdin.readline()
+            ticked = []
+            async def tick():
+                ticked.extend(await deck.tick(t.NOW))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tick)
+                tg.start_soon(tick)
+            print(json.dumps([x.thread_id for x in ticked]), flush=True)
+
+anyio.run(main)
+"""
+
+
+async def test_two_replicas_ticking_at_once_resume_each_thread_once(postgres_url):
+    """Two processes on one Postgres schema (two replicas) tick together: threads parked in the
+    log are fenced by its seqs, threads only the checkpointer knows by an advisory lock each."""
+    await orphans(postgres_url, "o1", "o2", "o3")
+    async with store_from_url(postgres_url) as store:
+        async with Deck(workflows=[durable_sleeper()], store=store) as deck:
+            for thread in ("l1", "l2"):
+                await deck.run("sleeper", {"log": [], "wake_at": NOW.isoformat()}, session_id=thread)
+            assert len(await deck.due_resumes(NOW)) == 5
+            ticked: list[str] = []
+
+            async def tick() -> None:
+                ticked.extend(t.thread_id for t in await deck.tick(NOW))
+
+            with anyio.fail_after(90):
+                async with await anyio.open_process(
+                        [sys.executable, "-c", TICKER, postgres_url], cwd=HERE,
+                        env={**os.environ, "PYTHONPATH": str(HERE)},
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE) as child:
+                    lines = child.stdout
+                    buf = b""
+                    while not buf.endswith(b"ready\n"):
+                        buf += await lines.receive()
+                    await child.stdin.send(b"go\n")
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(tick)
+                        tg.start_soon(tick)
+                    buf = b""
+                    while not buf.endswith(b"\n"):
+                        buf += await lines.receive()
+                    assert await child.wait() == 0
+            theirs = json.loads(buf)
+            assert theirs or ticked  # both raced; each thread went to one of them
+            assert sorted(ticked + theirs) == ["l1", "l2", "o1", "o2", "o3"]
+            assert await deck.due_resumes(NOW) == [] and await deck.tick(NOW) == []
+            runs = await store.runs()
+            assert sorted(r.session_id for r in runs) == ["l1", "l2", "o1", "o2", "o3"]
+            assert {r.status for r in runs} == {RunStatus.COMPLETED}
+
+
+async def test_postgres_checkpoints_live_in_the_schema_of_the_log(postgres_url):
+    import psycopg
+    async with store_from_url(postgres_url) as store:
+        async with Deck(workflows=[durable_approval()], store=store) as deck:
+            asked = await deck.run("approval", {"log": []}, session_id="t1")
+            assert asked.type == "interrupt"
+    conninfo, schema = pg_url(postgres_url)
+    with psycopg.connect(conninfo) as conn:
+        count = conn.execute(f"SELECT count(*) FROM {schema}.checkpoints "
+                             "WHERE thread_id = 'approval::t1'").fetchone()[0]
+    assert count > 0

@@ -1,0 +1,233 @@
+"""Scale-out: three real kit-serve processes on one PostgreSQL schema and one Redis, driven
+round-robin over HTTP (README "Scale out"). Any replica serves any request: session claims,
+pending workflows and their answers, control requests, the live tail of another replica's run,
+and the record of a replica that died (asyncio and trio workers)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+import redis
+from httpx_sse import aconnect_sse
+
+from test_kit_http import free_port
+
+pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
+#: A lapsed lease is reaped by a survivor within about this (renewals every third of it).
+LEASE = 1.5
+
+PAUSING = '''
+import asyncio
+import kit
+
+async def pause(seconds: float) -> str:
+    """Wait a while."""
+    await asyncio.sleep(seconds)
+    return "waited"
+
+agent = kit.Agent({name!r}, tools=[pause], model=kit.ScriptedModel(
+    [{{"tool": "pause", "args": {{"seconds": {seconds}}}}}, {reply!r}], cycle=True))
+'''
+TALK = '''
+import kit
+
+agent = kit.Agent("talk", model=kit.ScriptedModel(["Hello.", "Still here."], cycle=True))
+'''
+APPROVAL = '''
+import operator
+from typing import Annotated, TypedDict
+from langgraph.graph import END, START, StateGraph
+import kit
+
+class State(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+
+async def ask(state: State) -> dict:
+    answer = kit.interrupt({"question": "approve?"})
+    return {"log": [f"answer={answer}"]}
+
+g = StateGraph(State)
+g.add_node("ask", ask)
+g.add_edge(START, "ask")
+g.add_edge("ask", END)
+workflow = kit.Workflow("approval", g, durable=True)
+'''
+
+
+def project(root: Path) -> Path:
+    for kind, name, source in (("agents", "chat", PAUSING.format(name="chat", seconds=2, reply="done waiting")),
+                               ("agents", "slow", PAUSING.format(name="slow", seconds=60, reply="never")),
+                               ("agents", "talk", TALK), ("workflows", "approval", APPROVAL)):
+        path = root / kind / name / ("agent.py" if kind == "agents" else "workflow.py")
+        path.parent.mkdir(parents=True)
+        path.write_text(source)
+    return root
+
+
+def replica(root: Path, store: str, session: str, worker: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE=store, KIT_SESSION=session,
+               KIT_LEASE_SECONDS=str(LEASE), KIT_WORKER=worker, PORT=str(port), HOST="127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "kit_serve"], cwd=HERE, env=env,
+                            stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def healthy(client: httpx.AsyncClient, proc: subprocess.Popen, base: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, f"{base} did not start"
+        try:
+            if (await client.get(f"{base}/health", timeout=1)).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await anyio.sleep(0.1)
+
+
+async def frames(client: httpx.AsyncClient, url: str, into: list[dict], **kw) -> None:
+    """Every SSE frame of ``url`` (the native log route: ``event: <kind>``), in order."""
+    async with aconnect_sse(client, "GET", url, **kw) as source:
+        async for sse in source.aiter_sse():
+            into.append({"kind": sse.event, **json.loads(sse.data)})
+
+
+async def test_three_replicas_on_one_postgres_and_one_redis(tmp_path, postgres_url, redis_url,
+                                                            anyio_backend):
+    root = project(tmp_path / "proj")  # the replicas' worker is the test's backend
+    procs = [replica(root, postgres_url, redis_url, anyio_backend) for _ in range(3)]
+    (pa, a), (_, b), (_, c) = procs
+    tag = uuid.uuid4().hex[:8]  # sessions of this test only (Redis is shared)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            with anyio.fail_after(120):
+                for proc, base in procs:
+                    await healthy(client, proc, base)
+                await one_turn_per_session_and_a_live_tail(client, a, b, c, tag)
+                await cancel_from_another_replica(client, a, b, c, tag)
+                await workflow_parked_on_one_answered_on_another(client, a, b, c, tag)
+                await a_dead_replica_is_reaped_by_a_survivor(client, pa, a, b, c, tag, redis_url)
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def started_on(client: httpx.AsyncClient, base: str, agent: str, session: str,
+                     message: str = "go") -> tuple[str, object]:
+    """Start a streamed turn on ``base``: its run id (the start, with its claim, is committed
+    before the headers), and the response to read on or close."""
+    request = client.build_request("POST", f"{base}/agents/{agent}/chat?stream=true",
+                                   json={"session_id": session, "message": message})
+    response = await client.send(request, stream=True)
+    assert response.status_code == 200
+    return response.headers["x-kit-run-id"], response
+
+
+async def one_turn_per_session_and_a_live_tail(client, a, b, c, tag) -> None:
+    run_id, stream_a = await started_on(client, a, "chat", f"s1-{tag}")
+    busy = await client.post(f"{b}/agents/chat/chat", json={"session_id": f"s1-{tag}", "message": "me too"})
+    assert busy.status_code == 409 and busy.json()["error"] == "SessionBusyError"
+    tail: list[dict] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(frames, client, f"{c}/runs/{run_id}/events", tail)
+        while not any(f["kind"] == "tool.started" for f in tail):
+            await anyio.sleep(0.02)
+        assert tail[-1]["kind"] != "run.completed"  # live: the run on A is still playing
+        body = (await stream_a.aread()).decode()
+        await stream_a.aclose()
+    assert "event: done" in body
+    assert [f["seq"] for f in tail] == list(range(len(tail)))
+    assert tail[0]["kind"] == "run.started" and tail[-1]["kind"] == "run.completed"
+    assert tail[-1]["payload"]["output"] == "done waiting"
+
+
+async def cancel_from_another_replica(client, a, b, c, tag) -> None:
+    run_id, stream_a = await started_on(client, a, "chat", f"s2-{tag}")
+    tail: list[dict] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(frames, client, f"{c}/runs/{run_id}/events", tail)
+        while not any(f["kind"] == "tool.started" for f in tail):
+            await anyio.sleep(0.02)
+        asked = await client.post(f"{b}/runs/{run_id}/cancel", json={"reason": "from b"})
+        assert asked.status_code == 202
+        await stream_a.aread()
+        await stream_a.aclose()
+    kinds = [f["kind"] for f in tail]
+    # The tool finished; the next model call (the safe point) did not happen.
+    assert kinds[-3:] == ["tool.completed", "control.requested", "run.cancelled"]
+    assert tail[-1]["payload"]["reason"] == "from b" and "message.completed" not in kinds
+    assert (await client.post(f"{c}/runs/{run_id}/cancel", json={})).status_code == 409
+
+
+async def workflow_parked_on_one_answered_on_another(client, a, b, c, tag) -> None:
+    parked = (await client.post(f"{a}/workflows/approval",
+                                json={"input": {"log": []}, "thread_id": f"t1-{tag}"})).json()
+    assert parked["type"] == "interrupt"
+    pending = (await client.get(f"{c}/workflows/pending")).json()["pending"]
+    assert parked["run_id"] in [p["run_id"] for p in pending]
+    answered = await client.post(f"{b}/workflows/approval/t1-{tag}/resume", json={"value": "yes"})
+    assert answered.status_code == 200 and answered.json()["output"]["log"] == ["answer=yes"]
+    again = await client.post(f"{c}/workflows/approval/t1-{tag}/resume", json={"value": "twice"})
+    assert again.status_code == 404  # answered once
+    log: list[dict] = []
+    await frames(client, f"{a}/runs/{parked['run_id']}/events", log)
+    assert [f["kind"] for f in log].count("run.resumed") == 1 and log[-1]["kind"] == "run.completed"
+
+
+async def a_dead_replica_is_reaped_by_a_survivor(client, pa, a, b, c, tag, redis_url) -> None:
+    said = await client.post(f"{a}/agents/talk/chat", json={"session_id": f"s5-{tag}", "message": "I am Ana"})
+    assert said.status_code == 200
+    parked = (await client.post(f"{a}/workflows/approval",
+                                json={"input": {"log": []}, "thread_id": f"t2-{tag}"})).json()
+    run_id, stream_a = await started_on(client, a, "slow", f"s4-{tag}")
+    seen: list[dict] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(frames, client, f"{b}/runs/{run_id}/events", seen)
+        while not any(f["kind"] == "tool.started" for f in seen):
+            await anyio.sleep(0.02)
+        pa.kill()  # SIGKILL: no goodbye, its lease just stops being renewed
+        pa.wait(10)
+        await stream_a.aclose()
+    # B's follow of the dead replica's run ended with the survivor's record of it.
+    assert seen[-1]["kind"] == "run.failed" and seen[-1]["payload"]["error"] == "RunAbandoned"
+    free = await client.post(f"{c}/agents/talk/chat", json={"session_id": f"s4-{tag}", "message": "hi"})
+    assert free.status_code == 200  # the session is free again
+    pending = (await client.get(f"{b}/workflows/pending")).json()["pending"]
+    assert parked["run_id"] in [p["run_id"] for p in pending]  # parked runs are left alone
+    answered = await client.post(f"{c}/workflows/approval/t2-{tag}/resume", json={"value": "late"})
+    assert answered.json()["output"]["log"] == ["answer=late"]
+    # The conversation goes on on B with its history (Redis): the model saw the first turn.
+    went_on = await client.post(f"{b}/agents/talk/chat?stream=true",
+                                json={"session_id": f"s5-{tag}", "message": "Who am I?"})
+    before: list[dict] = []
+    log: list[dict] = []
+    await frames(client, f"{b}/runs/{said.headers['x-kit-run-id']}/events", before)
+    await frames(client, f"{b}/runs/{went_on.headers['x-kit-run-id']}/events", log)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        stored = [json.loads(x) for x in r.lrange(f"kit:session:s5-{tag}:messages", 0, -1)]
+        for key in r.scan_iter(f"kit:session:*{tag}*"):
+            r.delete(key)
+    finally:
+        r.close()
+    assert [i.get("role") for i in stored] == ["user", "assistant", "user", "assistant"]
+    assert "I am Ana" in json.dumps(stored[0])
+    tokens = [[f["payload"]["input_tokens"] for f in run if f["kind"] == "model.completed"]
+              for run in (before, log)]
+    assert tokens[1][0] > tokens[0][0] + 2  # "Who am I?" came with the turn before it
