@@ -56,7 +56,7 @@ from kit_pg import masked, open_pool, pg_url, setup_lock
 if TYPE_CHECKING:
     from kit_catalog import MCP, Agent, Skill
 
-__all__ = ("compile_agent", "run_headless", "AgentEngine", "Sessions", "MemorySession",
+__all__ = ("compile_agent", "run_headless", "warm_up", "AgentEngine", "Sessions", "MemorySession",
            "YIELD_EVERY", "MAX_SESSIONS")
 
 #: A streaming model call lets the loop run other tasks at least every this many events.
@@ -579,6 +579,19 @@ def run_config(traced: bool, run_id: str | None = None, session_id: str | None =
 
 
 _UNTRACED = sdk.RunConfig(tracing_disabled=True)
+
+
+async def warm_up() -> None:
+    """Engine side: pay at open what a deck's first agent turn would (~0.3 s here: the SDK
+    builds its trace provider, with an HTTP client, on its first run; schemas and genai-prices'
+    data load on first use): one throwaway SDK run of a scripted agent calling a function tool.
+    Nothing reaches the log, a session or an observer."""
+    from kit_scripted import ScriptedModel
+    model = ScriptedModel([{"tool": "ready", "args": {}}, "ok"])
+    agent = sdk.Agent(name="kit_warm_up", model=model,
+                      tools=[sdk.function_tool(lambda: "ok", name_override="ready")])
+    await sdk.Runner.run(agent, "hi", run_config=_UNTRACED)
+    _price("gpt-4o-mini", 1, 1)
 
 
 def model_clients(specs: Sequence[InvocableSpec]) -> list[Any]:

@@ -139,7 +139,16 @@ class Bridge:
         if urgent and armed < 2:
             self._token.run_sync_soon(self._set)
         elif not armed:
-            self.loop.call_later(WAKE_DELAY, self._token.run_sync_soon, self._set)
+            self.loop.call_later(WAKE_DELAY, self._wake_later)
+
+    def _wake_later(self) -> None:
+        """Loop side: the delayed wake-up, unless an urgent one (or a ``take``) came first: a
+        crossing costs the trio side a thread wake-up, so none is spent on an empty mailbox."""
+        with self._lock:
+            if self._armed != 1:
+                return
+            self._armed = 2
+        self._token.run_sync_soon(self._set)
 
     async def post_and_wait(self, item: Any) -> None:
         """Loop side: ``post`` ``(item, reply)`` urgently and wait until the trio side settles

@@ -51,7 +51,7 @@ __all__ = (
     # ports
     "EventSinkPort", "EventStorePort", "Claim", "ControlRequest",
     # runs
-    "Context", "InvocableSpec", "new_run_id",
+    "Context", "InvocableSpec", "NewRunId", "new_run_id",
 )
 
 
@@ -842,13 +842,21 @@ def aware(now: datetime | None) -> datetime:
     return now
 
 
+class NewRunId(str):
+    """A run id made by ``new_run_id``: unique by construction (a clock in nanoseconds and 64
+    random bits), so a run started with one is not first checked against the log the way a
+    caller's own id is; its start rides in the run's first commit."""
+    __slots__ = ()
+
+
 def new_run_id() -> str:
-    """A 32-hex-digit run id that sorts by creation time (like a UUIDv7).
+    """A 32-hex-digit run id that sorts by creation time (like a UUIDv7), a ``NewRunId``.
 
     Time-ordered keys make the log's b-trees grow at their right edge: measured on this machine,
-    one turn's commit costs ~68 us with them against ~102 us with random UUIDs.
+    one turn's commit costs ~68 us with them against ~102 us with random UUIDs. Pass one to
+    ``Deck.run(run_id=)`` to know a run's id before it starts at no extra commit.
     """
-    return f"{time.time_ns():016x}{os.urandom(8).hex()}"
+    return NewRunId(f"{time.time_ns():016x}{os.urandom(8).hex()}")
 
 
 class Context:

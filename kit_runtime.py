@@ -52,8 +52,8 @@ from kit_core import (
     Claim, ConfigError, ControlRequest, ControlRequested, DataBlock, DeckStateError, Due, Event,
     InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled, RunCompleted,
     RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed, RunSleeping, RunStarted,
-    RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked, TurnResult,
-    UnknownNameError, UnknownRunError, as_blocks, as_history, check_name, new_run_id,
+    NewRunId, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked,
+    TurnResult, UnknownNameError, UnknownRunError, as_blocks, as_history, check_name, new_run_id,
 )
 from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
@@ -289,6 +289,8 @@ class Runtime:
         self.graphs, self._close_graphs, self._thread_locks = await self._on_engine(
             kit_workflows.open_graphs, list(self.specs.values()), getattr(self.store, "url", None))
         await self._start_mcp()
+        if any(spec.kind == "agent" for spec in self.specs.values()):
+            await self._on_engine(kit_agents.warm_up)
 
     async def close(self) -> None:
         """Cancel the runs still playing (they record ``run.cancelled``), flush, release all."""
@@ -543,7 +545,9 @@ class Runtime:
                               "thread holds its own history")
         if namespace is not None:
             check_name("namespace", namespace)
-        run = self._new_run(spec, run_id or new_run_id(), context, session_id, namespace, streaming)
+        fenced = session_id is not None or (run_id is not None and type(run_id) is not NewRunId)
+        run = self._new_run(spec, str(run_id or new_run_id()), context, session_id, namespace,
+                            streaming)
         if spec.kind == "agent":
             blocks = as_blocks(input)
             items = spec.engine.to_input(blocks, history)  # refuses what it cannot express
@@ -560,7 +564,7 @@ class Runtime:
         started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks,
                                                   history=history), spec.name)
         try:
-            await self._start_run(run, started, fenced=session_id is not None or run_id is not None)
+            await self._start_run(run, started, fenced)
         except BaseException:
             self._streams.pop(run.run_id, None)
             raise
@@ -569,7 +573,7 @@ class Runtime:
 
     async def _start_run(self, run: _Run, started: Event, fenced: bool) -> None:
         """Write a run's start, with its claim. A start that something could refuse (a session
-        to hold, a caller's run id) is committed now, so a refusal writes nothing and reaches
+        to hold, a caller's run id that is not a ``NewRunId``) is committed now, so a refusal writes nothing and reaches
         the caller; any other rides in the run's first group commit (one transaction per short
         turn). While the store is down the start waits (``StoreUnavailableError`` after the
         stated bound, with the run recorded as failed once the store is back)."""

@@ -596,6 +596,45 @@ async def test_a_reused_run_id_is_refused(store):
                                                    "model.completed", "run.completed"]
 
 
+class CountingStore(SQLiteStore):
+    """The real SQLite store, noting what each append (one transaction) held."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.batches: list[list[str]] = []
+
+    async def append(self, events, *, claims=()):
+        self.batches.append([e.kind for e in events])
+        await super().append(events, claims=claims)
+
+
+async def test_a_run_id_from_new_run_id_costs_no_extra_commit_and_a_callers_own_is_checked_first(tmp_path):
+    async with CountingStore(tmp_path / "count.db") as store, Deck(
+            [Agent("a", model=ScriptedModel(["x"], cycle=True))], store=store) as deck:
+        run_id = kit.new_run_id()
+        await deck.run("a", "go", run_id=run_id)
+        assert store.batches == [["run.started", "text.delta", "message.completed",
+                                  "model.completed", "run.completed"]]
+        store.batches.clear()
+        await deck.run("a", "go", run_id="mine")  # a caller's id may be taken: its start first
+        assert store.batches == [["run.started"], ["text.delta", "message.completed",
+                                                   "model.completed", "run.completed"]]
+        with pytest.raises(kit.LogConflictError):  # refused before the model is called
+            await deck.run("a", "go", run_id=str(run_id))
+        assert kinds(await store.read(run_id)) == ["run.started", "text.delta", "message.completed",
+                                                   "model.completed", "run.completed"]
+
+
+async def test_the_warm_up_at_open_leaves_nothing_in_the_log_or_with_observers(tmp_path):
+    from test_kit_observers import Recorder
+    seen = Recorder()
+    async with CountingStore(tmp_path / "warm.db") as store, Deck(
+            [Agent("a", model=ScriptedModel(["x"]))], store=store, observers=[seen]):
+        pass  # open ran kit_agents.warm_up: a throwaway SDK run with a tool call
+        assert await store.runs() == []
+    assert store.batches == [] and seen.seen == []
+
+
 async def test_settings_store_is_built_and_closed_by_the_deck(tmp_path, monkeypatch):
     db = tmp_path / "from-settings.db"
     monkeypatch.setenv("KIT_STORE", f"sqlite:///{db}")
