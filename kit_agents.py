@@ -56,8 +56,8 @@ from kit_pg import masked, open_pool, pg_url, setup_lock
 if TYPE_CHECKING:
     from kit_catalog import MCP, Agent, Skill
 
-__all__ = ("compile_agent", "run_headless", "warm_up", "AgentEngine", "Sessions", "MemorySession",
-           "YIELD_EVERY", "MAX_SESSIONS")
+__all__ = ("compile_agent", "run_headless", "warm_up", "no_default_exporter", "AgentEngine",
+           "Sessions", "MemorySession", "YIELD_EVERY", "MAX_SESSIONS")
 
 #: A streaming model call lets the loop run other tasks at least every this many events.
 YIELD_EVERY = 64
@@ -579,6 +579,17 @@ def run_config(traced: bool, run_id: str | None = None, session_id: str | None =
 
 
 _UNTRACED = sdk.RunConfig(tracing_disabled=True)
+
+
+def no_default_exporter() -> None:
+    """For a process kit owns (``kit-serve``): give the SDK a trace provider without its default
+    exporter (an HTTP client to OpenAI's tracing backend: ~0.3 s and ~9 MiB to build on the first
+    run). Deck runs are untraced anyway unless a tracing observer asks for the SDK's spans, which
+    ``use_trace_processors`` then hands to this provider. A provider already set is kept."""
+    from agents.tracing import setup
+    from agents.tracing.provider import DefaultTraceProvider
+    if setup.GLOBAL_TRACE_PROVIDER is None:
+        sdk.set_trace_provider(DefaultTraceProvider())
 
 
 async def warm_up() -> None:

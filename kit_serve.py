@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             _log.error("%s is missing: pip install 'kit[%s]'", module, extra)
             return 1
     import kit  # the composition root: only the console entry point builds a deck itself
+    import kit_agents
+    kit_agents.no_default_exporter()  # this process is kit's: no exporter to OpenAI's tracing
     try:  # the observers the settings ask for, then the failed-run lines
         guard = Guard.from_env(env, bind=args.host)
         deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"),
