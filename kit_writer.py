@@ -76,6 +76,7 @@ class Writer:
         self.store, self._committed, self._give_up = store, committed, give_up
         self.down_limit = down_limit
         self._buf: list[Event] = []
+        self._first_at = 0.0  # when the oldest buffered event arrived
         self._claims: dict[str, Claim] = {}
         self._in_flight: list[Event] = []
         self._lock = anyio.Lock(fast_acquire=True)  # uncontended: no loop pass per flush
@@ -104,7 +105,10 @@ class Writer:
         self._buf.append(event)
         if claim is not None:
             self._claims[claim.run_id] = claim
-        if len(self._buf) == 1 or len(self._buf) >= FLUSH_MAX:
+        if len(self._buf) == 1:
+            self._first_at = anyio.current_time()
+            self._wake.set()
+        elif len(self._buf) >= FLUSH_MAX:
             self._wake.set()
 
     def hurry(self) -> None:
@@ -189,13 +193,18 @@ class Writer:
                 self._give_up(stuck, exc, now - self.down_since)
 
     async def run(self) -> None:
-        """The writer task: flush when FLUSH_MAX events wait, FLUSH_DELAY after the first one,
-        or at once when hurried."""
+        """The writer task: flush when FLUSH_MAX events wait, FLUSH_DELAY after the oldest
+        buffered one arrived, or at once when hurried. A run's durable write (``flush``) that
+        empties the buffer meanwhile restarts the clock: a short turn is not cut in two."""
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
-            if len(self._buf) < FLUSH_MAX and not self._hurry.is_set():
-                with anyio.move_on_after(FLUSH_DELAY):  # let a batch gather
+            while self._buf and len(self._buf) < FLUSH_MAX and not self._hurry.is_set():
+                left = self._first_at + FLUSH_DELAY - anyio.current_time()
+                if left <= 0:
+                    break
+                with anyio.move_on_after(left):  # let a batch gather
                     await self._hurry.wait()
             self._hurry = anyio.Event()
-            await self.flush()
+            if self._buf:
+                await self.flush()
