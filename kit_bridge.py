@@ -175,7 +175,8 @@ class Bridge:
             items = list(self._mail)
             self._mail.clear()
             self._armed = 0
-            self._wake = anyio.Event()
+            if self._wake.is_set():  # an unset one may be what ``pump`` waits on: keep it
+                self._wake = anyio.Event()
         return items
 
     async def pump(self, handle: Callable[[Any], Awaitable[None]]) -> None:

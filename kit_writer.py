@@ -138,9 +138,12 @@ class Writer:
             self._in_flight = batch
             try:
                 await self._append(batch, claims)
-            except BaseException:  # cancelled while backing off: the batch goes back in front
-                self._buf[:0] = batch
+            except BaseException:  # cancelled while backing off: the batch goes back in front,
+                self._buf[:0] = batch  # and the writer task takes over its retries
                 self._claims = {**claims, **self._claims}
+                if batch:
+                    self._first_at = min(self._first_at, anyio.current_time() - FLUSH_DELAY)
+                    self._wake.set()
                 raise
             finally:
                 self._in_flight = []
