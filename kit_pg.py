@@ -432,7 +432,7 @@ class PostgresStore(StoreBase):
                     raise ConfigError(f"schema {self.schema!r} is at version {row[0]}, newer than "
                                       f"this kit's {SCHEMA_VERSION}: upgrade kit")
                 # One transaction: replicas see the old schema or the new one. CREATE INDEX on
-                # an existing runs table holds its writers for the build (~0.1 s per 100k runs).
+                # an existing runs table holds its writers for the build (~0.5 s per 100k runs).
                 async with conn.transaction():
                     for statement in (*_TABLES, _APPEND):
                         await conn.execute(statement)
