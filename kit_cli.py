@@ -6,9 +6,12 @@ Must never: start or render a conversation (SPEC 1: it prints log events, never 
 the application context or secrets (neither is in the log).
 
 Commands:
-  kit runs list [--store URL] [--status S] [--name N] [--session ID] [--json]
-      The run index, oldest first: a header, then one line per run (run id, status, name,
-      session, start); ``--json``: one JSON object per run instead.
+  kit runs list [--store URL] [--status S] [--name N] [--session ID] [--limit N] [--before ID]
+                [--json]
+      A page of the run index: the ``--limit`` (default ``LIST_LIMIT``) most recent runs that
+      match, started before run ``--before`` if given, oldest first: a header, then one line per
+      run (run id, status, name, session, start); ``--json``: one JSON object per run instead.
+      When older runs match, stderr says so with the command that lists the next page.
   kit runs events <run_id> [--store URL] [--follow]
       The run's events in seq order, one JSON envelope per line; ``--follow`` then waits for the
       rest, live, until the run ends or parks.
@@ -25,16 +28,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
 import anyio
 
-from kit_core import ConfigError, EventStorePort, RunStatus, UnknownRunError, control_refusal
-from kit_pg import store_from_url
+from kit_core import (ConfigError, EventStorePort, RunInfo, RunStatus, UnknownRunError,
+                      control_refusal)
+from kit_pg import masked, store_from_url
 from kit_store import project_log_url
 
-__all__ = ("main",)
+__all__ = ("main", "LIST_LIMIT")
+
+#: Runs per page of ``kit runs list``: a screenful of the newest; older pages are one
+#: ``--before`` away, each read as one index range however long the log.
+LIST_LIMIT = 50
 
 _STORE_HELP = ("event store URL, e.g. sqlite:///app.db (default: $KIT_STORE, else the project's "
                "log, $KIT_PROJECT/.state/kit.db with KIT_PROJECT defaulting to .kit)")
@@ -45,10 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = p.add_subparsers(dest="command", required=True)
     runs = commands.add_parser("runs", help="runs in the event log").add_subparsers(
         dest="action", required=True)
-    ls = runs.add_parser("list", help="list runs, oldest first")
+    ls = runs.add_parser("list", help="list the most recent runs, oldest first")
     ls.add_argument("--status", choices=[s.value for s in RunStatus])
     ls.add_argument("--name", help="only runs of this agent or workflow")
     ls.add_argument("--session", help="only runs of this session id")
+    ls.add_argument("--limit", type=_positive, default=LIST_LIMIT,
+                    help=f"at most this many runs, the most recent (default {LIST_LIMIT})")
+    ls.add_argument("--before", metavar="RUN_ID", type=_nonempty,
+                    help="only runs started before this one (the first run of the previous page)")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     events = runs.add_parser("events", help="print a run's events as JSON lines")
     events.add_argument("run_id")
@@ -61,6 +74,22 @@ def _parser() -> argparse.ArgumentParser:
     for command in (ls, events, sig):
         command.add_argument("--store", help=_STORE_HELP)
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must be a run id, got ''")
+    return text
 
 
 class _Refused(Exception):
@@ -81,9 +110,35 @@ async def _signal(store: EventStorePort, a: argparse.Namespace) -> None:
 
 async def _list(store: EventStorePort, a: argparse.Namespace) -> None:
     async with store:  # type: ignore[attr-defined]
+        # One more than the page: whether older runs match, without counting them.
         infos = await store.runs(status=RunStatus(a.status) if a.status else None,
-                                 name=a.name, session_id=a.session)
-    if a.json:
+                                 name=a.name, session_id=a.session, limit=a.limit + 1,
+                                 before=a.before)
+    older = len(infos) > a.limit
+    infos = infos[-a.limit:]
+    _print_runs(infos, a.json)
+    if older:
+        sys.stdout.flush()  # the page first, then the hint after it on a terminal
+        print(f"kit: older runs match; the next page: {_next_page(a, infos[0].run_id)}",
+              file=sys.stderr)
+
+
+def _next_page(a: argparse.Namespace, before: str) -> str:
+    """The ``kit runs list`` command of the page before run ``before``, with this one's options
+    (a password in ``--store`` masked: it never reaches a terminal or a log)."""
+    words = ["kit", "runs", "list"]
+    for flag, value in (("--status", a.status), ("--name", a.name), ("--session", a.session),
+                        ("--store", masked(a.store) if a.store else None)):
+        if value is not None:
+            words += [flag, value]
+    if a.limit != LIST_LIMIT:
+        words += ["--limit", str(a.limit)]
+    words += ["--before", before] + (["--json"] if a.json else [])
+    return shlex.join(words)
+
+
+def _print_runs(infos: Sequence[RunInfo], as_json: bool) -> None:
+    if as_json:
         for i in infos:
             print(json.dumps({"run_id": i.run_id, "status": i.status.value, "name": i.name,
                               "invocable": i.invocable, "session_id": i.session_id,

@@ -59,16 +59,17 @@ import sniffio
 from kit_bridge import Bridge, spawn
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunInfo,
                       RunStarted, RunStatus, SessionBusyError, fold_status)
-from kit_store import (RUN_COLUMNS, MemoryStore, SQLiteStore, StoreBase, abandoned, by_run,
-                       event_row, run_row)
+from kit_store import (RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, StoreBase, abandoned,
+                       by_run, event_row, run_row, runs_query)
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
            "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "LISTEN_CHECK",
            "RECONNECT_MAX")
 
 #: The version of the tables this module creates (row ``schema_version`` of ``kit_meta``). A
-#: later release migrates from it; a store refuses a schema newer than it knows.
-SCHEMA_VERSION = 1
+#: later release migrates from it; a store refuses a schema newer than it knows. 2: the run
+#: index's listing indexes (``kit_store.RUN_INDEXES``) replace ``runs_live``.
+SCHEMA_VERSION = 2
 #: The schema a ``postgresql://`` URL without ``?schema=`` uses.
 DEFAULT_SCHEMA = "kit"
 #: Connections per store: the writer's one batch at a time, plus readers (HTTP replays, status,
@@ -191,8 +192,6 @@ async def setup_lock(pool: Any, what: str) -> AsyncIterator[Any]:
 
 # ===================================================================================== schema ====
 
-_FINISHED = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
-_LIVE = "status IN ('RUNNING', 'WAITING_HUMAN', 'SLEEPING', 'PAUSED')"
 _TABLES = (
     "CREATE TABLE IF NOT EXISTS kit_meta(key text PRIMARY KEY, value text NOT NULL)",
     "CREATE TABLE IF NOT EXISTS events(run_id text NOT NULL, seq integer NOT NULL, "
@@ -205,10 +204,13 @@ _TABLES = (
     "session_id text, owner text NOT NULL, lease_until double precision)",
     "CREATE UNIQUE INDEX IF NOT EXISTS leases_session ON leases(namespace, session_id) "
     "WHERE session_id IS NOT NULL",
-    f"CREATE INDEX IF NOT EXISTS runs_live ON runs(status) WHERE {_LIVE}",
+    *RUN_INDEXES,
     "CREATE TABLE IF NOT EXISTS controls(id bigserial PRIMARY KEY, run_id text NOT NULL, "
     "action text NOT NULL, reason text, source text, at double precision NOT NULL)",
 )
+#: What opening an older schema does besides ``_TABLES`` (whose ``IF NOT EXISTS`` add what is
+#: new), by the version it brings the schema to: removing what is gone.
+_UPGRADES = {2: ("DROP INDEX IF EXISTS runs_live",)}  # runs_status covers it
 # One statement per batch. Errors: KB001 a live or parked run holds claim HINT's session (MESSAGE:
 # its run id); KB002 the holder's lease lapsed (the caller abandons it, then retries); KB003 the
 # batch's event MESSAGE (1-based) conflicts with the log.
@@ -425,14 +427,21 @@ class PostgresStore(StoreBase):
                         "SELECT to_regclass('kit_meta') IS NOT NULL")).fetchone())[0]:
                     row = await (await conn.execute(
                         "SELECT value FROM kit_meta WHERE key = 'schema_version'")).fetchone()
-                if row is not None and int(row[0]) > SCHEMA_VERSION:
+                version = SCHEMA_VERSION if row is None else int(row[0])
+                if version > SCHEMA_VERSION:
                     raise ConfigError(f"schema {self.schema!r} is at version {row[0]}, newer than "
                                       f"this kit's {SCHEMA_VERSION}: upgrade kit")
+                # One transaction: replicas see the old schema or the new one. CREATE INDEX on
+                # an existing runs table holds its writers for the build (~0.5 s per 100k runs).
                 async with conn.transaction():
                     for statement in (*_TABLES, _APPEND):
                         await conn.execute(statement)
+                    for to, statements in _UPGRADES.items():
+                        for statement in statements if version < to else ():
+                            await conn.execute(statement)
                     await conn.execute("INSERT INTO kit_meta VALUES ('schema_version', %s) "
-                                       "ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
+                                       "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                                       (str(SCHEMA_VERSION),))
         except BaseException:
             await pool.close()
             raise
@@ -561,16 +570,11 @@ class PostgresStore(StoreBase):
                                  "ORDER BY seq", (run_id, after))
         return [Event.from_json(orjson.loads(body)) for (body,) in rows]
 
-    async def _runs(self, status: RunStatus | None, name: str | None,
-                    session_id: str | None) -> list[RunInfo]:
-        where = [(c, v) for c, v in (("status", status.value if status else None), ("name", name),
-                                     ("session_id", session_id)) if v is not None]
-        terms = [f"{c} = %s" for c, _ in where]
-        if status is not None and status not in _FINISHED:
-            terms.append(_LIVE)  # the partial index's own term
-        sql = f"SELECT {RUN_COLUMNS} FROM runs" + (" WHERE " + " AND ".join(terms) if terms else "")
-        rows = await self._fetch(sql + " ORDER BY started_at, run_id", [v for _, v in where])
-        return [run_row(r) for r in rows]
+    async def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
+                    limit: int | None, before: str | None) -> list[RunInfo]:
+        sql, args = runs_query(status, name, session_id, limit, before, "%s")
+        rows = [run_row(r) for r in await self._fetch(sql, args)]
+        return rows if limit is None else rows[::-1]
 
     async def _run_info(self, run_id: str) -> RunInfo | None:
         rows = await self._fetch(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = %s", (run_id,))

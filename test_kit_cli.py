@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -59,6 +60,69 @@ async def test_runs_list_reads_the_log(shared_url):
                                          "--status", "FAILED", "--json")
     [row] = [json.loads(line) for line in out.stdout.splitlines()]
     assert (row["status"], row["name"], row["session_id"]) == ("FAILED", "greeter", "s2")
+
+
+def next_page(ran: Ran) -> list[str] | None:
+    """The arguments of the command the hint on stderr gives for the next page, if any."""
+    hint = [line for line in ran.stderr.splitlines() if "next page" in line]
+    if not hint:
+        return None
+    words = shlex.split(hint[0].split("the next page: ", 1)[1])
+    assert words[:3] == ["kit", "runs", "list"]
+    return words[1:]
+
+
+async def test_runs_list_pages_newest_first_and_says_how_to_get_the_next_page(shared_url):
+    async with store_from_url(shared_url) as store:
+        for i in range(cli.LIST_LIMIT + 2):
+            await store.append([kit.Event(f"run-{i:03}", 0, kit.RunStarted(
+                "ab"[i % 2], "agent", f"s{i % 3}", None, ()), "a")])
+        everything = [r.run_id for r in await store.runs()]
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url)
+    header, *lines = ran.stdout.splitlines()
+    assert header.split()[0] == "RUN_ID" and ran.returncode == 0, ran.stderr
+    assert [line.split()[0] for line in lines] == everything[2:]  # the LIST_LIMIT newest
+    assert next_page(ran) == ["runs", "list", "--store", shared_url, "--before", everything[2]]
+
+    seen, args = [], ["runs", "list", "--limit", "20", "--store", shared_url]
+    while args is not None:  # each hint, run as printed, walks on to the oldest page
+        ran = await anyio.to_thread.run_sync(kit_cli, *args)
+        header, *lines = ran.stdout.splitlines()
+        assert header.split()[0] == "RUN_ID" and ran.returncode == 0, ran.stderr
+        seen[:0] = [line.split()[0] for line in lines]
+        args = next_page(ran)
+        assert args is None or args[args.index("--limit") + 1] == "20"
+    assert seen == everything and len(lines) == len(everything) % 20
+
+    args = ["runs", "list", "--name", "a", "--session", "s1", "--limit", "3", "--json",
+            "--store", shared_url]
+    expected = [r for r in everything if int(r[4:]) % 2 == 0 and int(r[4:]) % 3 == 1]
+    seen = []
+    while args is not None:  # filters and --json ride along in the hint
+        ran = await anyio.to_thread.run_sync(kit_cli, *args)
+        seen[:0] = [json.loads(line)["run_id"] for line in ran.stdout.splitlines()]
+        args = next_page(ran)
+        assert args is None or ("--json" in args and args[args.index("--name") + 1] == "a")
+    assert seen == expected and len(expected) > 3
+
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--before", everything[1],
+                                         "--store", shared_url)
+    assert [line.split()[0] for line in ran.stdout.splitlines()[1:]] == everything[:1]
+    assert ran.stderr == ""  # the oldest page: no hint
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--before", "nope",
+                                         "--store", shared_url)
+    assert ran.returncode == 1 and "'nope'" in ran.stderr
+    for bad in ("0", "-3", "many"):
+        ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--limit", bad,
+                                             "--store", shared_url)
+        assert ran.returncode == 2 and "--limit" in ran.stderr and "positive" in ran.stderr
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--before", "",
+                                         "--store", shared_url)
+    assert ran.returncode == 2 and "--before" in ran.stderr
+    if shared_url.startswith("postgresql://"):  # a password never reaches the hint
+        with_password = shared_url.replace("postgres@", "postgres:s3cret@")
+        ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", with_password)
+        assert ran.returncode == 0 and "s3cret" not in ran.stderr and "postgres:***@" in ran.stderr
 
 
 def test_usage_errors_exit_2_and_a_missing_log_exits_1(tmp_path, monkeypatch):
@@ -143,7 +207,7 @@ async def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     async with SQLiteStore(db) as store:  # more rows than a pipe holds (64 KiB)
         await store.append([kit.Event(f"run-{i:05}", 0, kit.RunStarted("a", "agent", f"s{i}", None, ()), "a")
                             for i in range(2000)])
-    for args in (["runs", "list", "--json"], ["runs", "list"]):
+    for args in (["runs", "list", "--json", "--limit", "2000"], ["runs", "list", "--limit", "2000"]):
         proc = subprocess.Popen([sys.executable, "-m", "kit_cli", *args, "--store", f"sqlite:///{db}"],
                                 cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = await anyio.to_thread.run_sync(proc.stdout.readline)  # `| head -1`

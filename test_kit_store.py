@@ -123,6 +123,172 @@ async def test_runs_listing_filters_and_status_folding(store):
     assert await store.run_info("nope") is None
 
 
+async def many_runs(store) -> list[str]:
+    """17 runs: names a/b, sessions s0-s2 or none, statuses by position, run ids chosen by
+    hand and NOT in time order, two pairs started at the same instant (ordered by run id).
+    Returns their ids oldest first."""
+    order = []
+    for i in range(17):
+        rid = f"{'zyxwvutsrqponmlkjihgfedcba'[i]}-run"  # later runs get smaller ids
+        at = i - 1 if i in (5, 12) else i  # 5 ties with 4 and 12 with 11: smaller id first
+        session_id = None if i % 4 == 3 else f"s{i % 3}"
+        batch = [started(rid, name="ab"[i % 2], session_id=session_id, at=at)]
+        if i % 3 == 0:
+            end = kit.RunFailed("ValueError", "bad") if i % 2 else kit.RunCompleted("ok")
+            batch.append(ev(rid, 1, end))
+        await store.append(batch)
+        order.append(rid)
+    for i in (5, 12):
+        order[i - 1], order[i] = order[i], order[i - 1]
+    return order
+
+
+async def walk(store, limit: int, **filters) -> list[list[str]]:
+    """Every page of a listing, newest page first, each page oldest first."""
+    pages, before = [], None
+    while True:
+        page = [r.run_id for r in await store.runs(limit=limit, before=before, **filters)]
+        if not page:
+            return pages
+        assert len(page) <= limit
+        pages.append(page)
+        before = page[0]
+
+
+async def test_runs_pages_walk_every_run_once_newest_page_first(store):
+    order = await many_runs(store)
+    assert [r.run_id for r in await store.runs()] == order  # by started_at, then run id
+    assert await walk(store, 5) == [order[12:], order[7:12], order[2:7], order[:2]]
+    assert await walk(store, 17) == [order]
+    assert await walk(store, 100) == [order]
+    assert [r.run_id for r in await store.runs(limit=1)] == [order[-1]]
+    # before= alone: every run that sorts before the cursor, oldest first; the first has none
+    assert [r.run_id for r in await store.runs(before=order[9])] == order[:9]
+    assert await store.runs(before=order[0]) == []
+    # a cursor tied on started_at with its neighbour: the run id breaks the tie
+    tied = [r.run_id for r in await store.runs() if r.started_at == T0 + timedelta(seconds=4)]
+    assert tied == sorted(tied) and len(tied) == 2
+    assert [r.run_id for r in await store.runs(limit=1, before=tied[1])] == [tied[0]]
+
+
+async def test_runs_pages_with_filters(store):
+    order = await many_runs(store)
+    everything = await store.runs()
+    for filters in ({"name": "a"}, {"session_id": "s1"}, {"status": RunStatus.RUNNING},
+                    {"status": RunStatus.FAILED}, {"status": RunStatus.COMPLETED},
+                    {"name": "b", "status": RunStatus.RUNNING},
+                    {"name": "a", "session_id": "s0", "status": RunStatus.COMPLETED}):
+        expected = [r.run_id for r in everything if all(
+            getattr(r, k) == v for k, v in filters.items())]
+        assert [r.run_id for r in await store.runs(**filters)] == expected, filters
+        assert len(expected) >= 2, filters
+        pages = await walk(store, 2, **filters)
+        assert [rid for page in reversed(pages) for rid in page] == expected, filters
+        assert all(len(page) == 2 for page in pages[:-1]), filters
+    # the cursor need not match the filters: it is a position in the listing
+    cursor = order[9]
+    assert (await store.run_info(cursor)).name == "b"
+    older_a = [r.run_id for r in everything[:9] if r.name == "a"]
+    assert [r.run_id for r in await store.runs(name="a", before=cursor)] == older_a
+    assert [r.run_id for r in await store.runs(name="a", limit=2, before=cursor)] == older_a[-2:]
+    assert await store.runs(name="nobody", limit=3, before=cursor) == []
+
+
+async def test_runs_refuses_bad_arguments_naming_them(store):
+    await many_runs(store)
+    for bad in (0, -1, 2.5, True, "5"):
+        with pytest.raises(kit.ConfigError, match=r"^limit must be a positive int, got "):
+            await store.runs(limit=bad)
+    for bad in ("", 7, b"a-run"):
+        with pytest.raises(kit.ConfigError, match=r"^before must be a non-empty str"):
+            await store.runs(before=bad)
+    with pytest.raises(kit.ConfigError, match=r"^name must be a str, got 3"):
+        await store.runs(name=3)
+    with pytest.raises(kit.ConfigError, match=r"^session_id must be a str"):
+        await store.runs(session_id=["s1"])
+    with pytest.raises(ValueError, match="BOGUS"):
+        await store.runs(status="BOGUS")
+    # runs are never removed from the log: an unknown cursor is a mistake, never an empty page
+    for kwargs in ({}, {"limit": 3}, {"name": "a", "limit": 1}):
+        with pytest.raises(kit.UnknownRunError, match="'no-such-run'") as info:
+            await store.runs(before="no-such-run", **kwargs)
+        assert info.value.run_id == "no-such-run"
+
+
+LISTINGS = [  # the index each listing walks, with and without a cursor
+    ("runs_started", {}), ("runs_status", {"status": RunStatus.FAILED}),
+    ("runs_status", {"status": RunStatus.WAITING_HUMAN}), ("runs_name", {"name": "a"}),
+    ("runs_session", {"session_id": "s1"}),
+    # COMPLETED runs skip runs_status (every turn would write it): their pages walk runs_started
+    ("runs_started", {"status": RunStatus.COMPLETED})]
+
+
+async def test_sqlite_listings_are_index_ranges_never_a_scan_and_sort(tmp_path):
+    import sqlite3
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        await many_runs(store)
+    db = sqlite3.connect(tmp_path / "kit.db")
+    for index, filters in LISTINGS:
+        for limit, before in ((None, None), (10, None), (10, "m-run"), (None, "m-run")):
+            if limit is None and index == "runs_started":
+                continue  # the whole log, asked for: one pass over runs_started, in order
+            sql, args = kit_store.runs_query(filters.get("status"), filters.get("name"),
+                                             filters.get("session_id"), limit, before, "?")
+            plan = [row[3] for row in db.execute("EXPLAIN QUERY PLAN " + sql, args)]
+            assert f"USING INDEX {index} " in plan[0] + " ", (filters, limit, before, plan)
+            assert not any("TEMP B-TREE" in step for step in plan), plan
+            assert not any(step.startswith("SCAN runs") and "INDEX" not in step
+                           for step in plan), plan
+            assert before is None or "(started_at,run_id)<" in plan[0], plan  # a range
+    db.close()
+
+
+async def test_sqlite_a_log_written_before_the_listing_indexes_gets_them_at_open(tmp_path):
+    import sqlite3
+    path = tmp_path / "kit.db"
+    with sqlite3.connect(path) as db:  # the run index as kit wrote it before RUN_INDEXES
+        db.execute("CREATE TABLE runs(run_id TEXT PRIMARY KEY, name TEXT NOT NULL, "
+                   "invocable TEXT NOT NULL, session_id TEXT, namespace TEXT, parent_run_id TEXT, "
+                   "status TEXT NOT NULL, started_at TEXT NOT NULL, last_seq INTEGER NOT NULL)")
+        db.execute("CREATE INDEX runs_live ON runs(status) WHERE status IN "
+                   "('RUNNING', 'WAITING_HUMAN', 'SLEEPING', 'PAUSED')")
+        db.execute("INSERT INTO runs VALUES ('old', 'bot', 'agent', 's1', NULL, NULL, 'COMPLETED', "
+                   "'2025-12-31T00:00:00+00:00', 1)")
+    db.close()
+    async with SQLiteStore(path) as store:
+        await store.append([started("new", session_id="s1")])
+        assert [r.run_id for r in await store.runs(session_id="s1", limit=5)] == ["old", "new"]
+        assert [r.run_id for r in await store.runs(limit=1, before="new")] == ["old"]
+    with sqlite3.connect(path) as db:
+        indexes = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
+                                            "AND tbl_name = 'runs' AND sql IS NOT NULL")}
+    db.close()
+    assert indexes == {"runs_started", "runs_status", "runs_name", "runs_session"}
+    with sqlite3.connect(path) as db:  # the log's own PRAGMA: the indexes are well formed
+        assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    db.close()
+
+
+async def test_postgres_listings_can_be_index_ranges(postgres_url):
+    import psycopg
+    async with store_from_url(postgres_url) as store:
+        await many_runs(store)
+    conninfo, schema = pg_url(postgres_url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f"SET search_path TO {schema}")
+        # Disabled plans are taken only when nothing else answers: a plan with a Sort or a Seq
+        # Scan here means no index can give a page in order.
+        for setting in ("seqscan", "sort", "bitmapscan"):
+            conn.execute(f"SET enable_{setting} = off")
+        for index, filters in LISTINGS:
+            for before in (None, "m-run"):
+                sql, args = kit_store.runs_query(filters.get("status"), filters.get("name"),
+                                                 filters.get("session_id"), 10, before, "%s")
+                plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql, args))
+                assert f"Index Scan Backward using {index} on runs" in plan, plan
+                assert "Sort" not in plan and "Seq Scan" not in plan, plan
+
+
 async def test_closed_store_raises_kit_error(tmp_path):
     for s in (MemoryStore(), SQLiteStore(tmp_path / "deep" / "dir" / "kit.db")):
         assert not s.opened
@@ -562,6 +728,31 @@ async def test_postgres_schema_is_versioned_and_a_newer_one_refused(postgres_url
     with pytest.raises(kit.ConfigError, match="version 99, newer"):
         async with store_from_url(postgres_url):
             pass
+
+
+async def test_postgres_a_version_1_schema_is_upgraded_once_at_open(postgres_url):
+    import psycopg
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1", session_id="s1")])
+    conninfo, schema = pg_url(postgres_url)
+
+    def indexes() -> set[str]:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            return {n for (n,) in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname "
+                                               "= %s AND tablename = 'runs'", (schema,))}
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:  # back to what version 1 made
+        for index in ("runs_started", "runs_status", "runs_name", "runs_session"):
+            conn.execute(f"DROP INDEX {schema}.{index}")
+        conn.execute(f"CREATE INDEX runs_live ON {schema}.runs(status) WHERE status IN "
+                     "('RUNNING', 'WAITING_HUMAN', 'SLEEPING', 'PAUSED')")
+        conn.execute(f"UPDATE {schema}.kit_meta SET value = '1'")
+    assert indexes() == {"runs_pkey", "runs_live"}
+    async with store_from_url(postgres_url) as store:
+        assert [r.run_id for r in await store.runs(session_id="s1", limit=1)] == ["r1"]
+    assert indexes() == {"runs_pkey", "runs_started", "runs_status", "runs_name", "runs_session"}
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        assert conn.execute(f"SELECT value FROM {schema}.kit_meta").fetchall() == [("2",)]
 
 
 async def test_postgres_that_cannot_be_reached_fails_the_open_without_the_password(anyio_backend):
