@@ -22,6 +22,7 @@ from kit import (
     Agent, AudioBlock, ConfigError, ContentError, Context, DataBlock, Deck, DeckStateError, Event,
     ImageBlock, ResourceBlock, RunStatus, ScriptedModel, SessionBusyError, TextBlock,
 )
+from kit_bridge import on_asyncio
 from kit_pg import store_from_url
 from kit_store import MemoryStore, SQLiteStore
 
@@ -538,6 +539,77 @@ async def test_a_run_outlives_postgres_dropping_its_connections(postgres_url, an
     assert kills and event.kind == "run.completed"
     assert [e.seq for e in log] == list(range(len(log))) and log[-1].kind == "run.completed"
     assert sum(e.kind == "text.delta" for e in log) == 400
+
+
+def said(model: ScriptedModel) -> list[str]:
+    """The text of each item the model was sent on its last call (a tool call: ``call:<name>``,
+    its result: ``result:<output>``)."""
+    out = []
+    for item in model.calls[-1]["input"]:
+        if item.get("type") == "function_call":
+            out.append(f"call:{item['name']}")
+        elif item.get("type") == "function_call_output":
+            out.append(f"result:{item['output']}")
+        else:
+            content = item["content"]
+            out.append(content if isinstance(content, str) else content[0]["text"])
+    return out
+
+
+async def test_history_limit_sends_the_latest_items_and_the_session_keeps_them_all(store):
+    replies = ["r1", "r2", "r3", "r4"]
+    own, inherits, whole = (ScriptedModel(replies) for _ in range(3))
+    deck = Deck([Agent("own", model=own, history_limit=2),  # the agent's own beats the deck's
+                 Agent("inherits", model=inherits)], store=store, history_limit=3)
+    async with deck:
+        for n in (1, 2, 3):
+            await deck.run("own", f"t{n}", session_id="s-own")
+            await deck.run("inherits", f"t{n}", session_id="s-inherits")
+        # the fourth turn streams: every surface plays the same limited turn
+        assert [e async for e in deck.stream("own", "t4", session_id="s-own")][-1].kind == "run.completed"
+        await deck.run("inherits", "t4", session_id="s-inherits")
+        assert said(own) == ["t3", "r3", "t4"]  # the last 2 items, then the new input
+        assert said(inherits) == ["r2", "t3", "r3", "t4"]  # the deck's 3
+        for session in ("s-own", "s-inherits"):  # the session still stores every item
+            items = await deck.session_for(session).get_items()
+            assert [i.get("role") for i in items] == ["user", "assistant"] * 4
+    async with Deck([Agent("whole", model=whole)], store=store) as deck:  # no limit: all of it
+        for n in (1, 2, 3, 4):
+            await deck.run("whole", f"t{n}", session_id="s-whole")
+        assert said(whole) == ["t1", "r1", "t2", "r2", "t3", "r3", "t4"]
+
+
+async def test_a_history_limit_never_sends_a_tool_result_without_its_call(store):
+    script = [{"tool": "add", "args": {"a": 1, "b": 2}}, "r1", "r2"]
+    cut, whole = ScriptedModel(script), ScriptedModel(script)
+    async with Deck([Agent("cut", tools=[add], model=cut, history_limit=2),
+                     Agent("whole", tools=[add], model=whole, history_limit=3)], store=store) as deck:
+        for name in ("cut", "whole"):
+            await deck.run(name, "t1", session_id=name)  # stores: t1, call, result, r1
+            await deck.run(name, "t2", session_id=name)
+        assert said(cut) == ["r1", "t2"]  # the window [result, r1] lost the call: result left out
+        assert said(whole) == ["call:add", "result:3", "r1", "t2"]
+        assert len(await deck.session_for("cut").get_items()) == 6
+
+
+async def test_a_headless_run_with_a_session_honours_the_agents_history_limit(tmp_path):
+    model = ScriptedModel(["r1", "r2", "r3"])
+    agent = Agent("a", model=model, history_limit=2)
+    session = agents.SQLiteSession("conv", tmp_path / "sessions.db")
+    for n in (1, 2, 3):
+        await agent.run(f"t{n}", session=session)
+    assert said(model) == ["t2", "r2", "t3"]
+    assert len(await on_asyncio(session.get_items)) == 6  # the SDK's session: asyncio only
+    session.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True])
+def test_a_history_limit_must_be_a_positive_int(bad):
+    with pytest.raises(ConfigError, match=rf"agent 'a': history_limit must be a positive int or None, got {bad!r}"):
+        Agent("a", history_limit=bad)
+    with pytest.raises(ConfigError, match=rf"Deck\(history_limit=...\) must be a positive int or None, got {bad!r}"):
+        Deck(history_limit=bad)
+    assert Agent("a", history_limit=1).history_limit == 1 and Agent("a").history_limit is None
 
 
 # --------------------------------------------------------------------------- run endings ----
