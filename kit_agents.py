@@ -759,6 +759,50 @@ class MemorySession(SessionABC):
             self._s.db.execute("DELETE FROM items WHERE session=?", (self.session_id,))
 
 
+class _FileSession(sdk.SQLiteSession):
+    """The SDK's ``SQLiteSession`` on a file (``KIT_SESSION=sqlite:///path``), its queries
+    unchanged, on one connection that every session of the file shares.
+
+    The SDK's own opens a connection per session object per worker thread, each with its file
+    descriptors and page cache (measured: ~4 descriptors and ~240 kB per conversation), so the
+    ``KIT_SESSION_MAX`` conversations a deck keeps would exhaust the process's descriptors. The
+    SDK already serializes every query on one lock per file (``_locked_connection``), which is
+    what makes one shared connection safe.
+    """
+
+    def __init__(self, session_id: str, path: str, conn: sqlite3.Connection) -> None:
+        super().__init__(session_id, path)
+        self._conn = conn
+
+    def _get_connection(self) -> sqlite3.Connection:
+        if self._closed:
+            raise RuntimeError("SQLiteSession is closed")
+        return self._conn
+
+
+@functools.cache
+def _pg_session_class() -> type:
+    """The SDK's ``SQLAlchemySession`` (``KIT_SESSION=postgresql://...``), its queries
+    unchanged, with the SQLAlchemy objects of its tables shared by every session of a deck.
+
+    The SDK builds a ``MetaData``, two ``Table``s and a session maker per session object
+    (~31 kB each, measured): ~300 MB for the ``KIT_SESSION_MAX`` conversations a deck keeps.
+    They describe the same tables on the same engine, so the first session's serve them all.
+    Made on first use: the SDK's extension imports SQLAlchemy.
+    """
+    from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+
+    class PgSession(SQLAlchemySession):
+        def __init__(self, session_id: str, engine: Any, shared: list[tuple[Any, ...]]) -> None:
+            super().__init__(session_id, engine=engine)
+            if not shared:
+                shared.append((self._metadata, self._sessions, self._messages,
+                               self._session_factory))
+            self._metadata, self._sessions, self._messages, self._session_factory = shared[0]
+
+    return PgSession
+
+
 class Sessions:
     """The conversation-memory sessions (``agents.memory.Session``) of a deck's agent runs.
 
@@ -767,7 +811,9 @@ class Sessions:
     several machines), ``SQLiteSession`` on a file (``sqlite:///path``: processes of one
     machine) or ``SQLAlchemySession`` on psycopg (``postgresql://...[?schema=name]``: replicas,
     beside a Postgres log); else ``MemorySession``s in one in-process database, lost on exit.
-    One object per key (``<namespace>:<session_id>``, or the session id).
+    One object per key (``<namespace>:<session_id>``, or the session id). The SQLite file's
+    sessions share one connection (``_FileSession``), the Postgres ones their table objects
+    (``_pg_session_class``): a conversation costs a small object, not a connection or ~31 kB.
 
     At most ``max_sessions`` are kept (``KIT_SESSION_MAX``), least recently used dropped first:
     for the in-process default that *forgets the conversation* (its history is deleted; the log
@@ -784,8 +830,10 @@ class Sessions:
         self._sessions: OrderedDict[str, Any] = OrderedDict()
         self._redis: Any = None
         self._sqlite: str | None = None
+        self._sqlite_conn: sqlite3.Connection | None = None  # every session of that file's
         self._postgres: tuple[str, str] | None = None
         self._engine: Any = None  # SQLAlchemy's, made on the engine side by open()
+        self._pg_tables: list[tuple[Any, ...]] = []  # its sessions' shared table objects
         self.memory: _MemoryDB | None = None
         if not url:
             if factory is None:
@@ -840,10 +888,12 @@ class Sessions:
                 from agents.extensions.memory.redis_session import RedisSession
                 session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
             elif self._sqlite is not None:
-                session = sdk.SQLiteSession(key, self._sqlite)
+                if self._sqlite_conn is None:  # the SDK's settings for its connections
+                    self._sqlite_conn = sqlite3.connect(self._sqlite, check_same_thread=False)
+                    self._sqlite_conn.execute("PRAGMA journal_mode=WAL")
+                session = _FileSession(key, self._sqlite, self._sqlite_conn)
             elif self._engine is not None:
-                from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
-                session = SQLAlchemySession(key, engine=self._engine)
+                session = _pg_session_class()(key, self._engine, self._pg_tables)
             else:
                 session = MemorySession(self.memory, key)  # type: ignore[arg-type]
             self._sessions[key] = session
@@ -865,3 +915,5 @@ class Sessions:
             await self._engine.dispose()
         if self.memory is not None:
             self.memory.close()
+        if self._sqlite_conn is not None:
+            self._sqlite_conn.close()

@@ -508,12 +508,48 @@ async def test_durable_sessions_outlive_the_deck(monkeypatch, store, tmp_path, r
     model = ScriptedModel(["Hi Ana.", "You are Ana."])
     async with Deck([Agent("a", model=model)], store=store) as deck:
         await deck.run("a", "I am Ana", session_id="conv-1")
-        assert type(deck.session_for("conv-1")).__name__ == {
-            "sqlite": "SQLiteSession", "postgres": "SQLAlchemySession"}[kind]
+        from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+        assert isinstance(deck.session_for("conv-1"), {
+            "sqlite": agents.SQLiteSession, "postgres": SQLAlchemySession}[kind])
     async with Deck([Agent("a", model=model)], store=store) as deck:
         await deck.run("a", "Who am I?", session_id="conv-1")
     said = [(i.get("role"), str(i.get("content"))) for i in model.calls[-1]["input"]]
     assert [r for r, _ in said] == ["user", "assistant", "user"] and "I am Ana" in said[0][1]
+
+
+async def test_a_session_file_takes_no_descriptor_per_conversation(monkeypatch, store, tmp_path):
+    """KIT_SESSION=sqlite:///path: every conversation shares one connection to the file (the
+    SDK's SQLiteSession alone opens one per conversation per worker thread)."""
+    monkeypatch.setenv("KIT_SESSION", f"sqlite:///{tmp_path / 'sessions.db'}")
+    monkeypatch.setenv("KIT_SESSION_MAX", "5")
+    model = ScriptedModel(["ok"], cycle=True)
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        await deck.run("a", "first", session_id="s0")
+        before = len(os.listdir("/proc/self/fd"))
+        for n in range(1, 41):
+            await deck.run("a", f"hi {n}", session_id=f"s{n}")
+        assert len(os.listdir("/proc/self/fd")) <= before + 2
+        await deck.run("a", "again", session_id="s0")  # long evicted: the file kept it
+        assert said(model) == ["first", "ok", "again"]
+
+
+async def test_postgres_sessions_share_their_tables_objects(monkeypatch, store, postgres_url):
+    """KIT_SESSION=postgresql://: a conversation's session object is small (the SDK builds
+    its tables' SQLAlchemy objects per session, ~31 kB each)."""
+    import tracemalloc
+    monkeypatch.setenv("KIT_SESSION", postgres_url)
+    async with Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))], store=store) as deck:
+        kept = [deck.session_for("s0")]
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            kept += [deck.session_for(f"s{n}") for n in range(1, 201)]
+            per_session = (tracemalloc.get_traced_memory()[0] - before) / 200
+        finally:
+            tracemalloc.stop()
+        assert per_session < 4_000
+        await deck.run("a", "hi", session_id="s7")
+        assert [i.get("role") for i in await on_asyncio(kept[7].get_items)] == ["user", "assistant"]
 
 
 def test_a_session_url_of_another_kind_is_refused_with_its_password_masked(monkeypatch):
