@@ -82,9 +82,12 @@ class Deck:
     the deck builds it from ``KIT_STORE`` (default: in memory) and closes it at ``aclose()``.
     ``observers``: None (settings decide: the tracing observer when both ``KIT_TRACING_*`` keys
     are set), a sequence (exactly those, in order) or ``()`` (none); see ``kit_observers``.
+    ``history_limit`` is the limit on the session history sent to the model for the agents that
+    set none (``Agent(history_limit=)``); None (the default) sends the whole history.
 
-    Raises ``ConfigError`` when another deck is live or ``context`` is an instance, and as
-    ``Skills`` and ``MCP`` do for files or configs they refuse.
+    Raises ``ConfigError`` when another deck is live, ``context`` is an instance or
+    ``history_limit`` is not a positive int, and as ``Skills`` and ``MCP`` do for files or
+    configs they refuse.
     """
 
     def __init__(self, agents: Sequence[Agent] = (), workflows: Sequence[Workflow] = (), *,
@@ -92,7 +95,8 @@ class Deck:
                  mcp: str | os.PathLike[str] | Mapping[str, Any] | MCP | None = None,
                  context: type | None = None, session_factory: Callable[[str], Any] | None = None,
                  store: EventStorePort | None = None,
-                 observers: Sequence[EventSinkPort] | None = None) -> None:
+                 observers: Sequence[EventSinkPort] | None = None,
+                 history_limit: int | None = None) -> None:
         global _live_deck
         self._project = _making.get() or self._where()
         other = _live_deck() if _live_deck is not None else None
@@ -104,6 +108,7 @@ class Deck:
             raise ConfigError(f"Deck(context=...) takes the context's type, not an instance "
                               f"(got a {type(context).__name__}); pass the object per run: "
                               "deck.run(..., context=obj)")
+        self._history_limit = kit_core.check_limit("Deck(history_limit=...)", history_limit)
         self._agents = _catalog("agents", agents, Agent)
         self._workflows = _catalog("workflows", workflows, Workflow)
         self._skills = skills if isinstance(skills, Skills) else Skills(skills or ())
@@ -233,7 +238,8 @@ class Deck:
             specs[a.name] = kit_agents.compile_agent(
                 a, tools=[kit_workflows.child_tool(specs[n]) for n in a.workflows],
                 skills=[self._skills[n] for n in a.skills],
-                mcp_servers=[self._mcp_servers[n] for n in a.mcp_servers])
+                mcp_servers=[self._mcp_servers[n] for n in a.mcp_servers],
+                history_limit=self._history_limit)
         self._specs = specs
         if self.context_type is not None:
             kit_context.check_context(list(self._specs.values()), self.context_type)

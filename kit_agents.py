@@ -3,7 +3,8 @@
 Owns: compiling an ``Agent`` (``compile_agent``: its model tapped so every chunk reaches the log,
 its plain-function tools given SDK schemas with ``Context[...]`` parameters hidden and injected,
 its hooks handed a ``Context``, its skills' catalog and ``load_skill`` tool, its MCP servers),
-playing one turn (``AgentEngine.play``), the headless ``Agent.run`` (``run_headless``), the
+playing one turn (``AgentEngine.play``, with the session history the agent's limit lets through:
+``AgentEngine.limited``), the headless ``Agent.run`` (``run_headless``), the
 conversation-memory sessions (``Sessions``), the SDK's MCP server objects and their holder, and
 the SDK settings a deck applies (default API, trace processors, run config).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import agents as sdk
 import anyio
 from agents.function_schema import function_schema
-from agents.memory import SessionABC
+from agents.memory import SessionABC, SessionSettings
 
 from kit_bridge import on_asyncio
 from kit_context import HOOK_METHODS, is_context
@@ -101,10 +103,13 @@ class _TapModel(sdk.Model):
     ``text.delta`` per chunk in the engine's own order, and returns the same ``ModelResponse``
     the runner would have built. That skips the SDK's stream-event machinery (a queue hop and two
     wrapper objects per token) while keeping text, tools and usage exactly as the SDK sees them.
+
+    With ``windowed`` (the agent has a history limit) the input loses the tool results whose
+    call the window cut off (``_within_window``) before the inner model gets it.
     """
 
-    def __init__(self, agent: str, model: str | sdk.Model | None) -> None:
-        self.agent = agent
+    def __init__(self, agent: str, model: str | sdk.Model | None, windowed: bool = False) -> None:
+        self.agent, self.windowed = agent, windowed
         self._model = model
         self._inner: sdk.Model | None = model if isinstance(model, sdk.Model) else None
 
@@ -126,6 +131,8 @@ class _TapModel(sdk.Model):
                            prompt=None) -> Any:
         run: RunHandle | None = _CURRENT_RUN.get()
         inner = self.inner()
+        if self.windowed:
+            input = _within_window(input)
         args = (system_instructions, input, model_settings, tools, output_schema, handoffs, tracing)
         kw = dict(previous_response_id=previous_response_id, conversation_id=conversation_id,
                   prompt=prompt)
@@ -197,8 +204,11 @@ class _TapModel(sdk.Model):
         run.add_usage(u.input_tokens, u.output_tokens, usd)
         run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd), origin=origin)
 
-    async def stream_response(self, *args: Any, **kw: Any) -> AsyncIterator[Any]:
-        async for ev in self.inner().stream_response(*args, **kw):
+    async def stream_response(self, system_instructions: Any, input: Any, *args: Any,
+                              **kw: Any) -> AsyncIterator[Any]:
+        if self.windowed:
+            input = _within_window(input)
+        async for ev in self.inner().stream_response(system_instructions, input, *args, **kw):
             yield ev
 
 
@@ -482,10 +492,24 @@ def _mcp_tool_error(ctx: Any, error: Exception) -> str:
 # ================================================================================ compiling ====
 
 class AgentEngine:
-    """A compiled agent: the SDK agent, how content blocks become its input, and how it plays."""
+    """A compiled agent: the SDK agent, how content blocks become its input, and how it plays.
 
-    def __init__(self, sdk_agent: sdk.Agent, chat: bool) -> None:
-        self.sdk_agent, self.chat = sdk_agent, chat
+    ``history_limit`` (None: the whole history) is how many of a session's latest items a turn
+    sends the model before its input (``limited``).
+    """
+
+    def __init__(self, sdk_agent: sdk.Agent, chat: bool, history_limit: int | None = None) -> None:
+        self.sdk_agent, self.chat, self.history_limit = sdk_agent, chat, history_limit
+
+    def limited(self, run_config: Any, session: Any) -> Any:
+        """``run_config`` with the agent's history limit for a turn on ``session``: the SDK's own
+        ``SessionSettings(limit=)``, which reads only the latest items off the session (every
+        session kit opens honours it). The session still stores every item; the agent's model
+        is tapped with ``windowed`` to leave out a tool result whose call the window cut off."""
+        if session is None or self.history_limit is None:
+            return run_config
+        return dataclasses.replace(run_config,
+                                   session_settings=SessionSettings(limit=self.history_limit))
 
     def to_input(self, blocks: Sequence[Any],
                  history: Sequence[HistoryMessage] = ()) -> str | list[dict[str, Any]]:
@@ -499,7 +523,8 @@ class AgentEngine:
         token = _CURRENT_RUN.set(run)
         try:
             result = await sdk.Runner.run(self.sdk_agent, items, context=run, hooks=_HOOKS,
-                                          run_config=run_config, session=session)
+                                          run_config=self.limited(run_config, session),
+                                          session=session)
         except _Stop as stop:
             if stop.action == "cancel":
                 return await run.durable(RunCancelled(stop.reason))
@@ -523,24 +548,30 @@ class AgentEngine:
 
 
 def compile_agent(agent: Agent, *, tools: Sequence[Any] = (), skills: Sequence[Skill] = (),
-                  mcp_servers: Sequence[Any] = ()) -> InvocableSpec:
+                  mcp_servers: Sequence[Any] = (), history_limit: int | None = None
+                  ) -> InvocableSpec:
     """Compile an ``Agent`` for Deck runs: its model tapped so its output reaches the log.
 
     ``tools`` are added to the agent's own (its workflows as child-run tools); ``skills`` give it
     the catalog in its instructions and ``load_skill``; ``mcp_servers`` (the SDK's server
-    objects, connected when the deck opens) give it their tools. Raises ``ConfigError`` for a
-    tool whose schema cannot be built.
+    objects, connected when the deck opens) give it their tools; ``history_limit`` is the
+    deck's, for an agent that sets none. Raises ``ConfigError`` for a tool whose schema cannot
+    be built.
     """
     model = agent.model or os.environ.get("KIT_MODEL") or None
+    limit = agent.history_limit if agent.history_limit is not None else history_limit
     return InvocableSpec(agent.name, "agent", agent, AgentEngine(
-        _sdk_agent(agent, _TapModel(agent.name, model), tools, skills=skills,
-                   mcp_servers=mcp_servers), _wants_chat(model)))
+        _sdk_agent(agent, _TapModel(agent.name, model, limit is not None), tools, skills=skills,
+                   mcp_servers=mcp_servers), _wants_chat(model), limit))
 
 
 def compile_headless(agent: Agent) -> AgentEngine:
-    """The agent as ``Agent.run`` plays it: its own model, untapped; no log."""
+    """The agent as ``Agent.run`` plays it: its own model (tapped only to keep its history
+    window whole when it has a history limit); no log."""
     model = agent.model or os.environ.get("KIT_MODEL") or None
-    return AgentEngine(_sdk_agent(agent, model), _wants_chat(model))
+    limit = agent.history_limit
+    tapped = model if limit is None else _TapModel(agent.name, model, windowed=True)
+    return AgentEngine(_sdk_agent(agent, tapped), _wants_chat(model), limit)
 
 
 async def run_headless(engine: AgentEngine, input: Any, *, session: Any = None,
@@ -550,7 +581,22 @@ async def run_headless(engine: AgentEngine, input: Any, *, session: Any = None,
     kw: dict[str, Any] = {"session": session}
     if max_turns is not None:
         kw["max_turns"] = max_turns
+    if session is not None and engine.history_limit is not None:
+        kw["run_config"] = engine.limited(sdk.RunConfig(), session)
     return await on_asyncio(functools.partial(sdk.Runner.run, engine.sdk_agent, items, **kw))
+
+
+def _within_window(items: Any) -> Any:
+    """A limited turn's model input less the tool results whose call it lacks: the history
+    window may start between a call and its result, and a model API refuses a result whose
+    call it was not sent. (Nothing else leaves a result without its call.)"""
+    if isinstance(items, str):
+        return items
+    calls = {i.get("call_id") for i in items
+             if isinstance(i, dict) and not str(i.get("type", "")).endswith("_output")}
+    return [i for i in items if not (isinstance(i, dict) and i.get("call_id") is not None
+                                     and str(i.get("type", "")).endswith("_output")
+                                     and i["call_id"] not in calls)]
 
 
 # ====================================================================== the SDK, per deck ====
@@ -737,6 +783,50 @@ class MemorySession(SessionABC):
             self._s.db.execute("DELETE FROM items WHERE session=?", (self.session_id,))
 
 
+class _FileSession(sdk.SQLiteSession):
+    """The SDK's ``SQLiteSession`` on a file (``KIT_SESSION=sqlite:///path``), its queries
+    unchanged, on one connection that every session of the file shares.
+
+    The SDK's own opens a connection per session object per worker thread, each with its file
+    descriptors and page cache (measured: ~4 descriptors and ~240 kB per conversation), so the
+    ``KIT_SESSION_MAX`` conversations a deck keeps would exhaust the process's descriptors. The
+    SDK already serializes every query on one lock per file (``_locked_connection``), which is
+    what makes one shared connection safe.
+    """
+
+    def __init__(self, session_id: str, path: str, conn: sqlite3.Connection) -> None:
+        super().__init__(session_id, path)
+        self._conn = conn
+
+    def _get_connection(self) -> sqlite3.Connection:
+        if self._closed:
+            raise RuntimeError("SQLiteSession is closed")
+        return self._conn
+
+
+@functools.cache
+def _pg_session_class() -> type:
+    """The SDK's ``SQLAlchemySession`` (``KIT_SESSION=postgresql://...``), its queries
+    unchanged, with the SQLAlchemy objects of its tables shared by every session of a deck.
+
+    The SDK builds a ``MetaData``, two ``Table``s and a session maker per session object
+    (~31 kB each, measured): ~300 MB for the ``KIT_SESSION_MAX`` conversations a deck keeps.
+    They describe the same tables on the same engine, so the first session's serve them all.
+    Made on first use: the SDK's extension imports SQLAlchemy.
+    """
+    from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+
+    class PgSession(SQLAlchemySession):
+        def __init__(self, session_id: str, engine: Any, shared: list[tuple[Any, ...]]) -> None:
+            super().__init__(session_id, engine=engine)
+            if not shared:
+                shared.append((self._metadata, self._sessions, self._messages,
+                               self._session_factory))
+            self._metadata, self._sessions, self._messages, self._session_factory = shared[0]
+
+    return PgSession
+
+
 class Sessions:
     """The conversation-memory sessions (``agents.memory.Session``) of a deck's agent runs.
 
@@ -745,7 +835,9 @@ class Sessions:
     several machines), ``SQLiteSession`` on a file (``sqlite:///path``: processes of one
     machine) or ``SQLAlchemySession`` on psycopg (``postgresql://...[?schema=name]``: replicas,
     beside a Postgres log); else ``MemorySession``s in one in-process database, lost on exit.
-    One object per key (``<namespace>:<session_id>``, or the session id).
+    One object per key (``<namespace>:<session_id>``, or the session id). The SQLite file's
+    sessions share one connection (``_FileSession``), the Postgres ones their table objects
+    (``_pg_session_class``): a conversation costs a small object, not a connection or ~31 kB.
 
     At most ``max_sessions`` are kept (``KIT_SESSION_MAX``), least recently used dropped first:
     for the in-process default that *forgets the conversation* (its history is deleted; the log
@@ -762,8 +854,10 @@ class Sessions:
         self._sessions: OrderedDict[str, Any] = OrderedDict()
         self._redis: Any = None
         self._sqlite: str | None = None
+        self._sqlite_conn: sqlite3.Connection | None = None  # every session of that file's
         self._postgres: tuple[str, str] | None = None
         self._engine: Any = None  # SQLAlchemy's, made on the engine side by open()
+        self._pg_tables: list[tuple[Any, ...]] = []  # its sessions' shared table objects
         self.memory: _MemoryDB | None = None
         if not url:
             if factory is None:
@@ -818,10 +912,12 @@ class Sessions:
                 from agents.extensions.memory.redis_session import RedisSession
                 session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
             elif self._sqlite is not None:
-                session = sdk.SQLiteSession(key, self._sqlite)
+                if self._sqlite_conn is None:  # the SDK's settings for its connections
+                    self._sqlite_conn = sqlite3.connect(self._sqlite, check_same_thread=False)
+                    self._sqlite_conn.execute("PRAGMA journal_mode=WAL")
+                session = _FileSession(key, self._sqlite, self._sqlite_conn)
             elif self._engine is not None:
-                from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
-                session = SQLAlchemySession(key, engine=self._engine)
+                session = _pg_session_class()(key, self._engine, self._pg_tables)
             else:
                 session = MemorySession(self.memory, key)  # type: ignore[arg-type]
             self._sessions[key] = session
@@ -843,3 +939,5 @@ class Sessions:
             await self._engine.dispose()
         if self.memory is not None:
             self.memory.close()
+        if self._sqlite_conn is not None:
+            self._sqlite_conn.close()

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kit_core import ConfigError, ContentBlock, check_name
+from kit_core import ConfigError, ContentBlock, check_limit, check_name
 
 __all__ = ("Agent", "Workflow", "Skills", "Skill", "MAX_SKILL_BYTES", "MCP", "MCP_TIMEOUT",
            "interrupt", "sleep_until")
@@ -56,16 +56,23 @@ class Agent:
     ``Context`` in place of the SDK's context argument. ``model`` is a model name (resolved by the
     SDK; ``KIT_MODEL`` is the default) or an ``agents.Model`` instance such as ``ScriptedModel``.
     ``skills``, ``mcp_servers`` and ``workflows`` are names resolved against the deck at ``build()``.
+    ``history_limit`` caps the session history sent to the model on each turn with a session:
+    only the last ``history_limit`` items of the conversation (each message, tool call and tool
+    result is one item) go with the new input; the session still stores every item. None (the
+    default) takes the deck's ``history_limit``, and when that is None too the whole history is
+    sent. It is the SDK's own ``SessionSettings(limit=...)``, applied per run.
 
-    Raises ``ConfigError`` for a malformed name, a non-callable tool or a bad model.
+    Raises ``ConfigError`` for a malformed name, a non-callable tool, a bad model or a
+    ``history_limit`` that is not a positive int.
     """
 
     def __init__(self, name: str, instructions: str | Callable[..., Any] | None = None,
                  tools: Sequence[Any] = (), hooks: Any = None, *, model: str | Any = None,
                  model_settings: Any = None, output_type: type | None = None,
                  skills: Sequence[str] = (), mcp_servers: Sequence[str] = (),
-                 workflows: Sequence[str] = ()) -> None:
+                 workflows: Sequence[str] = (), history_limit: int | None = None) -> None:
         self.name = check_name("agent", name)
+        self.history_limit = check_limit(f"agent {name!r}: history_limit", history_limit)
         if instructions is not None and not isinstance(instructions, str) and not callable(instructions):
             raise ConfigError(f"agent {name!r}: instructions must be a str or a callable, "
                               f"got {type(instructions).__name__}")
@@ -88,8 +95,9 @@ class Agent:
                   max_turns: int | None = None) -> Any:
         """Play one turn headless: no deck, no log, no observers; returns the SDK's ``RunResult``.
 
-        Tools that declare a ``Context[...]`` refuse when called (the run carries no context).
-        Works under asyncio and trio (trio plays it on a temporary asyncio thread).
+        With a ``session`` (an ``agents.memory.Session``) the agent's own ``history_limit``
+        applies. Tools that declare a ``Context[...]`` refuse when called (the run carries no
+        context). Works under asyncio and trio (trio plays it on a temporary asyncio thread).
         """
         import kit_agents
         if self._headless is None:
@@ -103,8 +111,9 @@ class Workflow:
 
     kit compiles it with the workflow's own checkpointer: a durable workflow (``durable=True``,
     or the class attribute ``durable`` of a subclass) keeps its checkpoints in the store's SQLite
-    file, so a thread survives the process; otherwise they are in memory. A durable workflow's
-    runs need a ``session_id``, which is the LangGraph thread id. Nodes may call
+    file, so a thread survives the process; otherwise they are in memory, and only while a run
+    lasts (a run that ends deletes them; a parked one keeps them until it ends). A durable
+    workflow's runs need a ``session_id``, which is the LangGraph thread id. Nodes may call
     ``kit.interrupt(payload)`` to wait for a human and ``kit.sleep_until(when)`` to sleep.
 
     ``run``, ``resume`` and ``as_tool`` are headless: no deck, no log, no observers; they use a

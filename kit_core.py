@@ -15,7 +15,8 @@ Theory of operation: everything here is a value. Events are frozen dataclasses; 
 carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (``ends``: terminal,
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
-(``jsonable``, ``check_name``, ``RunHandle``, ...) are kit's internal API between its modules.
+(``jsonable``, ``check_name``, ``check_limit``, ``RunHandle``, ...) are kit's internal API between
+its modules.
 """
 from __future__ import annotations
 
@@ -832,6 +833,14 @@ def check_name(what: str, name: object) -> str:
         raise ConfigError(f"{what} name must be 1-128 characters of letters, digits, '_', '.' or '-' "
                           f"starting with a letter or digit (it appears in URLs), got {name!r}")
     return name
+
+
+def check_limit(what: str, value: object) -> int | None:
+    """``value`` if it is None or a positive int (a bool is not one); raises ``ConfigError``
+    naming ``what`` and the value otherwise."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value  # type: ignore[return-value]
+    raise ConfigError(f"{what} must be a positive int or None, got {value!r}")
 
 
 def aware(now: datetime | None) -> datetime:

@@ -702,7 +702,8 @@ class Runtime:
 
     async def _cancel_parked(self, req: ControlRequest) -> None:
         """A parked run has no writer: whoever handles its cancel becomes it (DESIGN 6); of two
-        processes racing, the unique ``(run_id, seq)`` lets one write."""
+        processes racing, the unique ``(run_id, seq)`` lets one write. A workflow's thread goes
+        with it (a non-durable one's checkpoints: nothing will resume it)."""
         info = await self.store.run_info(req.run_id)
         if info is None or info.status not in _PARKED:
             return
@@ -714,6 +715,10 @@ class Runtime:
                 Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)])
         except LogConflictError:
             return
+        spec = self.specs.get(info.name)
+        if spec is not None and spec.kind == "workflow":  # its thread id is _new_run's
+            await self._on_engine(spec.engine.forget, self.graphs[spec.name],
+                                  spec.engine.key(info.namespace, info.session_id or req.run_id))
 
     async def _take_over(self, run: _Run, events: Sequence[Event]) -> None:
         """Become the writer of a parked run: append ``events`` (the resume) with its claim,

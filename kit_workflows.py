@@ -3,10 +3,10 @@
 Owns: compiling a ``Workflow`` for Deck runs (``compile_workflow``: a copy of its graph whose
 nodes that declare a ``Context`` receive the run's), the checkpointers (``open_graphs``: durable
 workflows on a SQLite file beside the log or in the Postgres schema of the log, the others in
-memory) and the locks that keep two tickers off one thread (``ThreadLocks``), playing and
-resuming a run (``WorkflowEngine.play``), reading parked threads off a checkpointer
-(``due_threads``), the headless ``Workflow.run``/``resume`` (``run_headless``) and
-workflow-as-tool (``workflow_tool``).
+memory, where a run that ended leaves no thread behind) and the locks that keep two tickers off
+one thread (``ThreadLocks``), playing and resuming a run (``WorkflowEngine.play``), reading parked
+threads off a checkpointer (``due_threads``), the headless ``Workflow.run``/``resume``
+(``run_headless``) and workflow-as-tool (``workflow_tool``).
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
@@ -21,12 +21,15 @@ caller's context travels in LangGraph's run context (``context=``), never in sta
 never reaches a checkpoint (notes/ENGINES.md 12). Pause and cancel drain the graph at its next
 superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a paused run
 resumes where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before
-the next superstep starts.
+the next superstep starts. A non-durable run's thread lives only while the run does: when the run
+ends (completed, failed, cancelled) its checkpoints are deleted; while it is parked (waiting for
+a human, asleep, paused) they stay, for the run that resumes it.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -95,51 +98,75 @@ class WorkflowEngine:
 
         ``inp`` is the initial state, or a ``resume_command``. On a durable thread that stopped
         mid-run (its process died), a new run carries on from the last checkpoint and the new
-        input is not applied. A run's failure is recorded, then re-raised.
+        input is not applied. A run's failure is recorded, then re-raised. A non-durable run
+        that ends (completed, failed, cancelled) deletes its thread: nothing can resume it, and
+        an in-memory thread would otherwise stay for the life of the process; one that parks
+        keeps it for the run that resumes it, which deletes it when it ends.
         """
         from langgraph.errors import GraphDrained
         from langgraph.runtime import RunControl
-        config = _config(run.thread_key)
-        interrupts: Any = ()
-        final: Any = None
         control = RunControl()
         run.on_request = control.request_drain
         if run.requested is not None:  # asked before the graph started
             control.request_drain(run.requested[0])
+        parks = False  # the run stops where it can be resumed: its thread is kept
         try:
-            if self.durable and isinstance(inp, dict):
-                snapshot = await graph.aget_state(config)
-                if snapshot.next and not snapshot.interrupts:
-                    inp = None
-            async for mode, chunk in graph.astream(
-                    inp, config, context=run.data, control=control,
-                    stream_mode=["updates", "values"], durability="sync" if self.durable else "async"):
-                if mode == "values":
-                    final = chunk
-                    continue
-                for node, update in chunk.items():
-                    if node == "__interrupt__":
-                        interrupts = update
-                    else:
-                        run.emit(NodeUpdated(node, jsonable(update)), origin=f"{run.origin}/{node}")
-                await run.pace()  # never far ahead of the log
-        except GraphDrained:  # stopped at a superstep boundary, as asked; the checkpoint is saved
-            action, reason, source = run.take_request() or ("pause", None, None)
-            run.emit(ControlRequested(action, reason, source))
-            return await run.durable(RunCancelled(reason) if action == "cancel" else RunPaused(reason))
-        except anyio.get_cancelled_exc_class():
-            if (end := run.ending()) is not None:
-                run.emit(end)
-            raise
-        except Exception as exc:
-            run.error = exc
-            await run.durable(run.failure(exc))
-            raise
+            try:
+                final, interrupts = await self._stream(run, graph, inp, control)
+            except GraphDrained:  # stopped at a superstep boundary, as asked; checkpoint saved
+                action, reason, source = run.take_request() or ("pause", None, None)
+                run.emit(ControlRequested(action, reason, source))
+                parks = action != "cancel"
+                return await run.durable(RunPaused(reason) if parks else RunCancelled(reason))
+            except anyio.get_cancelled_exc_class():
+                if (end := run.ending()) is not None:
+                    run.emit(end)
+                raise
+            except Exception as exc:
+                run.error = exc
+                await run.durable(run.failure(exc))
+                raise
+            finally:
+                run.on_request = None
+            parks = bool(interrupts)
+            return await run.durable(_parked(run, interrupts) if parks
+                                     else RunCompleted(jsonable(final), Usage()))
         finally:
-            run.on_request = None
-        if interrupts:
-            return await run.durable(_parked(run, interrupts))
-        return await run.durable(RunCompleted(jsonable(final), Usage()))
+            if not parks:
+                with anyio.CancelScope(shield=True):  # a cancelled run ends too
+                    await self.forget(graph, run.thread_key)
+
+    async def forget(self, graph: Any, key: str) -> None:
+        """Engine side: delete thread ``key`` of ``graph`` unless the workflow is durable (the
+        end of a run that nothing will resume: ``play`` calls it; so does the Runtime when it
+        cancels a parked run)."""
+        if not self.durable:
+            await graph.checkpointer.adelete_thread(key)
+
+    async def _stream(self, run: RunHandle, graph: Any, inp: Any, control: Any
+                      ) -> tuple[Any, Any]:
+        """Stream the graph on ``run``'s thread, recording each node's update: the last state
+        and the interrupts it stopped on (empty when it ran to its end)."""
+        config = _config(run.thread_key)
+        interrupts: Any = ()
+        final: Any = None
+        if self.durable and isinstance(inp, dict):
+            snapshot = await graph.aget_state(config)
+            if snapshot.next and not snapshot.interrupts:
+                inp = None
+        async for mode, chunk in graph.astream(
+                inp, config, context=run.data, control=control,
+                stream_mode=["updates", "values"], durability="sync" if self.durable else "async"):
+            if mode == "values":
+                final = chunk
+                continue
+            for node, update in chunk.items():
+                if node == "__interrupt__":
+                    interrupts = update
+                else:
+                    run.emit(NodeUpdated(node, jsonable(update)), origin=f"{run.origin}/{node}")
+            await run.pace()  # never far ahead of the log
+        return final, interrupts
 
 
 def resume_command(interrupt_id: str, value: Any) -> Any:
@@ -236,7 +263,6 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
     saver. Returns ``(graphs by name, close, locks)`` where ``close`` (engine side) closes the
     file or the pool, or is None when there is none.
     """
-    from langgraph.checkpoint.memory import InMemorySaver
     durable, close, locks = None, None, ThreadLocks()
     if store_url and any(s.kind == "workflow" and s.engine.durable for s in specs):
         if store_url.startswith("sqlite:///"):
@@ -264,9 +290,55 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
     graphs = {}
     for spec in specs:
         if spec.kind == "workflow":
-            saver = durable if spec.engine.durable and durable is not None else InMemorySaver()
+            saver = durable if spec.engine.durable and durable is not None else _memory_saver()
             graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
     return graphs, close, locks
+
+
+def _memory_saver() -> Any:
+    """An in-memory checkpointer whose ``delete_thread`` costs the thread's own entries."""
+    return _run_saver_class()()
+
+
+@functools.cache
+def _run_saver_class() -> type:
+    """``_memory_saver``'s class (made once, on first use: LangGraph's checkpointer module
+    takes about a second to import).
+
+    LangGraph's ``InMemorySaver.delete_thread`` scans the writes and blobs of every thread it
+    holds: with every ended run deleting its thread (``WorkflowEngine.play``), that would make
+    each run's end cost O(threads parked in the process). This one remembers which entries each
+    thread wrote (``put``/``put_writes``; the async methods call these, and ``adelete_thread``
+    calls ``delete_thread``) and deletes those.
+    """
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    class RunSaver(InMemorySaver):
+        def __init__(self) -> None:
+            super().__init__()
+            self._entries: dict[str, set[tuple[Any, ...]]] = {}  # thread -> its blob/write keys
+
+        def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+            conf = config["configurable"]
+            thread, ns = conf["thread_id"], conf["checkpoint_ns"]
+            self._entries.setdefault(thread, set()).update(
+                (thread, ns, channel, version) for channel, version in new_versions.items())
+            return super().put(config, checkpoint, metadata, new_versions)
+
+        def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
+            conf = config["configurable"]
+            thread = conf["thread_id"]
+            self._entries.setdefault(thread, set()).add(
+                (thread, conf.get("checkpoint_ns", ""), conf["checkpoint_id"]))
+            super().put_writes(config, writes, task_id, task_path)
+
+        def delete_thread(self, thread_id: str) -> None:
+            self.storage.pop(thread_id, None)
+            for key in self._entries.pop(thread_id, ()):
+                self.blobs.pop(key, None)  # a 4-tuple is a blob's key, a 3-tuple a write's
+                self.writes.pop(key, None)
+
+    return RunSaver
 
 
 class ThreadLocks:

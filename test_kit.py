@@ -22,6 +22,7 @@ from kit import (
     Agent, AudioBlock, ConfigError, ContentError, Context, DataBlock, Deck, DeckStateError, Event,
     ImageBlock, ResourceBlock, RunStatus, ScriptedModel, SessionBusyError, TextBlock,
 )
+from kit_bridge import on_asyncio
 from kit_pg import store_from_url
 from kit_store import MemoryStore, SQLiteStore
 
@@ -507,12 +508,48 @@ async def test_durable_sessions_outlive_the_deck(monkeypatch, store, tmp_path, r
     model = ScriptedModel(["Hi Ana.", "You are Ana."])
     async with Deck([Agent("a", model=model)], store=store) as deck:
         await deck.run("a", "I am Ana", session_id="conv-1")
-        assert type(deck.session_for("conv-1")).__name__ == {
-            "sqlite": "SQLiteSession", "postgres": "SQLAlchemySession"}[kind]
+        from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+        assert isinstance(deck.session_for("conv-1"), {
+            "sqlite": agents.SQLiteSession, "postgres": SQLAlchemySession}[kind])
     async with Deck([Agent("a", model=model)], store=store) as deck:
         await deck.run("a", "Who am I?", session_id="conv-1")
     said = [(i.get("role"), str(i.get("content"))) for i in model.calls[-1]["input"]]
     assert [r for r, _ in said] == ["user", "assistant", "user"] and "I am Ana" in said[0][1]
+
+
+async def test_a_session_file_takes_no_descriptor_per_conversation(monkeypatch, store, tmp_path):
+    """KIT_SESSION=sqlite:///path: every conversation shares one connection to the file (the
+    SDK's SQLiteSession alone opens one per conversation per worker thread)."""
+    monkeypatch.setenv("KIT_SESSION", f"sqlite:///{tmp_path / 'sessions.db'}")
+    monkeypatch.setenv("KIT_SESSION_MAX", "5")
+    model = ScriptedModel(["ok"], cycle=True)
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        await deck.run("a", "first", session_id="s0")
+        before = len(os.listdir("/proc/self/fd"))
+        for n in range(1, 41):
+            await deck.run("a", f"hi {n}", session_id=f"s{n}")
+        assert len(os.listdir("/proc/self/fd")) <= before + 2
+        await deck.run("a", "again", session_id="s0")  # long evicted: the file kept it
+        assert said(model) == ["first", "ok", "again"]
+
+
+async def test_postgres_sessions_share_their_tables_objects(monkeypatch, store, postgres_url):
+    """KIT_SESSION=postgresql://: a conversation's session object is small (the SDK builds
+    its tables' SQLAlchemy objects per session, ~31 kB each)."""
+    import tracemalloc
+    monkeypatch.setenv("KIT_SESSION", postgres_url)
+    async with Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))], store=store) as deck:
+        kept = [deck.session_for("s0")]
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            kept += [deck.session_for(f"s{n}") for n in range(1, 201)]
+            per_session = (tracemalloc.get_traced_memory()[0] - before) / 200
+        finally:
+            tracemalloc.stop()
+        assert per_session < 4_000
+        await deck.run("a", "hi", session_id="s7")
+        assert [i.get("role") for i in await on_asyncio(kept[7].get_items)] == ["user", "assistant"]
 
 
 def test_a_session_url_of_another_kind_is_refused_with_its_password_masked(monkeypatch):
@@ -538,6 +575,77 @@ async def test_a_run_outlives_postgres_dropping_its_connections(postgres_url, an
     assert kills and event.kind == "run.completed"
     assert [e.seq for e in log] == list(range(len(log))) and log[-1].kind == "run.completed"
     assert sum(e.kind == "text.delta" for e in log) == 400
+
+
+def said(model: ScriptedModel) -> list[str]:
+    """The text of each item the model was sent on its last call (a tool call: ``call:<name>``,
+    its result: ``result:<output>``)."""
+    out = []
+    for item in model.calls[-1]["input"]:
+        if item.get("type") == "function_call":
+            out.append(f"call:{item['name']}")
+        elif item.get("type") == "function_call_output":
+            out.append(f"result:{item['output']}")
+        else:
+            content = item["content"]
+            out.append(content if isinstance(content, str) else content[0]["text"])
+    return out
+
+
+async def test_history_limit_sends_the_latest_items_and_the_session_keeps_them_all(store):
+    replies = ["r1", "r2", "r3", "r4"]
+    own, inherits, whole = (ScriptedModel(replies) for _ in range(3))
+    deck = Deck([Agent("own", model=own, history_limit=2),  # the agent's own beats the deck's
+                 Agent("inherits", model=inherits)], store=store, history_limit=3)
+    async with deck:
+        for n in (1, 2, 3):
+            await deck.run("own", f"t{n}", session_id="s-own")
+            await deck.run("inherits", f"t{n}", session_id="s-inherits")
+        # the fourth turn streams: every surface plays the same limited turn
+        assert [e async for e in deck.stream("own", "t4", session_id="s-own")][-1].kind == "run.completed"
+        await deck.run("inherits", "t4", session_id="s-inherits")
+        assert said(own) == ["t3", "r3", "t4"]  # the last 2 items, then the new input
+        assert said(inherits) == ["r2", "t3", "r3", "t4"]  # the deck's 3
+        for session in ("s-own", "s-inherits"):  # the session still stores every item
+            items = await deck.session_for(session).get_items()
+            assert [i.get("role") for i in items] == ["user", "assistant"] * 4
+    async with Deck([Agent("whole", model=whole)], store=store) as deck:  # no limit: all of it
+        for n in (1, 2, 3, 4):
+            await deck.run("whole", f"t{n}", session_id="s-whole")
+        assert said(whole) == ["t1", "r1", "t2", "r2", "t3", "r3", "t4"]
+
+
+async def test_a_history_limit_never_sends_a_tool_result_without_its_call(store):
+    script = [{"tool": "add", "args": {"a": 1, "b": 2}}, "r1", "r2"]
+    cut, whole = ScriptedModel(script), ScriptedModel(script)
+    async with Deck([Agent("cut", tools=[add], model=cut, history_limit=2),
+                     Agent("whole", tools=[add], model=whole, history_limit=3)], store=store) as deck:
+        for name in ("cut", "whole"):
+            await deck.run(name, "t1", session_id=name)  # stores: t1, call, result, r1
+            await deck.run(name, "t2", session_id=name)
+        assert said(cut) == ["r1", "t2"]  # the window [result, r1] lost the call: result left out
+        assert said(whole) == ["call:add", "result:3", "r1", "t2"]
+        assert len(await deck.session_for("cut").get_items()) == 6
+
+
+async def test_a_headless_run_with_a_session_honours_the_agents_history_limit(tmp_path):
+    model = ScriptedModel(["r1", "r2", "r3"])
+    agent = Agent("a", model=model, history_limit=2)
+    session = agents.SQLiteSession("conv", tmp_path / "sessions.db")
+    for n in (1, 2, 3):
+        await agent.run(f"t{n}", session=session)
+    assert said(model) == ["t2", "r2", "t3"]
+    assert len(await on_asyncio(session.get_items)) == 6  # the SDK's session: asyncio only
+    session.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True])
+def test_a_history_limit_must_be_a_positive_int(bad):
+    with pytest.raises(ConfigError, match=rf"agent 'a': history_limit must be a positive int or None, got {bad!r}"):
+        Agent("a", history_limit=bad)
+    with pytest.raises(ConfigError, match=rf"Deck\(history_limit=...\) must be a positive int or None, got {bad!r}"):
+        Deck(history_limit=bad)
+    assert Agent("a", history_limit=1).history_limit == 1 and Agent("a").history_limit is None
 
 
 # --------------------------------------------------------------------------- run endings ----

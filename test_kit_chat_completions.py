@@ -156,6 +156,24 @@ async def test_a_named_session_is_the_conversation():
         await aio.close()
 
 
+async def test_a_history_limit_holds_on_the_http_surfaces():
+    model = ScriptedModel(["r1", "r2", "r3", "r4"])
+    async with served(Deck([Agent("a", model=model)], history_limit=2),
+                      surfaces=("openai",)) as (client, app):
+        sync, aio = clients(client)
+        for n in (1, 2):
+            reply = await client.post("/agents/a/chat", json={"session_id": "conv", "message": f"t{n}"})
+            assert reply.json() == {"output": f"r{n}"}
+        await aio.chat.completions.create(model="a", messages=hi("t3"),
+                                          extra_headers={"x-kit-session-id": "conv"})
+        sent = model.calls[-1]["input"]  # the last 2 items of the session, then the input
+        assert [i["role"] for i in sent] == ["user", "assistant", "user"]
+        assert (sent[0]["content"], sent[1]["content"][0]["text"], sent[2]["content"]) == (
+            "t2", "r2", "t3")
+        await aio.close()
+        assert len(await app.deck.session_for("conv").get_items()) == 6
+
+
 # -------------------------------------------------------------------------------- errors ----
 
 async def test_a_busy_session_is_409_and_an_unknown_model_404_in_openais_shape():

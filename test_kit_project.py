@@ -68,6 +68,18 @@ async def test_a_second_live_project_deck_names_both_projects(tmp_path):
         await first.aclose()
 
 
+async def test_a_projects_agents_and_deck_take_a_history_limit(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIT_STORE", "memory")
+    limited = 'import kit\nagent = kit.Agent("ant", model=kit.ScriptedModel(["r"], cycle=True), history_limit=1)\n'
+    root = project(tmp_path, {"agents/a/agent.py": limited, "agents/b/agent.py": AGENT.format(name="bee")})
+    async with Deck.from_project(root, history_limit=3) as deck:
+        for name in ("ant", "bee"):
+            for n in (1, 2, 3):
+                await deck.run(name, f"t{n}", session_id=name)
+        assert len(deck.agents["ant"].model.calls[-1]["input"]) == 2  # its own: 1 item, then t3
+        assert len(deck.agents["bee"].model.calls[-1]["input"]) == 4  # the deck's: 3, then t3
+
+
 def test_a_missing_project_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no kit project"):
         Deck.from_project(tmp_path / "nowhere")

@@ -2,11 +2,13 @@
 headless runs, across processes (asyncio and trio)."""
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
 import subprocess
 import sys
+import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Annotated, TypedDict
@@ -180,7 +182,8 @@ async def test_interrupt_pending_answer_and_a_second_answer_is_refused(store):
         assert kinds(log) == ["run.started", "node.updated", "run.interrupted", "run.resumed",
                               "node.updated", "node.updated", "run.completed"]
         assert log[3].payload == kit.RunResumed("answer")
-        # the session was freed: the thread takes a new run (and LangGraph carries its state on)
+        # the session was freed: the thread takes a new run (afresh: the ended run left no
+        # checkpoint behind)
         again = await deck.run("w", {"log": ["second"]}, session_id="t1")
         assert isinstance(again, kit.InterruptResult)
 
@@ -291,6 +294,122 @@ async def test_an_agent_plays_a_workflow_as_a_child_run(store):
         assert json.loads(done_tool.payload.output) == {"log": ["from agent", "plan", "done"]}
         sent = model.calls[-1]["input"]
         assert any(i.get("type") == "function_call_output" for i in sent)
+
+
+# ---------------------------------------------------------- checkpoints of non-durable runs ----
+
+def saved(deck, name):
+    """What workflow ``name``'s checkpointer holds: its threads, and whether any checkpoint
+    write or channel value is left (the rows an ended run must not leave behind)."""
+    saver = deck._runtime.graphs[name].checkpointer
+    threads = sorted({ct.config["configurable"]["thread_id"] for ct in saver.list(None)})
+    return threads, bool(saver.blobs or saver.writes)
+
+
+class Gate:
+    """A node that blocks until released (LangGraph runs a sync node in a worker thread)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def node(self, state: State) -> dict:
+        self.entered.set()
+        self.release.wait(10)
+        return {"log": ["gate"]}
+
+    async def until_entered(self) -> None:
+        assert await anyio.to_thread.run_sync(self.entered.wait, 10)
+
+
+async def test_a_non_durable_run_that_ends_leaves_no_checkpoint(store):
+    flows = [Workflow("w", graph(plan, done)), Workflow("bad", graph(plan, boom)),
+             durable_approval()]
+    async with Deck(workflows=flows, store=store) as deck:
+        assert await deck.run("w", {"log": []}) == {"log": ["plan", "done"]}
+        assert saved(deck, "w") == ([], False)
+        await deck.run("w", {"log": ["one"]}, session_id="t")
+        # a later run on the same thread starts afresh: the ended run's state is gone
+        assert await deck.run("w", {"log": ["two"]}, session_id="t") == {"log": ["two", "plan", "done"]}
+        assert saved(deck, "w") == ([], False)
+        with pytest.raises(ValueError, match="node exploded"):
+            await deck.run("bad", {"log": []})
+        assert saved(deck, "bad") == ([], False)
+        # a durable workflow keeps its thread: a later run on it carries on
+        await deck.run("approval", {"log": []}, session_id="d")
+        assert (await deck.answer((await deck.pending())[0].run_id, "yes"))["log"][-1] == "done"
+        snapshot = await on_asyncio(functools.partial(deck._runtime.graphs["approval"].aget_state,
+                                                      {"configurable": {"thread_id": "approval::d"}}))
+        assert snapshot.values["log"] == ["plan", "answer=yes", "done"]
+
+
+async def test_a_parked_non_durable_run_keeps_its_thread_until_it_ends(store):
+    flows = [Workflow("ask", graph(plan, ask, done)),
+             Workflow("nap", graph(plan, nap, done))]
+    async with Deck(workflows=flows, store=store) as deck:
+        first = await deck.run("ask", {"log": []}, session_id="q")
+        second = await deck.run("ask", {"log": ["2"]}, session_id="q2")
+        assert saved(deck, "ask")[0] == ["ask::q", "ask::q2"]
+        assert (await deck.answer(first.run_id, "yes"))["log"][-1] == "done"
+        assert saved(deck, "ask")[0] == ["ask::q2"]  # the other parked thread is whole
+        assert await deck.answer(second.run_id, "ok") == {
+            "log": ["2", "plan", "answer=ok", "done"], "answer": "ok"}
+        assert saved(deck, "ask") == ([], False)
+
+        parked = await deck.run("ask", {"log": []})  # no session: the thread is the run id
+        assert saved(deck, "ask")[0] == [f"ask::{parked.thread_id}"]
+        await deck.cancel(parked.run_id)  # a parked run cancelled: nothing will resume it
+        assert await deck.status(parked.run_id) is RunStatus.CANCELLED
+        assert saved(deck, "ask") == ([], False)
+
+        await deck.run("nap", {"log": [], "wake_at": NOW.isoformat()}, session_id="z")
+        assert saved(deck, "nap")[0] == ["nap::z"]
+        [ticked] = await deck.tick(NOW)
+        assert ticked.result["log"][-1] == "done"
+        assert saved(deck, "nap") == ([], False)
+
+
+async def test_a_paused_non_durable_run_keeps_its_thread_and_a_stopped_one_does_not(store):
+    gate = Gate()
+    g = StateGraph(State)
+    g.add_node("gate", gate.node)
+    g.add_node("done", done)
+    g.add_edge(START, "gate").add_edge("gate", "done").add_edge("done", END)
+    async with Deck(workflows=[Workflow("w", g)], store=store) as deck:
+        for action in ("pause", "cancel", "caller"):
+            gate.entered.clear()
+            gate.release.clear()
+            results: list = []
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    async def play() -> None:
+                        try:
+                            results.append(await deck.run("w", {"log": []}, run_id=action))
+                        except Exception as exc:
+                            results.append(exc)
+                    tg.start_soon(play)
+                    await gate.until_entered()
+                    if action == "caller":
+                        tg.cancel_scope.cancel()
+                    else:
+                        await getattr(deck, action)(action)
+                    gate.release.set()
+            status = await deck.status(action)
+            if action == "pause":
+                assert status is RunStatus.PAUSED
+                assert saved(deck, "w")[0] == ["w::pause"]
+                produced = await deck.resume("pause")
+                assert produced[-1].payload.output == {"log": ["gate", "done"]}
+            else:
+                assert status is RunStatus.CANCELLED
+            assert saved(deck, "w") == ([], False)
+
+
+async def test_a_child_workflow_run_leaves_no_checkpoint(store):
+    model = ScriptedModel([{"tool": "w", "args": {"log": []}}, "It ran."])
+    async with Deck([Agent("a", model=model, workflows=["w"])], [Workflow("w", graph(plan, done))],
+                    store=store) as deck:
+        assert (await deck.run("a", "run the workflow")).output == "It ran."
+        assert saved(deck, "w") == ([], False)
 
 
 # ------------------------------------------------------------------------------ headless ----
