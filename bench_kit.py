@@ -10,15 +10,29 @@ Prints, with the same ScriptedModel and kit's default SQLite file store:
       costs its own backlog (drops), never a run's time (target: ratio ~1.0, reported)
   (e) peak RSS of the process.
 The two sides run interleaved (raw, kit, raw, kit, ...) and each ratio is the median of the
-per-repeat ratios, so machine noise hits both sides alike (notes/PERF.md). ``--trio`` also plays
-the kit side under trio (engines on kit's asyncio thread) against the same raw figures.
+per-repeat ratios, so machine noise hits both sides alike (notes/PERF.md). The kit side is also
+played under trio (engines on kit's asyncio thread) against the same raw figures.
 
-Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows N] [--trio]
+Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows N] [--growth N]
 [--http] [--surfaces] [--store postgresql://...] [--check]; ``--check`` exits 1 when a target
 is missed.
 
-``--http`` adds the HTTP surface (kit_http under a real Hypercorn on loopback, asyncio worker;
-``--trio`` adds the trio worker, reported): (f) SSE tokens/s end to end for the same 500-token
+Every run also prints kit's own share (issue 16; ``share_report``): (l) the server's CPU per
+request for a JSON chat turn, a streamed 20-token turn and a 3-node workflow run (kit's App in a
+child process, asyncio worker, one keep-alive httpx client), minus the raw engine's CPU for the
+same call in this process, minus the floor (the same Hypercorn answering with the same bytes from
+a bare ASGI app), split into the runtime and log (``Deck.run`` in this process minus raw) and the
+HTTP layer (target <= 0.3 ms each); the trio worker's CPU per turn against the asyncio worker's
+(target <= 1.15x) and ``Deck.run`` under trio against raw (target <= 1.5x); (m) each ratio's
+spread across repeats, (max - min) / median (target <= 15%); HTTP SSE tokens/s on the asyncio
+worker (target >= 40,000); (n) RSS of a fresh process after 1,000 and after ``--growth``
+stateless workflow runs and one-turn fresh sessions (target within 10%); (o) ``store.runs()``
+pages at 100,000 runs in a SQLite log (target < 5 ms); (p) ``kit-serve`` on a copy of the
+example project: seconds from spawn to a 200 from ``/health`` (target <= 1.5), its RSS then
+(target <= 90 MiB) and its first chat request (target <= 50 ms).
+
+``--http`` adds the HTTP surface (kit_http under a real Hypercorn on loopback, asyncio worker,
+and the trio worker, reported): (f) SSE tokens/s end to end for the same 500-token
 replies, read by an httpx client in the same process (so the client's CPU counts against it;
 target >= 25,000 tokens/s; every frame is sent once its event is committed), with the frames per
 ``send()`` the coalescing writer reached and the figure with coalescing off (one frame per send)
@@ -62,7 +76,7 @@ import subprocess
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Annotated, TypedDict
+from typing import Annotated, Any, TypedDict
 
 import agents
 import anyio
@@ -208,10 +222,11 @@ async def kit_side(db: Path | str, turns: int, streams: int) -> tuple[float, flo
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--turns", type=int, default=300)
-    p.add_argument("--streams", type=int, default=20)
-    p.add_argument("--workflows", type=int, default=200)
-    p.add_argument("--trio", action="store_true", help="also play the kit side under trio")
+    p.add_argument("--turns", type=int, default=1_000)
+    p.add_argument("--streams", type=int, default=40)
+    p.add_argument("--workflows", type=int, default=600)
+    p.add_argument("--growth", type=int, default=20_000,
+                   help="stateless workflow runs and fresh sessions of the RSS growth rows")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("--http", action="store_true", help="also bench the HTTP surface (kit_http)")
     p.add_argument("--concurrent", type=int, default=CONCURRENT_STREAMS,
@@ -221,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", metavar="postgresql://...",
                    help="also bench a Postgres store against the SQLite file (in a schema of its own)")
     a = p.parse_args(argv)
-    backends = ["asyncio"] + (["trio"] if a.trio else [])
+    backends = ["asyncio", "trio"]
     rows: dict[str, list[float]] = {k: [] for k in ("raw_turn", "raw_stream", "raw_wf_mem",
                                                      "raw_wf_sql", "kit_wf_mem", "kit_wf_sql",
                                                      "kit_unobserved", "kit_slow_observer")}
@@ -238,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 tt, ts = anyio.run(kit_side, Path(tmp) / f"{b}{r}.db", a.turns, a.streams, backend=b)
                 rows[f"kit_turn_{b}"].append(tt)
                 rows[f"kit_stream_{b}"].append(ts)
-            for b in backends if a.http else ():
+            for b in backends if a.http else ["asyncio"]:
                 for buffer, key in ((None, "http_stream"), (0, "http_unbatched")):
                     t, fps = anyio.run(http_stream, Path(tmp) / f"http-{key}-{b}{r}.db", a.streams,
                                        buffer, backend=b)
@@ -281,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  Deck.run, slow observer  {a.turns / med(rows['kit_slow_observer']):>8,.0f} turns/s   "
           f"ratio to no observer {slow_ratio:.2f} (info)")
     print(f"  peak RSS              {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:>10,.1f} MiB")
+    ok &= share_report(a, rows)
     if a.http:
         ok &= http_report(a, rows, backends)
     if a.surfaces:
@@ -680,6 +696,350 @@ def store_report(a: argparse.Namespace) -> bool:
         how = "NOTIFY" if name == "Postgres" else "its poll"
         print(f"  follow across processes ({name:8}, wakes on {how}): commit to the follower's "
               f"read p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+    return ok
+
+
+
+# ============================================================== kit's own share (issue 16) ====
+
+SHARE_TARGET = 0.3e-3  # server CPU per request that is kit's own: route - raw engine - floor
+TRIO_TARGET, TRIO_WORKER_TARGET = 1.5, 1.15  # Deck.run under trio vs raw; trio vs asyncio worker
+SPREAD_TARGET = 0.15  # (max - min) / median of a ratio across repeats
+SSE_TARGET = 40_000  # HTTP SSE tokens/s on the asyncio worker
+RSS_GROWTH_TARGET, IDLE_RSS_TARGET = 1.10, 90  # RSS after 20,000 vs after 1,000; MiB when idle
+LIST_TARGET, LIST_RUNS = 5e-3, 100_000  # store.runs() pages at this many runs in the log
+READY_TARGET, FIRST_TARGET = 1.5, 0.05  # kit-serve ready (s), its first request (s)
+SHORT_TOKENS = 20  # the streamed turn of the share: a 20-token reply
+#: name -> (path, body, what the answer must hold) on the share's servers.
+SHARE_ROUTES = {
+    "turn": ("/agents/a/chat", {"message": "hi"}, b'"output"'),
+    "stream": ("/agents/s/chat?stream=true", {"message": "hi"}, b"event: done"),
+    "workflow": ("/workflows/w", {"input": {"log": []}}, b'"output"'),
+}
+
+
+async def _floor_app(scope, receive, send) -> None:
+    """The floor: a raw ASGI app answering each share route with the bytes kit would send, built
+    once (an SSE answer in one body message), so route - floor is what kit adds to Hypercorn."""
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        return await send({"type": "lifespan.shutdown.complete"})
+    while (await receive()).get("more_body"):
+        pass
+    if scope["query_string"] == b"stream=true":
+        frames = [kit_http.sse_frame(json.dumps({"delta": f" w{i}"})) for i in range(SHORT_TOKENS)]
+        body, kind = b"".join(frames) + kit_http.sse_frame("{}", event="done"), b"text/event-stream"
+    else:
+        body, kind = json.dumps({"output": SHORT_REPLY, "run_id": uuid.uuid4().hex}).encode(), \
+            b"application/json"
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _share_deck(store: Any = None) -> kit.Deck:
+    """The share's deck: a JSON-turn agent, a 20-token streaming agent, a 3-node workflow."""
+    return kit.Deck([
+        kit.Agent("a", "Be brief.", model=kit.ScriptedModel([SHORT_REPLY], cycle=True)),
+        kit.Agent("s", "Be brief.", model=kit.ScriptedModel([_reply(SHORT_TOKENS)], cycle=True)),
+    ], workflows=[kit.Workflow("w", _graph())], store=store)
+
+
+def serve_share(kind: str, port: int) -> None:
+    """A child process of the share: ``floor`` or kit's App on the ``KIT_WORKER`` backend (store
+    from ``KIT_STORE``) until SIGTERM; on SIGUSR1 it prints its CPU seconds."""
+    signal.signal(signal.SIGUSR1, lambda *_: print(time.process_time(), flush=True))
+    backend = os.environ.get("KIT_WORKER", "asyncio")
+    if kind == "kit":
+        return anyio.run(partial(kit_http.serve, kit_http.App(_share_deck(), playground=False),
+                                 host="127.0.0.1", port=port), backend=backend)
+    from hypercorn.config import Config  # the floor: the same Hypercorn, no kit
+    config = Config()
+    config.bind, config.accesslog = [f"127.0.0.1:{port}"], None
+    if backend == "trio":
+        from hypercorn.trio import serve
+    else:
+        from hypercorn.asyncio import serve
+    anyio.run(serve, _floor_app, config, backend=backend)
+
+
+async def raw_cpu(n: int) -> dict[str, float]:
+    """CPU seconds per raw engine call, in this process: ``Runner.run`` of the short reply,
+    ``Runner.run_streamed`` of the 20-token one, ``graph.ainvoke`` with an InMemorySaver."""
+    a = agents.Agent(name="a", instructions="Be brief.", model=kit.ScriptedModel([SHORT_REPLY], cycle=True))
+    s = agents.Agent(name="s", instructions="Be brief.",
+                     model=kit.ScriptedModel([_reply(SHORT_TOKENS)], cycle=True))
+    graph = _graph().compile(checkpointer=InMemorySaver())
+
+    async def stream() -> None:
+        async for _ in agents.Runner.run_streamed(s, "hi", run_config=RUN_CONFIG).stream_events():
+            pass
+
+    calls = {"turn": lambda: agents.Runner.run(a, "hi", run_config=RUN_CONFIG), "stream": stream,
+             "workflow": lambda: graph.ainvoke({"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}})}
+    out = {}
+    for name, call in calls.items():
+        for _ in range(20):
+            await call()
+        t = time.process_time()
+        for _ in range(n):
+            await call()
+        out[name] = (time.process_time() - t) / n
+    return out
+
+
+async def deck_cpu(db: Path, n: int) -> dict[str, float]:
+    """CPU seconds per ``Deck.run`` / ``Deck.stream`` in this process (the runtime and the log,
+    with the writer's thread), on a SQLite file: what kit adds before any HTTP."""
+    async with SQLiteStore(db) as store, _share_deck(store) as deck:
+        async def stream() -> None:
+            async for _ in deck.stream("s", "hi"):
+                pass
+        calls = {"turn": lambda: deck.run("a", "hi"), "stream": stream,
+                 "workflow": lambda: deck.run("w", {"log": []})}
+        out = {}
+        for name, call in calls.items():
+            for _ in range(20):
+                await call()
+            t = time.process_time()
+            for _ in range(n):
+                await call()
+            out[name] = (time.process_time() - t) / n
+        return out
+
+
+def _child(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
+    """Start a bench child serving on ``port`` and wait until it answers."""
+    import httpx  # the test extra
+    proc = subprocess.Popen([sys.executable, "-c", *argv], cwd=Path(__file__).parent,
+                            env=dict(os.environ, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with httpx.Client(timeout=5) as c:
+                if c.post(f"http://127.0.0.1:{port}/agents/a/chat", json={"message": "hi"}).status_code == 200:
+                    return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"bench child {argv} did not serve")
+        time.sleep(0.05)
+
+
+def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[float]]:
+    """Server CPU seconds per request, (server, route) -> one figure per repeat, for the floor,
+    kit on the asyncio worker and kit on the trio worker; batches alternate order per repeat."""
+    import httpx
+    out: dict[tuple[str, str], list[float]] = {}
+    procs: dict[str, tuple[subprocess.Popen, httpx.Client]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for server, kind, worker in (("floor", "floor", "asyncio"), ("kit", "kit", "asyncio"),
+                                         ("kit-trio", "kit", "trio")):
+                port = _free_port()
+                proc = _child([f"import bench_kit; bench_kit.serve_share({kind!r}, {port})"],
+                              {"KIT_WORKER": worker, "KIT_STORE": f"sqlite:///{tmp}/{server}.db"}, port)
+                procs[server] = proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+            batches = [(s, r) for s in procs for r in SHARE_ROUTES]
+
+            def batch(server: str, route: str, k: int) -> float:
+                proc, client = procs[server]
+                path, body, want = SHARE_ROUTES[route]
+                before = _cpu_seconds(proc)
+                for _ in range(k):
+                    r = client.post(path, json=body)
+                    assert r.status_code == 200 and want in r.content, (server, route, r.status_code)
+                return (_cpu_seconds(proc) - before) / k
+
+            for server, route in batches:
+                batch(server, route, 50)  # warm
+            for r in range(repeats):
+                for key in (batches if r % 2 == 0 else reversed(batches)):
+                    out.setdefault(key, []).append(batch(*key, n))
+        finally:
+            for proc, client in procs.values():
+                client.close()
+                proc.terminate()
+                proc.wait(timeout=30)
+    return out
+
+
+GROWTH = """
+import gc, json, sys, uuid, anyio, bench_kit, kit
+from kit_store import SQLiteStore
+
+def rss():
+    gc.collect()
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+
+async def main(what, db, first, last):
+    async with SQLiteStore(db) as store, bench_kit._share_deck(store) as deck:
+        async def one():
+            if what == "workflow":
+                await deck.run("w", {"log": []})
+            else:
+                await deck.run("a", "hi", session_id=uuid.uuid4().hex)
+        out = []
+        for i in range(last):
+            await one()
+            if i + 1 in (first, last):
+                out.append(rss())
+    print(json.dumps(out))
+
+anyio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+"""
+
+
+def rss_growth(what: str, first: int, last: int) -> tuple[float, float]:
+    """RSS (MiB) of a fresh process after ``first`` and after ``last`` stateless workflow runs
+    (``what="workflow"``) or one-turn fresh sessions (``"session"``), kit's SQLite file log."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run([sys.executable, "-c", GROWTH, what, f"{tmp}/g.db", str(first), str(last)],
+                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
+        if out.returncode:
+            raise RuntimeError(out.stderr[-2000:])
+        a, b = json.loads(out.stdout)
+    return a, b
+
+
+async def listing(db: Path, n: int, calls: int = 20) -> dict[str, float]:
+    """Median seconds of ``store.runs()`` pages with ``n`` runs in a SQLite log (names, sessions
+    and statuses varied; filled in batches of finished runs plus a few parked ones)."""
+    med = statistics.median
+    async with SQLiteStore(db) as store:
+        batch, ids = 1_000, []
+        for start in range(0, n, batch):
+            events = []
+            for i in range(start, min(start + batch, n)):
+                run_id = kit.new_run_id()
+                ids.append(run_id)
+                name, session = f"agent{i % 10}", (f"s{i % 5_000}" if i % 3 == 0 else None)
+                events.append(kit.Event(run_id, 0, kit.RunStarted(name, "agent", session), name))
+                if i % 100:  # one run in a hundred is left running
+                    events.append(kit.Event(run_id, 1, kit.RunCompleted("ok"), name))
+            await store.append(events)
+        page = ids[len(ids) // 2]
+        queries = {
+            "newest 100": dict(limit=100),
+            "a page before a run": dict(limit=100, before=page),
+            "by status (RUNNING)": dict(status=kit.RunStatus.RUNNING, limit=100),
+            "by status (COMPLETED)": dict(status=kit.RunStatus.COMPLETED, limit=100),
+            "by name": dict(name="agent3", limit=100),
+            "by session": dict(session_id="s42"),
+        }
+        out = {}
+        for label, kw in queries.items():
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                await store.runs(**kw)
+                times.append(time.perf_counter() - t)
+            out[label] = med(times)
+        return out
+
+
+def cold_start(tries: int = 3) -> tuple[float, float, float]:
+    """kit-serve on a copy of the example project (``.kit``): median seconds from spawn to a
+    200 from ``/health``, idle RSS (MiB) then, and seconds of the first chat request."""
+    import httpx
+    med, rows = statistics.median, []
+    serve = Path(sys.executable).parent / "kit-serve"
+    for _ in range(tries):
+        with tempfile.TemporaryDirectory() as tmp:
+            import shutil
+            shutil.copytree(Path(__file__).parent / ".kit", Path(tmp) / ".kit")
+            port = _free_port()
+            env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "KIT_STORE")}
+            t = time.perf_counter()
+            proc = subprocess.Popen([str(serve), "--host", "127.0.0.1", "--port", str(port)], cwd=tmp,
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                    while True:
+                        try:
+                            if client.get("/health").status_code == 200:
+                                break
+                        except httpx.TransportError:
+                            time.sleep(0.005)
+                        if time.perf_counter() - t > 60 or proc.poll() is not None:
+                            raise RuntimeError("kit-serve did not start")
+                    ready = time.perf_counter() - t
+                    rss = int(next(line for line in open(f"/proc/{proc.pid}/status")
+                                   if line.startswith("VmRSS")).split()[1]) / 1024
+                    t = time.perf_counter()
+                    r = client.post("/agents/chat/chat", json={"message": "what time is it?"})
+                    first = time.perf_counter() - t
+                    assert r.status_code == 200, r.text
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        rows.append((ready, rss, first))
+    return tuple(med(r[i] for r in rows) for i in range(3))  # type: ignore[return-value]
+
+
+def _spread(ratios: list[float]) -> float:
+    return (max(ratios) - min(ratios)) / statistics.median(ratios)
+
+
+def share_report(a: argparse.Namespace, rows: dict[str, list[float]]) -> bool:
+    """Print issue 16's rows (kit's own share per layer, trio, memory, listing, start); True
+    when every target is met."""
+    med, ok = statistics.median, True
+
+    def gate(good: bool) -> str:
+        nonlocal ok
+        ok &= good
+        return "ok" if good else "MISSED"
+
+    raw = anyio.run(raw_cpu, a.turns)
+    with tempfile.TemporaryDirectory() as tmp:
+        deck = anyio.run(deck_cpu, Path(tmp) / "share.db", a.turns)
+    cpu = server_cpu(a.repeats, a.turns)
+    print(f"kit's own share: server CPU per request (child processes, one keep-alive client, "
+          f"{a.repeats} x {a.turns} per route), raw engines and Deck in this process")
+    for route in SHARE_ROUTES:
+        floor, served = med(cpu["floor", route]), med(cpu["kit", route])
+        share = served - raw[route] - floor
+        runtime = deck[route] - raw[route]
+        print(f"  {route:8} over HTTP {served * 1e3:6.2f} ms = raw engine {raw[route] * 1e3:.2f} + "
+              f"floor {floor * 1e3:.2f} + kit {share * 1e3:.2f} ms (runtime and log "
+              f"{runtime * 1e3:.2f}, HTTP {(share - runtime) * 1e3:.2f}) "
+              f"(target <= {SHARE_TARGET * 1e3:.1f}) {gate(share <= SHARE_TARGET)}")
+    worker = [t / s for t, s in zip(cpu["kit-trio", "turn"], cpu["kit", "turn"])]
+    print(f"  trio worker / asyncio worker per JSON turn {med(worker):.2f} (target <= "
+          f"{TRIO_WORKER_TARGET}) {gate(med(worker) <= TRIO_WORKER_TARGET)}")
+    ratios = {"Deck.run / Runner.run (asyncio)": [k / r for k, r in zip(rows["kit_turn_asyncio"], rows["raw_turn"])],
+              "Deck.run / Runner.run (trio)": [k / r for k, r in zip(rows["kit_turn_trio"], rows["raw_turn"])],
+              "Deck.stream / run_streamed (asyncio)": [k / r for k, r in zip(rows["kit_stream_asyncio"], rows["raw_stream"])],
+              "workflow in memory / graph.ainvoke": [k / r for k, r in zip(rows["kit_wf_mem"], rows["raw_wf_mem"])],
+              "trio worker / asyncio worker": worker}
+    trio = med(ratios["Deck.run / Runner.run (trio)"])
+    print(f"  Deck.run under trio / Runner.run {trio:.2f} (target <= {TRIO_TARGET}) "
+          f"{gate(trio <= TRIO_TARGET)}")
+    for name, rs in ratios.items():
+        print(f"  spread of {name:38} {_spread(rs) * 100:5.1f}% (target <= "
+              f"{SPREAD_TARGET * 100:.0f}%) {gate(_spread(rs) <= SPREAD_TARGET)}")
+    sse = a.streams * REPLY_TOKENS / med(rows["http_stream_asyncio"])
+    print(f"  HTTP SSE (asyncio worker) {sse:,.0f} tokens/s (target >= {SSE_TARGET:,}) "
+          f"{gate(sse >= SSE_TARGET)}")
+    for what in ("workflow", "session"):
+        first, last = rss_growth(what, 1_000, a.growth)
+        label = "stateless workflow runs" if what == "workflow" else "fresh one-turn sessions"
+        print(f"  RSS after 1,000 / {a.growth:,} {label}: {first:.1f} / {last:.1f} MiB "
+              f"({(last - first) * 1024 * 1024 / (a.growth - 1_000):,.0f} bytes each) "
+              f"(target <= {RSS_GROWTH_TARGET}x) {gate(last <= first * RSS_GROWTH_TARGET)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        pages = anyio.run(listing, Path(tmp) / "list.db", LIST_RUNS)
+    for label, seconds in pages.items():
+        print(f"  store.runs() at {LIST_RUNS:,} runs, {label:22} {seconds * 1e3:6.2f} ms "
+              f"(target < {LIST_TARGET * 1e3:.0f}) {gate(seconds < LIST_TARGET)}")
+    ready, rss, first = cold_start()
+    print(f"  kit-serve on the example project: ready in {ready:.2f} s (target <= {READY_TARGET}) "
+          f"{gate(ready <= READY_TARGET)}; idle RSS {rss:.1f} MiB (target <= {IDLE_RSS_TARGET}) "
+          f"{gate(rss <= IDLE_RSS_TARGET)}; first request {first * 1e3:.0f} ms (target <= "
+          f"{FIRST_TARGET * 1e3:.0f}) {gate(first <= FIRST_TARGET)}")
     return ok
 
 
