@@ -775,8 +775,14 @@ async def raw_cpu(n: int) -> dict[str, float]:
         async for _ in agents.Runner.run_streamed(s, "hi", run_config=RUN_CONFIG).stream_events():
             pass
 
-    calls = {"turn": lambda: agents.Runner.run(a, "hi", run_config=RUN_CONFIG), "stream": stream,
-             "workflow": lambda: graph.ainvoke({"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}})}
+    return await _cpu_per_call({
+        "turn": lambda: agents.Runner.run(a, "hi", run_config=RUN_CONFIG), "stream": stream,
+        "workflow": lambda: graph.ainvoke({"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}}),
+    }, n)
+
+
+async def _cpu_per_call(calls: dict[str, Any], n: int) -> dict[str, float]:
+    """CPU seconds per call of each of ``calls`` (20 warm-up calls first), in this process."""
     out = {}
     for name, call in calls.items():
         for _ in range(20):
@@ -795,17 +801,8 @@ async def deck_cpu(db: Path, n: int) -> dict[str, float]:
         async def stream() -> None:
             async for _ in deck.stream("s", "hi"):
                 pass
-        calls = {"turn": lambda: deck.run("a", "hi"), "stream": stream,
-                 "workflow": lambda: deck.run("w", {"log": []})}
-        out = {}
-        for name, call in calls.items():
-            for _ in range(20):
-                await call()
-            t = time.process_time()
-            for _ in range(n):
-                await call()
-            out[name] = (time.process_time() - t) / n
-        return out
+        return await _cpu_per_call({"turn": lambda: deck.run("a", "hi"), "stream": stream,
+                                    "workflow": lambda: deck.run("w", {"log": []})}, n)
 
 
 def _child(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen:

@@ -578,9 +578,9 @@ class Runtime:
 
     async def _start_run(self, run: _Run, started: Event, fenced: bool) -> None:
         """Write a run's start, with its claim. A start that something could refuse (a session
-        to hold, a caller's run id that is not a ``NewRunId``) is committed now, so a refusal writes nothing and reaches
-        the caller; any other rides in the run's first group commit (one transaction per short
-        turn). While the store is down the start waits (``StoreUnavailableError`` after the
+        to hold, a caller's run id that is not a ``NewRunId``) is committed now, so a refusal
+        writes nothing and reaches the caller; any other rides in the run's first group commit
+        (one transaction per short turn). While the store is down the start waits (``StoreUnavailableError`` after the
         stated bound, with the run recorded as failed once the store is back)."""
         down = self.writer.down_since
         if down is not None and anyio.current_time() - down >= self.down_limit:
@@ -621,14 +621,15 @@ class Runtime:
         posting it): two thread crossings per run instead of four. Raises what the engine
         raised (its ``run.failed`` committed first), or what the store refused for the run."""
         run.ends_on_kit = True
+        failed: Exception | None = None
         try:
             end = await self.bridge.call(job)  # type: ignore[union-attr]
-        except Exception:
-            await self._drain_mail()
-            await self._flushed(run.run_id)
-            raise
+        except Exception as exc:
+            failed = exc
         await self._drain_mail()
         await self._flushed(run.run_id)
+        if failed is not None:
+            raise failed
         return end
 
     async def run(self, spec: InvocableSpec, input: Any, *, context: Any = None,
