@@ -8,7 +8,8 @@ first use.
 
 Must never: do I/O at import, start tasks, open sockets or files, read the environment at import,
 or import an engine SDK at import (``import kit`` stays under 0.5 s): ``Deck.build()`` imports the
-engines (kit_agents, kit_workflows) and opening a deck imports kit_runtime.
+engines a deck uses (kit_agents, with the agents SDK, only for agents or MCP servers;
+kit_workflows) and opening a deck imports kit_runtime.
 
 Theory of operation: a ``Deck`` holds a catalog. ``build()`` checks every name and compiles each
 agent and workflow into an ``InvocableSpec``; ``async with deck`` opens a ``kit_runtime.Runtime``
@@ -207,7 +208,6 @@ class Deck:
             raise DeckStateError("CLOSED", "build")
         if self._state != "NEW":
             return self
-        import kit_agents
         import kit_context
         import kit_observers
         import kit_workflows
@@ -231,15 +231,18 @@ class Deck:
                         known = ", ".join(catalogs[what]) or "none"
                         raise ConfigError(f"agent {a.name!r} names unknown {what} {n!r} "
                                           f"(the deck has: {known})")
-        # The SDK's server objects are made here, unconnected: opening the deck connects them.
-        self._mcp_servers = kit_agents.mcp_servers(self._mcp)
         specs = {w.name: kit_workflows.compile_workflow(w) for w in self._workflows}
-        for a in self._agents:  # an agent's workflows become tools that play child runs
-            specs[a.name] = kit_agents.compile_agent(
-                a, tools=[kit_workflows.child_tool(specs[n]) for n in a.workflows],
-                skills=[self._skills[n] for n in a.skills],
-                mcp_servers=[self._mcp_servers[n] for n in a.mcp_servers],
-                history_limit=self._history_limit)
+        self._mcp_servers = {}
+        if self._agents or servers:  # the agents SDK (~1.4 s, ~45 MB) only for a deck that uses it
+            import kit_agents
+            # The SDK's server objects are made here, unconnected: opening the deck connects them.
+            self._mcp_servers = kit_agents.mcp_servers(self._mcp)
+            for a in self._agents:  # an agent's workflows become tools that play child runs
+                specs[a.name] = kit_agents.compile_agent(
+                    a, tools=[kit_workflows.child_tool(specs[n]) for n in a.workflows],
+                    skills=[self._skills[n] for n in a.skills],
+                    mcp_servers=[self._mcp_servers[n] for n in a.mcp_servers],
+                    history_limit=self._history_limit)
         self._specs = specs
         if self.context_type is not None:
             kit_context.check_context(list(self._specs.values()), self.context_type)

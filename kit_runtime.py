@@ -38,13 +38,12 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
 import sniffio
 
-import kit_agents
 import kit_observers
 import kit_workflows
 from kit_bridge import Bridge
@@ -57,6 +56,9 @@ from kit_core import (
 )
 from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
+
+if TYPE_CHECKING:
+    import kit_agents
 
 __all__ = ("Runtime", "CONTROL_RETRY", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT",
            "BACKOFF_MAX")
@@ -225,7 +227,13 @@ class Runtime:
                  observers: Sequence[Any] | None = None, default_store: str = "memory",
                  mcp_servers: Sequence[Any] = ()) -> None:
         self.specs, self.store = specs, store
-        self._mcp = kit_agents.ServerHolder(mcp_servers, self._to_kit) if mcp_servers else None
+        # The agents engine (and with it the agents SDK: ~1.4 s and ~45 MB to import) only for
+        # a deck with an agent or an MCP server: a workflow-only deck never loads it.
+        self._agents: Any = None
+        if mcp_servers or any(spec.kind == "agent" for spec in specs.values()):
+            import kit_agents
+            self._agents = kit_agents
+        self._mcp = self._agents.ServerHolder(mcp_servers, self._to_kit) if mcp_servers else None
         self._mcp_done: anyio.Event | None = None
         self._default_store = default_store
         self._observers = observers
@@ -250,9 +258,11 @@ class Runtime:
         env = os.environ
         self.lease = _seconds(env, "KIT_LEASE_SECONDS", DEFAULT_LEASE_SECONDS)
         self.down_limit = _seconds(env, "KIT_STORE_DOWN_SECONDS", STORE_DOWN_LIMIT)
-        kit_agents.use_api(env.get("KIT_OPENAI_API"))
-        self.sessions = kit_agents.Sessions(env.get("KIT_SESSION"), self._session_factory,
-                                            _count(env, "KIT_SESSION_MAX", kit_agents.MAX_SESSIONS))
+        if self._agents is not None:
+            self._agents.use_api(env.get("KIT_OPENAI_API"))
+            self.sessions = self._agents.Sessions(
+                env.get("KIT_SESSION"), self._session_factory,
+                _count(env, "KIT_SESSION_MAX", self._agents.MAX_SESSIONS))
         try:
             if self._own_store:
                 self.store = store_from_url(env.get("KIT_STORE", self._default_store),
@@ -276,8 +286,8 @@ class Runtime:
         await self.hub.start(self._tg)
         await self._reap()  # runs a dead process left: abandoned, and observed as such
         processors = [o.sdk_processor() for o in observers if getattr(o, "sdk_spans", False)]
-        if processors:  # the SDK's own spans, as a second trace per run (kit_tracing)
-            self._sdk_tracing = kit_agents.use_trace_processors(processors)
+        if processors and self._agents is not None:  # the SDK's own spans, a second trace per run
+            self._sdk_tracing = self._agents.use_trace_processors(processors)
         if sniffio.current_async_library() == "trio":
             self.bridge = Bridge()
             self.bridge.start()
@@ -288,12 +298,13 @@ class Runtime:
         self._seen_request = backlog[-1].id if backlog else 0
         self._tg.start_soon(self._every, CONTROL_RETRY, self._watch_requests,
                             "following control requests")
-        await self._on_engine(self.sessions.open)  # type: ignore[union-attr]
+        if self.sessions is not None:
+            await self._on_engine(self.sessions.open)
         self.graphs, self._close_graphs, self._thread_locks = await self._on_engine(
             kit_workflows.open_graphs, list(self.specs.values()), getattr(self.store, "url", None))
         await self._start_mcp()
         if any(spec.kind == "agent" for spec in self.specs.values()):
-            await self._on_engine(kit_agents.warm_up)
+            await self._on_engine(self._agents.warm_up)
 
     async def close(self) -> None:
         """Cancel the runs still playing (they record ``run.cancelled``), flush, release all."""
@@ -327,13 +338,14 @@ class Runtime:
                     run.done.set()
                     run.wake.set()
             if self._sdk_tracing:
-                kit_agents.use_trace_processors([])
+                self._agents.use_trace_processors([])
             if self.sessions is not None:
                 await self._on_engine(self.sessions.aclose)
             if self._close_graphs is not None:
                 await self._on_engine(self._close_graphs)
             if self.bridge is not None:
-                for client in kit_agents.model_clients(list(self.specs.values())):
+                clients = self._agents.model_clients(list(self.specs.values())) if self._agents else []
+                for client in clients:
                     with anyio.move_on_after(CLOSE_TIMEOUT):  # pooled connections of its loop
                         await self.bridge.call(client.close)
                 await self.bridge.stop()
@@ -527,9 +539,22 @@ class Runtime:
         if spec.kind == "workflow":
             run.thread_id = session_id or run_id
             run.thread_key = spec.engine.key(namespace, run.thread_id)
-        if streaming:
-            self._streams[run_id] = run
+        if streaming:  # a racing caller of the same id may be here first: _hold settles it
+            self._streams.setdefault(run_id, run)
         return run
+
+    def _hold(self, run: _Run, seq: int) -> None:
+        """``run`` holds its id now (its fenced start or take-over committed at ``seq``): it is
+        the run the id's commits wake, even if a caller that lost the race registered first."""
+        self.active[run.run_id] = run
+        if run.live is not None:
+            self._streams[run.run_id] = run
+            run.on_commit(seq)
+
+    def _unstream(self, run: _Run) -> None:
+        """``run`` ended, or never got its id: its commits wake no reader any more."""
+        if self._streams.get(run.run_id) is run:
+            del self._streams[run.run_id]
 
     def _claim(self, run: _Run) -> Claim:
         return Claim(run.run_id, self.owner, self.lease, run.session_id, run.namespace)
@@ -558,7 +583,7 @@ class Runtime:
             items = spec.engine.to_input(blocks, history)  # refuses what it cannot express
             session = self.sessions.get(session_id, namespace) if session_id else None  # type: ignore[union-attr]
             job = functools.partial(spec.engine.play, run, items, session,
-                                    kit_agents.run_config(self._sdk_tracing, run.run_id, session_id))
+                                    self._agents.run_config(self._sdk_tracing, run.run_id, session_id))
         else:
             state = spec.engine.to_input(input)
             if spec.engine.durable and session_id is None:
@@ -571,7 +596,7 @@ class Runtime:
         try:
             await self._start_run(run, started, fenced)
         except BaseException:
-            self._streams.pop(run.run_id, None)
+            self._unstream(run)
             raise
         self.active[run.run_id] = run
         return run, job, started
@@ -591,6 +616,7 @@ class Runtime:
                 self._put(run, started, self._claim(run))
                 return
             await self._write(run, [started], self._claim(run))
+            self._hold(run, started.seq)
         if waiting.cancelled_caught:
             error = StoreUnavailableError(run.run_id, self.down_limit)
             if self.writer.pending_runs() & {run.run_id}:  # its start will be written: end it
@@ -725,8 +751,12 @@ class Runtime:
         """Become the writer of a parked run: append ``events`` (the resume) with its claim,
         fenced by seq (``LogConflictError`` when another caller got there first)."""
         run.seq = events[-1].seq
-        await self._write(run, events, self._claim(run))
-        self.active[run.run_id] = run
+        try:
+            await self._write(run, events, self._claim(run))
+        except BaseException:
+            self._unstream(run)
+            raise
+        self._hold(run, run.seq)
 
     async def _take_paused(self, run_id: str, context: Any, streaming: bool
                            ) -> tuple[_Run, Callable[[], Any], int] | None:
@@ -749,7 +779,7 @@ class Runtime:
             session = self.sessions.get(info.session_id, info.namespace) if info.session_id else None  # type: ignore[union-attr]
             items = [] if session is not None else (paused.payload.items or [])
             job = functools.partial(spec.engine.play, run, items, session,
-                                    kit_agents.run_config(self._sdk_tracing, run_id, info.session_id))
+                                    self._agents.run_config(self._sdk_tracing, run_id, info.session_id))
         else:
             job = functools.partial(spec.engine.play, run, self.graphs[spec.name], None)
         return run, job, paused.seq
@@ -785,7 +815,7 @@ class Runtime:
             if run.abort_error is not None:
                 raise run.abort_error
         finally:
-            self._streams.pop(run.run_id, None)
+            self._unstream(run)
 
     async def _watch_requests(self) -> None:
         """Requests written by other processes (the CLI, replicas), as the store hears of them
@@ -913,4 +943,7 @@ class Runtime:
                 await self._on_engine(self._thread_locks.release, key)
 
     def session_for(self, session_id: str, namespace: str | None = None) -> Any:
-        return self.sessions.get(session_id, namespace)  # type: ignore[union-attr]
+        if self.sessions is None:
+            raise ConfigError("this deck has no agent: sessions hold agents' conversations "
+                              "(a workflow's thread is its session_id)")
+        return self.sessions.get(session_id, namespace)

@@ -123,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
             _log.error("%s is missing: pip install 'kit[%s]'", module, extra)
             return 1
     import kit  # the composition root: only the console entry point builds a deck itself
-    import kit_agents
-    kit_agents.no_default_exporter()  # this process is kit's: no exporter to OpenAI's tracing
     try:  # the observers the settings ask for, then the failed-run lines
         guard = Guard.from_env(env, bind=args.host)
         deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"),
@@ -133,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     except KitError as exc:
         _log.error("%s", exc)
         return 1
+    if deck.agents:  # this process is kit's: no exporter to OpenAI's tracing
+        import kit_agents
+        kit_agents.no_default_exporter()
     try:
         anyio.run(lambda: serve(app, host=args.host, port=int(args.port),
                                 access_log=args.access_log), backend=args.worker)

@@ -765,9 +765,9 @@ async def test_bad_settings_are_config_errors(monkeypatch):
         async with Deck():
             pass
     monkeypatch.setenv("KIT_STORE", "memory")
-    monkeypatch.setenv("KIT_OPENAI_API", "grpc")
+    monkeypatch.setenv("KIT_OPENAI_API", "grpc")  # read by a deck with an agent
     with pytest.raises(ConfigError, match="KIT_OPENAI_API"):
-        async with Deck():
+        async with Deck([Agent("a", model=ScriptedModel(["x"]))]):
             pass
 
 

@@ -146,6 +146,53 @@ async def test_resume_of_a_run_that_is_not_paused_returns_nothing(store):
         assert [e async for e in deck.stream_resume("a-run-the-log-has-never-seen")] == []
 
 
+class BothAtOnce(SQLiteStore):
+    """Once ``racing``, holds the first reader of a run's log until a second one has read it."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.racing, self.waiting, self.both = False, 0, anyio.Event()
+
+    async def read(self, run_id, after=-1):
+        events = await super().read(run_id, after)
+        if self.racing and self.waiting < 2:
+            self.waiting += 1
+            if self.waiting == 2:
+                self.both.set()
+            await self.both.wait()
+        return events
+
+
+@pytest.mark.parametrize("committed", [False, True])
+async def test_two_callers_racing_to_resume_one_run_stream_it_once(store, committed):
+    """One of two streamed resumes of the same paused run wins and streams the rest of the run to
+    its end; the other gets nothing, and leaves the winner's live stream alone."""
+    gate = Gate()
+    store = BothAtOnce(store.path)  # both callers see the run paused before either takes it
+    async with store, Deck([multi_turn_agent(gate)], store=store) as deck:
+        results: list = []
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "worker", "go", run_id="r-race")
+            await gate.until_entered()
+            await deck.pause("r-race")
+            gate.release.set()
+        streams: list[list] = []
+
+        async def resume() -> None:
+            streams.append([e async for e in deck.stream_resume("r-race", committed=committed)])
+
+        store.racing = True
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(resume)
+                tg.start_soon(resume)
+        won, lost = sorted(streams, key=len, reverse=True)
+        assert lost == []
+        assert kinds(won)[:2] == ["control.requested", "run.resumed"]
+        assert won[-1].kind == "run.completed" and won[-1].payload.output == "all done"
+        assert won == (await store.read("r-race"))[-len(won):]
+
+
 class State(TypedDict, total=False):
     log: Annotated[list[str], operator.add]
 

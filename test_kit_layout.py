@@ -113,3 +113,42 @@ def test_import_kit_loads_no_engine_sdk():
     out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "kit_scripted", out.stderr
+
+
+
+_PLAY = """
+import os, sys, anyio, kit
+os.environ["KIT_STORE"] = "memory"
+{define}
+async def main():
+    async with kit.Deck({catalog}) as deck:
+        print(repr(await deck.run({name!r}, {input!r})))
+    print(sorted(m for m in ("agents", "openai", "mcp", "langgraph", "langchain_core") if m in sys.modules))
+anyio.run(main)
+"""
+_GRAPH = """
+from typing import TypedDict
+from langgraph.graph import StateGraph
+class S(TypedDict):
+    n: int
+graph = StateGraph(S).add_node("add", lambda s: {"n": s["n"] + 1})
+graph = graph.set_entry_point("add").set_finish_point("add")
+"""
+
+
+@pytest.mark.parametrize("define, catalog, name, input, expected, loaded", [
+    (_GRAPH, "workflows=[kit.Workflow('count', graph)]", "count", {"n": 1}, "{'n': 2}",
+     ["langchain_core", "langgraph"]),
+    ("", "agents=[kit.Agent('hi', 'x', model=kit.ScriptedModel(['hello']))]", "hi", "hey",
+     "'hello'", ["agents", "mcp", "openai"]),
+], ids=["workflow-only", "agent-only"])
+def test_a_deck_loads_only_the_engine_it_plays(define, catalog, name, input, expected, loaded):
+    """A workflow-only deck never imports the agents SDK (~1.4 s, ~45 MB to import), nor an
+    agent-only deck LangGraph."""
+    code = _PLAY.format(define=define, catalog=catalog, name=name, input=input)
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    result, modules = out.stdout.strip().splitlines()
+    assert expected in result
+    assert modules == repr(loaded)
