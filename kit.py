@@ -84,7 +84,8 @@ class Deck:
     ``observers``: None (settings decide: the tracing observer when both ``KIT_TRACING_*`` keys
     are set), a sequence (exactly those, in order) or ``()`` (none); see ``kit_observers``.
     ``history_limit`` is the limit on the session history sent to the model for the agents that
-    set none (``Agent(history_limit=)``); None (the default) sends the whole history.
+    set none (``Agent(history_limit=)``); None (the default): ``KIT_HISTORY_LIMIT`` when set,
+    else the whole history.
 
     Raises ``ConfigError`` when another deck is live, ``context`` is an instance or
     ``history_limit`` is not a positive int, and as ``Skills`` and ``MCP`` do for files or
@@ -200,6 +201,8 @@ class Deck:
 
         Idempotent. Raises ``ConfigError`` for a duplicate name, an agent and a workflow sharing
         a root name, or an unknown skill, MCP server or workflow-as-tool name;
+        ``ConfigError`` for a ``KIT_HISTORY_LIMIT`` that is not a positive integer (read by a deck
+        with agents when ``history_limit=`` is None);
         ``ContextTypeError`` when a tool, instructions callable, hook or node requires a context
         the declared ``context=`` type cannot satisfy (SPEC 4.2; no check without ``context=``);
         ``DeckStateError`` on a closed deck.
@@ -235,6 +238,11 @@ class Deck:
         self._mcp_servers = {}
         if self._agents or servers:  # the agents SDK (~1.4 s, ~45 MB) only for a deck that uses it
             import kit_agents
+            limit, raw = self._history_limit, os.environ.get("KIT_HISTORY_LIMIT", "").strip()
+            if limit is None and raw:  # the setting: kit-serve's way to pass history_limit
+                if not raw.isdigit() or int(raw) < 1:
+                    raise ConfigError(f"KIT_HISTORY_LIMIT must be a positive integer, got {raw!r}")
+                limit = int(raw)
             # The SDK's server objects are made here, unconnected: opening the deck connects them.
             self._mcp_servers = kit_agents.mcp_servers(self._mcp)
             for a in self._agents:  # an agent's workflows become tools that play child runs
@@ -242,7 +250,7 @@ class Deck:
                     a, tools=[kit_workflows.child_tool(specs[n]) for n in a.workflows],
                     skills=[self._skills[n] for n in a.skills],
                     mcp_servers=[self._mcp_servers[n] for n in a.mcp_servers],
-                    history_limit=self._history_limit)
+                    history_limit=limit)
         self._specs = specs
         if self.context_type is not None:
             kit_context.check_context(list(self._specs.values()), self.context_type)

@@ -78,6 +78,19 @@ async def test_a_projects_agents_and_deck_take_a_history_limit(tmp_path, monkeyp
                 await deck.run(name, f"t{n}", session_id=name)
         assert len(deck.agents["ant"].model.calls[-1]["input"]) == 2  # its own: 1 item, then t3
         assert len(deck.agents["bee"].model.calls[-1]["input"]) == 4  # the deck's: 3, then t3
+    monkeypatch.setenv("KIT_HISTORY_LIMIT", "2")  # kit-serve's way: the setting, unless passed
+    for passed, sent in ((None, 3), (1, 2)):
+        async with Deck.from_project(root, history_limit=passed) as deck:
+            for n in (1, 2, 3):
+                await deck.run("bee", f"t{n}", session_id="bee")
+            assert len(deck.agents["bee"].model.calls[-1]["input"]) == sent
+            assert len(deck.agents["ant"].model.calls) == 0
+    for bad in ("0", "-1", "ten", "2.5"):
+        monkeypatch.setenv("KIT_HISTORY_LIMIT", bad)
+        deck = Deck.from_project(root)
+        with pytest.raises(ConfigError, match=rf"KIT_HISTORY_LIMIT must be a positive integer, got '{bad}'"):
+            deck.build()
+        await deck.aclose()
 
 
 def test_a_missing_project_is_a_config_error(tmp_path):
