@@ -730,22 +730,27 @@ class Runtime:
     async def _cancel_parked(self, req: ControlRequest) -> None:
         """A parked run has no writer: whoever handles its cancel becomes it (DESIGN 6); of two
         processes racing, the unique ``(run_id, seq)`` lets one write. A workflow's thread goes
-        with it (a non-durable one's checkpoints: nothing will resume it)."""
+        with it, in every deck that sees the cancel (a non-durable one's checkpoints live in the
+        memory of the deck that parked it, which may not be the one that wrote the cancel)."""
         info = await self.store.run_info(req.run_id)
-        if info is None or info.status not in _PARKED:
+        if info is None or info.status not in (*_PARKED, RunStatus.CANCELLED):
             return
-        last = (await self.store.read(req.run_id))[-1]
-        try:
-            await self._write(None, [
-                Event(req.run_id, last.seq + 1, ControlRequested("cancel", req.reason, req.source),
-                      info.name),
-                Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)])
-        except LogConflictError:
-            return
+        if info.status is not RunStatus.CANCELLED:
+            last = (await self.store.read(req.run_id))[-1]
+            with contextlib.suppress(LogConflictError):  # another deck wrote it: forget ours too
+                await self._write(None, [
+                    Event(req.run_id, last.seq + 1,
+                          ControlRequested("cancel", req.reason, req.source), info.name),
+                    Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)])
         spec = self.specs.get(info.name)
-        if spec is not None and spec.kind == "workflow":  # its thread id is _new_run's
-            await self._on_engine(spec.engine.forget, self.graphs[spec.name],
-                                  spec.engine.key(info.namespace, info.session_id or req.run_id))
+        if spec is None or spec.kind != "workflow":
+            return
+        key = spec.engine.key(info.namespace, info.session_id or req.run_id)  # _new_run's
+        if info.session_id is not None and (  # the session's thread: only if no run took it since
+                await self.store.session_holder(info.session_id, info.namespace) is not None
+                or any(run.thread_key == key for run in self.active.values())):
+            return
+        await self._on_engine(spec.engine.forget, self.graphs[spec.name], key)
 
     async def _take_over(self, run: _Run, events: Sequence[Event]) -> None:
         """Become the writer of a parked run: append ``events`` (the resume) with its claim,

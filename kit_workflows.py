@@ -154,6 +154,8 @@ class WorkflowEngine:
             snapshot = await graph.aget_state(config)
             if snapshot.next and not snapshot.interrupts:
                 inp = None
+        elif isinstance(inp, dict) and await graph.checkpointer.aget_tuple(config) is not None:
+            await self.forget(graph, run.thread_key)  # a new run starts afresh, whatever was left
         async for mode, chunk in graph.astream(
                 inp, config, context=run.data, control=control,
                 stream_mode=["updates", "values"], durability="sync" if self.durable else "async"):

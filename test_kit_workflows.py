@@ -368,6 +368,54 @@ async def test_a_parked_non_durable_run_keeps_its_thread_until_it_ends(store):
         assert saved(deck, "nap") == ([], False)
 
 
+CANCEL_ELSEWHERE = """
+import sys, anyio
+import kit
+from kit_store import SQLiteStore
+import test_kit_workflows as t
+
+async def main():  # another deck on the log cancels runs parked in the test's deck
+    async with SQLiteStore(sys.argv[1]) as store:
+        async with kit.Deck(workflows=[kit.Workflow("ask", t.graph(t.plan, t.ask, t.done))],
+                            store=store) as deck:
+            for run_id in sys.argv[2:]:
+                await deck.cancel(run_id)
+
+anyio.run(main)
+"""
+
+
+async def test_a_parked_non_durable_run_cancelled_by_another_deck_leaves_no_thread(tmp_path):
+    db = tmp_path / "shared.db"
+    async with SQLiteStore(db) as store:
+        async with Deck(workflows=[Workflow("ask", graph(plan, ask, done))], store=store) as deck:
+            mine = await deck.run("ask", {"log": ["mine"]}, session_id="q")
+            loose = await deck.run("ask", {"log": []})  # no session: the thread is the run id
+            out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-c", CANCEL_ELSEWHERE, str(db), mine.run_id, loose.run_id],
+                cwd=HERE, capture_output=True, text=True, timeout=120,
+                env={**os.environ, "PYTHONPATH": str(HERE)}))
+            assert out.returncode == 0, out.stderr
+            assert [await deck.status(r.run_id) for r in (mine, loose)] == [RunStatus.CANCELLED] * 2
+            with anyio.fail_after(10):  # this deck hears of the cancels on its poll
+                while saved(deck, "ask")[0]:
+                    await anyio.sleep(0.02)
+            assert saved(deck, "ask") == ([], False)
+            parked = await deck.run("ask", {"log": ["next"]}, session_id="q")  # the session is free
+            assert (await deck.answer(parked.run_id, "yes"))["log"] == ["next", "plan", "answer=yes", "done"]
+
+
+async def test_a_new_non_durable_run_starts_afresh_on_a_thread_left_behind(store):
+    async with Deck(workflows=[Workflow("ask", graph(plan, ask, done))], store=store) as deck:
+        compiled = deck._runtime.graphs["ask"]  # a parked thread no run of the log resumes
+        await on_asyncio(functools.partial(compiled.ainvoke, {"log": ["stale"]},
+                                           {"configurable": {"thread_id": "ask::q"}}))
+        assert saved(deck, "ask")[0] == ["ask::q"]
+        parked = await deck.run("ask", {"log": ["new"]}, session_id="q")
+        assert (await deck.answer(parked.run_id, "yes"))["log"] == ["new", "plan", "answer=yes", "done"]
+        assert saved(deck, "ask") == ([], False)
+
+
 async def test_a_paused_non_durable_run_keeps_its_thread_and_a_stopped_one_does_not(store):
     gate = Gate()
     g = StateGraph(State)
