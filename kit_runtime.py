@@ -120,7 +120,7 @@ class _Run(RunHandle):
             self.lagged = True
         self.live.append(event)
         if self.commit_reader:
-            self._writer.hurry()  # the reader waits for this one to commit: now, not in 20 ms
+            self._writer.hurry()  # the reader waits for this one: commit within 2 ms, not 20
         else:
             self.wake.set()
 
@@ -150,7 +150,7 @@ class _Run(RunHandle):
                         # run's tail waits for the store; a refused one is not the log's.
                         return
                     if self.live:
-                        self._writer.hurry()  # what is left waits for its commit: commit now
+                        self._writer.hurry()  # what is left waits for its commit: commit soon
                     self.wake = anyio.Event()
                     if not ready() and not (self.done.is_set() and not self.live):
                         await self.wake.wait()

@@ -41,7 +41,7 @@ import anyio
 
 from kit_core import Claim, Event, KitError
 
-__all__ = ("Writer", "FLUSH_MAX", "FLUSH_DELAY", "BACKLOG_MAX", "RETRY_FIRST", "RETRY_MAX",
+__all__ = ("Writer", "FLUSH_MAX", "FLUSH_DELAY", "HURRY_DELAY", "BACKLOG_MAX", "RETRY_FIRST", "RETRY_MAX",
            "STORE_DOWN_LIMIT")
 
 #: A batch is committed when this many events wait, or FLUSH_DELAY after the first one arrived
@@ -49,6 +49,10 @@ __all__ = ("Writer", "FLUSH_MAX", "FLUSH_DELAY", "BACKLOG_MAX", "RETRY_FIRST", "
 #: FLUSH_DELAY, a fast one pays one commit per FLUSH_MAX events.
 FLUSH_MAX = 256
 FLUSH_DELAY = 0.02
+#: A hurried batch (a reader waits for it) is committed this long after its oldest event
+#: arrived, not FLUSH_DELAY: the events a run makes meanwhile ride the same commit (a short
+#: streamed turn is one commit and one send, not one per burst), at a bounded cost to latency.
+HURRY_DELAY = 0.002
 #: Events buffered or being committed before runs must wait (``room``): one batch committing and
 #: one gathering. Bounds the memory an outage of the store can cost, and how far a run can run
 #: ahead of its log.
@@ -112,8 +116,9 @@ class Writer:
             self._wake.set()
 
     def hurry(self) -> None:
-        """A reader waits for what is buffered: commit it now, not at the next FLUSH_DELAY tick
-        (events that arrive during that commit ride the next one: classic group commit)."""
+        """A reader waits for what is buffered: commit it HURRY_DELAY after its oldest event
+        arrived, not at the next FLUSH_DELAY tick (events that arrive during that commit ride
+        the next one: classic group commit)."""
         self._hurry.set()
 
     async def room(self) -> None:
@@ -196,18 +201,22 @@ class Writer:
                 self._give_up(stuck, exc, now - self.down_since)
 
     async def run(self) -> None:
-        """The writer task: flush when FLUSH_MAX events wait, FLUSH_DELAY after the oldest
-        buffered one arrived, or at once when hurried. A run's durable write (``flush``) that
+        """The writer task: flush when FLUSH_MAX events wait, or FLUSH_DELAY (HURRY_DELAY when
+        hurried) after the oldest buffered one arrived. A run's durable write (``flush``) that
         empties the buffer meanwhile restarts the clock: a short turn is not cut in two."""
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
-            while self._buf and len(self._buf) < FLUSH_MAX and not self._hurry.is_set():
-                left = self._first_at + FLUSH_DELAY - anyio.current_time()
+            while self._buf and len(self._buf) < FLUSH_MAX:
+                hurried = self._hurry.is_set()
+                left = self._first_at + (HURRY_DELAY if hurried else FLUSH_DELAY) - anyio.current_time()
                 if left <= 0:
                     break
-                with anyio.move_on_after(left):  # let a batch gather
-                    await self._hurry.wait()
+                if hurried:  # let a batch gather
+                    await anyio.sleep(left)
+                else:
+                    with anyio.move_on_after(left):
+                        await self._hurry.wait()
             self._hurry = anyio.Event()
             if self._buf:
                 await self.flush()

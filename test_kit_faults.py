@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 from langgraph.graph import END, START, StateGraph
@@ -154,6 +155,39 @@ async def test_a_cancelled_flush_puts_its_batch_back(tmp_path):
         assert writer.pending == len(events)
         await writer.flush()
         assert seqs(await store.read("r1")) == list(range(50))
+
+
+class CountingStore(SQLiteStore):
+    """The real SQLite store, noting the seqs of each batch it is asked to append."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.batches: list[list[int]] = []
+
+    async def append(self, events, *, claims=()):
+        self.batches.append([e.seq for e in events])
+        await super().append(events, claims=claims)
+
+
+async def test_a_hurried_batch_takes_what_the_run_makes_meanwhile(tmp_path):
+    """A reader waiting for an event hurries the writer: the commit comes within HURRY_DELAY,
+    and the events the run makes in the loop passes before it ride along (a short streamed turn
+    is one commit and one send, not one per token)."""
+    committed: list[Event] = []
+    async with CountingStore(tmp_path / "kit.db") as store:
+        writer = kit_writer.Writer(store, committed.extend, lambda *a: None)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer.run)
+            for seq in range(6):
+                if seq:
+                    await anyio.lowlevel.checkpoint()  # the engine's loop pass between tokens
+                writer.put(Event("r1", seq, TextDelta(f"t{seq}") if seq else kit.RunStarted("a", "agent")))
+                writer.hurry()
+            with anyio.fail_after(5):
+                while len(committed) < 6:
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+    assert store.batches == [[0, 1, 2, 3, 4, 5]]
 
 
 # ------------------------------------------------------------------- input, cancel, control ----
