@@ -19,10 +19,11 @@ is missed.
 
 Every run also prints kit's own share (issue 16; ``share_report``): (l) the server's CPU per
 request for a JSON chat turn, a streamed 20-token turn and a 3-node workflow run (kit's App in a
-child process, asyncio worker, one keep-alive httpx client), minus the raw engine's CPU for the
-same call in this process, minus the floor (the same Hypercorn answering with the same bytes from
-a bare ASGI app), split into the runtime and log (``Deck.run`` in this process minus raw) and the
-HTTP layer (target <= 0.3 ms each); the trio worker's CPU per turn against the asyncio worker's
+child process, asyncio worker, one keep-alive httpx client) minus the same for the raw engine
+behind a bare ASGI app answering with the same bytes in one body message (the floor, the same
+Hypercorn with no engine, is shown beside it), split into the runtime and log (the Deck behind
+that bare app, minus raw) and the HTTP layer (kit's App minus that) (target <= 0.3 ms each:
+every figure is measured in a server, as a loop in one process runs warmer); the trio worker's CPU per turn against the asyncio worker's
 (target <= 1.15x) and ``Deck.run`` under trio against raw (target <= 1.5x); (m) each ratio's
 spread across repeats, (max - min) / median (target <= 15%); HTTP SSE tokens/s on the asyncio
 worker (target >= 40,000); (n) RSS of a fresh process after 1,000 and after ``--growth``
@@ -745,64 +746,93 @@ def _share_deck(store: Any = None) -> kit.Deck:
     ], workflows=[kit.Workflow("w", _graph())], store=store)
 
 
+def _engine_app(play: Any, deck: kit.Deck | None = None) -> Any:
+    """A bare ASGI app answering each share route with what ``play(route, body)`` returns (the
+    output, or the stream's deltas) in one body message, as the floor does: the raw engine (or
+    the Deck) served by the same Hypercorn with no kit_http, so the share's layers are told
+    apart in one context (CPU per request in a server differs from a loop in one process)."""
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                if deck is not None:
+                    await deck.__aenter__()
+                await send({"type": "lifespan.startup.complete"})
+            if deck is not None:
+                await deck.aclose()
+            return await send({"type": "lifespan.shutdown.complete"})
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = json.loads(b"".join(chunks))
+        route = next(r for r, (path, *_) in SHARE_ROUTES.items() if path.split("?")[0] == scope["path"]
+                     and (r == "stream") == (scope["query_string"] == b"stream=true"))
+        out = await play(route, body)
+        if route == "stream":
+            frames = [kit_http.sse_frame(json.dumps({"delta": d})) for d in out]
+            data, kind = b"".join(frames) + kit_http.sse_frame("{}", event="done"), b"text/event-stream"
+        else:
+            data, kind = json.dumps({"output": out, "run_id": uuid.uuid4().hex}).encode(), \
+                b"application/json"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        await send({"type": "http.response.body", "body": data})
+    return app
+
+
+def _raw_app() -> Any:
+    """The raw engines behind a bare ASGI app: ``Runner.run``, ``Runner.run_streamed``,
+    ``graph.ainvoke`` with an InMemorySaver (asyncio only)."""
+    a = agents.Agent(name="a", instructions="Be brief.", model=kit.ScriptedModel([SHORT_REPLY], cycle=True))
+    s = agents.Agent(name="s", instructions="Be brief.",
+                     model=kit.ScriptedModel([_reply(SHORT_TOKENS)], cycle=True))
+    graph = _graph().compile(checkpointer=InMemorySaver())
+
+    async def play(route: str, body: dict[str, Any]) -> Any:
+        if route == "turn":
+            return (await agents.Runner.run(a, body["message"], run_config=RUN_CONFIG)).final_output
+        if route == "stream":
+            result = agents.Runner.run_streamed(s, body["message"], run_config=RUN_CONFIG)
+            return [e.data.delta async for e in result.stream_events()
+                    if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"]
+        return await graph.ainvoke(body["input"], {"configurable": {"thread_id": uuid.uuid4().hex}})
+    return _engine_app(play)
+
+
+def _deck_app() -> Any:
+    """The share's Deck behind a bare ASGI app: ``Deck.run``, and ``Deck.stream(committed=True)``
+    as kit_http streams it."""
+    deck = _share_deck()
+
+    async def play(route: str, body: dict[str, Any]) -> Any:
+        if route == "turn":
+            return (await deck.run("a", body["message"])).output
+        if route == "stream":
+            return [e.payload.text async for e in deck.stream("s", body["message"], committed=True)
+                    if e.kind == "text.delta"]
+        return await deck.run("w", body["input"])
+    return _engine_app(play, deck)
+
+
 def serve_share(kind: str, port: int) -> None:
-    """A child process of the share: ``floor`` or kit's App on the ``KIT_WORKER`` backend (store
-    from ``KIT_STORE``) until SIGTERM; on SIGUSR1 it prints its CPU seconds."""
+    """A child process of the share until SIGTERM: ``floor`` (Hypercorn alone), ``raw`` (the raw
+    engines), ``deck`` (the Deck with no kit_http) or ``kit`` (kit's App), on the ``KIT_WORKER``
+    backend (store from ``KIT_STORE``); on SIGUSR1 it prints its CPU seconds."""
     signal.signal(signal.SIGUSR1, lambda *_: print(time.process_time(), flush=True))
     backend = os.environ.get("KIT_WORKER", "asyncio")
     if kind == "kit":
         return anyio.run(partial(kit_http.serve, kit_http.App(_share_deck(), playground=False),
                                  host="127.0.0.1", port=port), backend=backend)
-    from hypercorn.config import Config  # the floor: the same Hypercorn, no kit
+    from hypercorn.config import Config  # the same Hypercorn, no kit_http
     config = Config()
     config.bind, config.accesslog = [f"127.0.0.1:{port}"], None
     if backend == "trio":
         from hypercorn.trio import serve
     else:
         from hypercorn.asyncio import serve
-    anyio.run(serve, _floor_app, config, backend=backend)
-
-
-async def raw_cpu(n: int) -> dict[str, float]:
-    """CPU seconds per raw engine call, in this process: ``Runner.run`` of the short reply,
-    ``Runner.run_streamed`` of the 20-token one, ``graph.ainvoke`` with an InMemorySaver."""
-    a = agents.Agent(name="a", instructions="Be brief.", model=kit.ScriptedModel([SHORT_REPLY], cycle=True))
-    s = agents.Agent(name="s", instructions="Be brief.",
-                     model=kit.ScriptedModel([_reply(SHORT_TOKENS)], cycle=True))
-    graph = _graph().compile(checkpointer=InMemorySaver())
-
-    async def stream() -> None:
-        async for _ in agents.Runner.run_streamed(s, "hi", run_config=RUN_CONFIG).stream_events():
-            pass
-
-    return await _cpu_per_call({
-        "turn": lambda: agents.Runner.run(a, "hi", run_config=RUN_CONFIG), "stream": stream,
-        "workflow": lambda: graph.ainvoke({"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}}),
-    }, n)
-
-
-async def _cpu_per_call(calls: dict[str, Any], n: int) -> dict[str, float]:
-    """CPU seconds per call of each of ``calls`` (20 warm-up calls first), in this process."""
-    out = {}
-    for name, call in calls.items():
-        for _ in range(20):
-            await call()
-        t = time.process_time()
-        for _ in range(n):
-            await call()
-        out[name] = (time.process_time() - t) / n
-    return out
-
-
-async def deck_cpu(db: Path, n: int) -> dict[str, float]:
-    """CPU seconds per ``Deck.run`` / ``Deck.stream`` in this process (the runtime and the log,
-    with the writer's thread), on a SQLite file: what kit adds before any HTTP."""
-    async with SQLiteStore(db) as store, _share_deck(store) as deck:
-        async def stream() -> None:
-            async for _ in deck.stream("s", "hi"):
-                pass
-        return await _cpu_per_call({"turn": lambda: deck.run("a", "hi"), "stream": stream,
-                                    "workflow": lambda: deck.run("w", {"log": []})}, n)
+    app = {"floor": lambda: _floor_app, "raw": _raw_app, "deck": _deck_app}[kind]()
+    anyio.run(serve, app, config, backend=backend)
 
 
 def _child(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
@@ -827,13 +857,15 @@ def _child(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
 
 def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[float]]:
     """Server CPU seconds per request, (server, route) -> one figure per repeat, for the floor,
-    kit on the asyncio worker and kit on the trio worker; batches alternate order per repeat."""
+    the raw engines and the Deck behind bare ASGI apps, kit on the asyncio worker and kit on the
+    trio worker; batches alternate order per repeat."""
     import httpx
     out: dict[tuple[str, str], list[float]] = {}
     procs: dict[str, tuple[subprocess.Popen, httpx.Client]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            for server, kind, worker in (("floor", "floor", "asyncio"), ("kit", "kit", "asyncio"),
+            for server, kind, worker in (("floor", "floor", "asyncio"), ("raw", "raw", "asyncio"),
+                                         ("deck", "deck", "asyncio"), ("kit", "kit", "asyncio"),
                                          ("kit-trio", "kit", "trio")):
                 port = _free_port()
                 proc = _child([f"import bench_kit; bench_kit.serve_share({kind!r}, {port})"],
@@ -990,19 +1022,17 @@ def share_report(a: argparse.Namespace, rows: dict[str, list[float]]) -> bool:
         ok &= good
         return "ok" if good else "MISSED"
 
-    raw = anyio.run(raw_cpu, a.turns)
-    with tempfile.TemporaryDirectory() as tmp:
-        deck = anyio.run(deck_cpu, Path(tmp) / "share.db", a.turns)
     cpu = server_cpu(a.repeats, a.turns)
-    print(f"kit's own share: server CPU per request (child processes, one keep-alive client, "
-          f"{a.repeats} x {a.turns} per route), raw engines and Deck in this process")
+    print(f"kit's own share: server CPU per request (child processes under one Hypercorn, one "
+          f"keep-alive client, {a.repeats} x {a.turns} per route): kit's App against the raw "
+          f"engine behind a bare ASGI app (the floor plus the engine), split by the Deck behind "
+          f"the same bare app")
     for route in SHARE_ROUTES:
-        floor, served = med(cpu["floor", route]), med(cpu["kit", route])
-        share = served - raw[route] - floor
-        runtime = deck[route] - raw[route]
-        print(f"  {route:8} over HTTP {served * 1e3:6.2f} ms = raw engine {raw[route] * 1e3:.2f} + "
-              f"floor {floor * 1e3:.2f} + kit {share * 1e3:.2f} ms (runtime and log "
-              f"{runtime * 1e3:.2f}, HTTP {(share - runtime) * 1e3:.2f}) "
+        floor, raw, deck, served = (med(cpu[server, route]) for server in ("floor", "raw", "deck", "kit"))
+        share = served - raw
+        print(f"  {route:8} over HTTP {served * 1e3:6.2f} ms = floor {floor * 1e3:.2f} + raw engine "
+              f"{(raw - floor) * 1e3:.2f} + kit {share * 1e3:.2f} ms (runtime and log "
+              f"{(deck - raw) * 1e3:.2f}, HTTP {(served - deck) * 1e3:.2f}) "
               f"(target <= {SHARE_TARGET * 1e3:.1f}) {gate(share <= SHARE_TARGET)}")
     worker = [t / s for t, s in zip(cpu["kit-trio", "turn"], cpu["kit", "turn"])]
     print(f"  trio worker / asyncio worker per JSON turn {med(worker):.2f} (target <= "
