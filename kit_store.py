@@ -17,7 +17,8 @@ SQLite calls run inline on the event loop thread: an inline commit costs ~30 us 
 costs 80-190 us, and the Runtime group-commits, so ``append`` receives batches. ``follow`` (and
 ``follow_requests``) wait on an ``anyio.Event`` per follower that a local write to its run sets;
 writers in other processes cannot set it, so the SQLite store also re-reads every
-``poll_interval`` seconds (the one poll kit allows; ``kit_pg``'s store hears them instead).
+``poll_interval`` seconds (the one poll kit allows; ``kit_pg``'s store hears them instead). A
+thread of its own checkpoints the SQLite WAL, and rewinds it to keep it under ``WAL_LIMIT``.
 ``runs`` reads the run index a page at a time, each page one range of an index ordered as the
 listing is (``RUN_INDEXES``, shared with ``kit_pg``), so a page costs the same in any log
 (save COMPLETED pages after many runs of other statuses: see there).
@@ -48,7 +49,7 @@ from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogCo
 
 __all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "event_row", "run_row",
            "runs_query", "abandoned", "by_run", "RUN_COLUMNS", "RUN_INDEXES", "BUSY_WAIT",
-           "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
+           "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP", "WAL_LIMIT")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
 #: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
@@ -65,6 +66,17 @@ BUSY_MAX_SLEEP = 0.05
 #: checkpoint (page copies and an fsync) stalls every stream for milliseconds, and costs ~12 us
 #: per turn amortised (measured).
 _CHECKPOINT_EVERY = 256
+#: The size (bytes) a SQLite file's WAL is kept under, while its readers let go of it and its disk
+#: checkpoints as fast as writers write. A WAL rewinds to its start only when a writer finds it
+#: wholly checkpointed with no reader in it, which PASSIVE checkpoints under continuous writes
+#: never achieve (each overlaps the next commit: 778 MiB after 20k turns, measured). So once
+#: ``_RESTART_AT`` bytes are in use, the checkpointer rewinds it: it holds writers off for a
+#: RESTART checkpoint, which waits up to ``_RESTART_WAIT`` s for readers, and the next commit
+#: starts the WAL again, truncated to this size (``journal_size_limit``). A reader that holds one
+#: snapshot for longer holds the WAL: it grows until that reader lets go.
+WAL_LIMIT = 64 * 1024 * 1024
+_RESTART_AT = 16 * 1024 * 1024
+_RESTART_WAIT = 0.1
 _ABANDONED = "the process playing this run stopped renewing its lease"
 _seq = operator.attrgetter("seq")
 
@@ -449,15 +461,23 @@ def run_row(r: tuple[Any, ...]) -> RunInfo:
 
 
 class _Checkpointer(threading.Thread):
-    """Copies the WAL back into the database file on its own connection and thread.
+    """Copies the WAL back into the database file on its own connection and thread, and
+    rewinds the WAL once it holds ``_RESTART_AT`` bytes (see ``WAL_LIMIT``).
 
-    PASSIVE checkpoints never block writers or readers; the writer restarts the WAL once a
-    checkpoint has caught up. sqlite3 releases the GIL while it does file I/O.
+    PASSIVE checkpoints never block writers or readers. A rewind is a second PASSIVE (most of
+    the copying, writers going on), then a RESTART, during which ``restarting`` is set and
+    ``SQLiteStore._tx`` reports the file locked: the store's own writes back off and wait (a few
+    ms, up to ``_RESTART_WAIT`` more for readers) while the RESTART takes the write lock at once.
+    A RESTART that times out on a long reader is not tried again until the WAL has doubled, so a
+    long reader costs a few waits, not a spin. sqlite3 releases the GIL while it does file I/O.
     """
 
     def __init__(self, path: str) -> None:
         super().__init__(name="kit-checkpoint", daemon=True)
         self.path, self._go, self._stopping = path, threading.Event(), False
+        self.restarting = False  # read by the store's writer, on the event loop's thread
+        self._restart_at = _RESTART_AT  # the WAL size (bytes) that calls for the next rewind
+        self._rewound = -1  # the WAL's frame count at the last rewind, until a commit rewinds it
 
     def poke(self) -> None:
         self._go.set()
@@ -470,18 +490,34 @@ class _Checkpointer(threading.Thread):
     def run(self) -> None:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         try:
-            db.execute(f"PRAGMA busy_timeout={int(BUSY_WAIT * 1000)}")  # its own thread: it may wait
+            # Only RESTART waits (PASSIVE never calls the busy handler), and briefly: the writers
+            # it holds off wait with it.
+            db.execute(f"PRAGMA busy_timeout={int(_RESTART_WAIT * 1000)}")
             while True:
                 self._go.wait()
                 self._go.clear()
                 if self._stopping:
                     return
                 try:
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    self._checkpoint(db)
                 except sqlite3.Error:
                     pass  # busy or interrupted: the next poke tries again
         finally:
             db.close()
+
+    def _checkpoint(self, db: sqlite3.Connection) -> None:
+        """A PASSIVE checkpoint, then a rewind if the WAL holds ``_restart_at`` bytes or more."""
+        frames = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+        in_use = frames * (db.execute("PRAGMA page_size").fetchone()[0] + 24)  # 24: frame header
+        if in_use < self._restart_at or frames == self._rewound:  # (a poke from before a rewind)
+            return
+        db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        self.restarting = True
+        try:
+            busy, frames, _ = db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+        finally:
+            self.restarting = False
+        self._restart_at, self._rewound = (2 * in_use, -1) if busy else (_RESTART_AT, frames)
 
 
 class SQLiteStore(StoreBase):
@@ -528,6 +564,7 @@ class SQLiteStore(StoreBase):
             # synced at checkpoints only); FULL syncs it at every commit (KIT_SQLITE_SYNC).
             db.execute(f"PRAGMA synchronous={self.synchronous}")
             db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread does it
+            db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")  # a rewound WAL is cut to it
             self._db, self._commits = db, 0
             with self._tx():
                 for statement in _SCHEMA:
@@ -541,9 +578,10 @@ class SQLiteStore(StoreBase):
 
     def _close(self) -> None:
         db, self._db = self._db, None
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            checkpointer.stop()
         if db is not None:
-            if self._checkpointer is not None:
-                self._checkpointer.stop()
             db.close()  # the last connection to close checkpoints and removes the WAL
 
     @contextmanager
@@ -551,6 +589,8 @@ class SQLiteStore(StoreBase):
         # IMMEDIATE takes the write lock up front: a deferred transaction that reads first and
         # upgrades later can fail with "database is locked" without ever calling the busy handler.
         db = self._con
+        if self._checkpointer is not None and self._checkpointer.restarting:
+            raise sqlite3.OperationalError("database is locked")  # by the WAL's rewind: back off
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db

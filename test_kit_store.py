@@ -453,6 +453,79 @@ async def test_closing_the_store_ends_a_waiting_follow(store):
     assert info.group_contains(kit.KitError, match="not open")
 
 
+# ===================================================================================== the WAL ====
+
+def wal_size(path: Path) -> int:
+    """The size of the SQLite file's -wal file (0 while there is none)."""
+    wal = Path(f"{path}-wal")
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def delta(seq: int) -> Event:
+    """An 8 KB text.delta of run r1: appended one a commit, each writes ~29 KB of WAL pages, so a
+    few thousand write ``WAL_LIMIT`` several times over."""
+    return ev("r1", seq, kit.TextDelta(f"{seq:06d}" + "x" * 8000))
+
+
+async def test_sqlite_wal_stays_under_its_limit_under_continuous_writes_and_followers(tmp_path):
+    # Without the checkpointer's rewinds this WAL reaches ~200 MB: each PASSIVE checkpoint
+    # overlaps the next commit, so no writer ever finds the WAL free to start again. The writer
+    # pauses 1 ms every 16 commits (~90 MB/s of WAL, three times a busy deck's): a tight loop can
+    # outwrite a loaded disk's checkpoints, and then nothing that never blocks writers bounds it.
+    path, last = tmp_path / "kit.db", 7_000
+    seen: dict[str, list[int]] = {"here": [], "there": []}
+    sizes: list[int] = []
+
+    async def follow(store: SQLiteStore, seqs: list[int]) -> None:
+        async for e in store.follow("r1"):
+            assert e.seq == len(seqs) and (e.seq in (0, last) or e == delta(e.seq))
+            seqs.append(e.seq)
+
+    with anyio.fail_after(30):
+        async with SQLiteStore(path) as store, SQLiteStore(path) as other:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(follow, store, seen["here"])  # woken by each commit
+                tg.start_soon(follow, other, seen["there"])  # another connection: it polls
+                await store.append([started("r1")])
+                for seq in range(1, last):
+                    await store.append([delta(seq)])
+                    if seq % 16 == 0:
+                        sizes.append(wal_size(path))
+                        await anyio.sleep(0.001)
+                await store.append([ev("r1", last, kit.RunCompleted("ok"))])
+            sizes.append(wal_size(path))
+            assert [e.seq for e in await store.read("r1")] == list(range(last + 1))
+    assert seen == {"here": list(range(last + 1)), "there": list(range(last + 1))}
+    assert max(sizes) <= kit_store.WAL_LIMIT, f"the WAL reached {max(sizes) >> 20} MiB"
+
+
+async def test_sqlite_wal_a_long_reader_holds_the_wal_and_letting_go_lets_it_shrink(tmp_path):
+    import sqlite3
+    path = tmp_path / "kit.db"
+    with anyio.fail_after(30):
+        async with SQLiteStore(path) as store:
+            await store.append([started("r1")])
+            reader = sqlite3.connect(path, isolation_level=None)
+            try:
+                reader.execute("BEGIN")  # its first read takes a snapshot, held to COMMIT
+                assert reader.execute("SELECT count(*) FROM events").fetchone() == (1,)
+                for seq in range(1, 20_000):
+                    await store.append([delta(seq)])  # appends go on, the WAL grows
+                    if wal_size(path) > kit_store.WAL_LIMIT:
+                        break
+                assert wal_size(path) > kit_store.WAL_LIMIT  # it could not rewind under the reader
+                assert reader.execute("SELECT count(*) FROM events").fetchone() == (1,)
+                reader.execute("COMMIT")  # lets go
+            finally:
+                reader.close()
+            for seq in range(seq + 1, seq + 20_000):
+                await store.append([delta(seq)])
+                if wal_size(path) <= kit_store.WAL_LIMIT:
+                    break
+            assert wal_size(path) <= kit_store.WAL_LIMIT
+            assert [e.seq for e in await store.read("r1")] == list(range(seq + 1))
+
+
 # =========================================================================== cross-process ====
 
 CHILD_RUN = """
