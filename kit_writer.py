@@ -1,10 +1,10 @@
 """kit_writer: group commit: events reach the store in batches, nothing is dropped, memory is bounded.
 
 Owns: ``Writer``, the one buffer between the runs and the event store: batching (``FLUSH_MAX`` /
-``FLUSH_DELAY``, or at once when a reader is waiting: ``hurry``), retrying a batch the store fails
-to take (bounded backoff, forever: a batch is never dropped), telling the Runtime when the store
-has been down too long (``give_up``), and backpressure (``room``: runs wait while the backlog is
-full).
+``FLUSH_DELAY``, or ``HURRY_DELAY`` when a reader is waiting: ``hurry``), retrying a batch the
+store fails to take (bounded backoff, forever: a batch is never dropped), telling the Runtime
+when the store has been down too long (``give_up``), and backpressure (``room``: runs wait while
+the backlog is full).
 
 Must never: drop an event it was given (a batch the store *refuses* for a run, a busy session or a
 fenced seq, is that run's refusal, not a loss: the run's caller gets the error), lose a batch to a
@@ -41,8 +41,8 @@ import anyio
 
 from kit_core import Claim, Event, KitError
 
-__all__ = ("Writer", "FLUSH_MAX", "FLUSH_DELAY", "HURRY_DELAY", "BACKLOG_MAX", "RETRY_FIRST", "RETRY_MAX",
-           "STORE_DOWN_LIMIT")
+__all__ = ("Writer", "FLUSH_MAX", "FLUSH_DELAY", "HURRY_DELAY", "BACKLOG_MAX", "RETRY_FIRST",
+           "RETRY_MAX", "STORE_DOWN_LIMIT")
 
 #: A batch is committed when this many events wait, or FLUSH_DELAY after the first one arrived
 #: (or at once when a reader waits for it): a slow stream is visible to other processes within
@@ -209,7 +209,8 @@ class Writer:
             self._wake = anyio.Event()
             while self._buf and len(self._buf) < FLUSH_MAX:
                 hurried = self._hurry.is_set()
-                left = self._first_at + (HURRY_DELAY if hurried else FLUSH_DELAY) - anyio.current_time()
+                delay = HURRY_DELAY if hurried else FLUSH_DELAY
+                left = self._first_at + delay - anyio.current_time()
                 if left <= 0:
                     break
                 if hurried:  # let a batch gather
