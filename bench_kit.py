@@ -785,12 +785,14 @@ def _raw_app() -> Any:
 
     async def play(route: str, body: dict[str, Any]) -> Any:
         if route == "turn":
-            return (await agents.Runner.run(a, body["message"], run_config=RUN_CONFIG)).final_output
+            result = await agents.Runner.run(a, body["message"], run_config=RUN_CONFIG)
+            return result.final_output
         if route == "stream":
             result = agents.Runner.run_streamed(s, body["message"], run_config=RUN_CONFIG)
-            return [e.data.delta async for e in result.stream_events()
-                    if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"]
-        return await graph.ainvoke(body["input"], {"configurable": {"thread_id": uuid.uuid4().hex}})
+            return [e.data.delta async for e in result.stream_events() if
+                    e.type == "raw_response_event" and e.data.type == "response.output_text.delta"]
+        return await graph.ainvoke(body["input"],
+                                   {"configurable": {"thread_id": uuid.uuid4().hex}})
     return _engine_app(play)
 
 
@@ -860,7 +862,8 @@ def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[float]]:
         try:
             for server, kind, worker in (("floor", "floor", "asyncio"), ("raw", "raw", "asyncio"),
                                          ("deck", "deck", "asyncio"), ("kit", "kit", "asyncio"),
-                                         ("floor-trio", "floor", "trio"), ("kit-trio", "kit", "trio")):
+                                         ("floor-trio", "floor", "trio"),
+                                         ("kit-trio", "kit", "trio")):
                 port = _free_port()
                 proc = _child([f"import bench_kit; bench_kit.serve_share({kind!r}, {port})"],
                               {"KIT_WORKER": worker, "KIT_STORE": f"sqlite:///{tmp}/{server}.db"}, port)
