@@ -9,8 +9,9 @@ Prints, with the same ScriptedModel and kit's default SQLite file store:
   (d) agent turns/s with a slow observer (each emit sleeps 1 ms) vs with none: a slow observer
       costs its own backlog (drops), never a run's time (target: ratio ~1.0, reported)
   (e) peak RSS of the process.
-The two sides run interleaved (raw, kit, raw, kit, ...) and each ratio is the median of the
-per-repeat ratios, so machine noise hits both sides alike (notes/PERF.md). The kit side is also
+The two sides run interleaved (raw, kit, raw, kit, ...) in ``ROUNDS`` rounds a repeat; a repeat's
+ratio is the median of its rounds' ratios and each ratio printed the median over repeats, so
+machine noise hits both sides alike and one noisy second spoils one round (notes/PERF.md). The kit side is also
 played under trio (engines on kit's asyncio thread) against the same raw figures.
 
 Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows N] [--growth N]
@@ -93,6 +94,11 @@ from kit_store import SQLiteStore
 
 TURN_TARGET, STREAM_TARGET, WORKFLOW_TARGET = 1.5, 2.0, 1.5
 REPLY_TOKENS = 500
+#: Each repeat plays every side in this many rounds (raw, kit, raw, kit, ...), and a ratio's
+#: figure for the repeat is the median over its rounds of kit / raw in the same round: a noisy
+#: second of a shared machine (seen here: one window 1.7x slower) then spoils one round of
+#: both sides, not the repeat. Each window plays ``WARM`` untimed runs first.
+ROUNDS, WARM = 10, 2
 RUN_CONFIG = agents.RunConfig(tracing_disabled=True)  # kit disables SDK tracing too
 
 
@@ -103,8 +109,9 @@ def _reply(tokens: int) -> str:
 async def raw_turns(n: int) -> float:
     agent = agents.Agent(name="a", instructions="Be brief.",
                          model=kit.ScriptedModel(["hello there"], cycle=True))
-    t = time.perf_counter()
-    for _ in range(n):
+    for i in range(WARM + n):
+        if i == WARM:
+            t = time.perf_counter()
         await agents.Runner.run(agent, "hi", run_config=RUN_CONFIG)
     return time.perf_counter() - t
 
@@ -112,8 +119,9 @@ async def raw_turns(n: int) -> float:
 async def raw_stream(n: int) -> float:
     agent = agents.Agent(name="a", instructions="Be brief.",
                          model=kit.ScriptedModel([_reply(REPLY_TOKENS)], cycle=True))
-    t = time.perf_counter()
-    for _ in range(n):
+    for i in range(WARM + n):
+        if i == WARM:
+            t = time.perf_counter()
         rs = agents.Runner.run_streamed(agent, "hi", run_config=RUN_CONFIG)
         deltas = 0
         async for ev in rs.stream_events():
@@ -145,8 +153,9 @@ async def raw_workflows(db: Path, n: int) -> tuple[float, float]:
     import aiosqlite
     from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
     graph = _graph().compile(checkpointer=InMemorySaver())
-    t = time.perf_counter()
-    for _ in range(n):
+    for i in range(WARM + n):
+        if i == WARM:
+            t = time.perf_counter()
         await graph.ainvoke({"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}})
     t_mem = time.perf_counter() - t
     async with aiosqlite.connect(db) as conn:
@@ -155,8 +164,9 @@ async def raw_workflows(db: Path, n: int) -> tuple[float, float]:
         saver = AsyncSqliteSaver(conn)
         await saver.setup()
         graph = _graph().compile(checkpointer=saver)
-        t = time.perf_counter()
-        for _ in range(n):
+        for i in range(WARM + n):
+            if i == WARM:
+                t = time.perf_counter()
             await graph.ainvoke({"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}},
                                 durability="sync")
         t_sql = time.perf_counter() - t
@@ -168,13 +178,15 @@ async def kit_workflows(db: Path, n: int) -> tuple[float, float]:
         deck = kit.Deck(workflows=[kit.Workflow("mem", _graph()),
                                    kit.Workflow("durable", _graph(), durable=True)], store=store)
         async with deck:
-            t = time.perf_counter()
-            for _ in range(n):
+            for i in range(WARM + n):
+                if i == WARM:
+                    t = time.perf_counter()
                 await deck.run("mem", {"log": []})
             t_mem = time.perf_counter() - t
-            t = time.perf_counter()
-            for i in range(n):
-                await deck.run("durable", {"log": []}, session_id=f"t{i}")
+            for i in range(WARM + n):
+                if i == WARM:
+                    t = time.perf_counter()
+                await deck.run("durable", {"log": []}, session_id=uuid.uuid4().hex)
             t_sql = time.perf_counter() - t
     return t_mem, t_sql
 
@@ -207,12 +219,14 @@ async def kit_side(db: Path | str, turns: int, streams: int) -> tuple[float, flo
             kit.Agent("s", "Be brief.", model=kit.ScriptedModel([_reply(REPLY_TOKENS)], cycle=True)),
         ], store=store)
         async with deck:
-            t = time.perf_counter()
-            for _ in range(turns):
+            for i in range(WARM + turns):
+                if i == WARM:
+                    t = time.perf_counter()
                 await deck.run("a", "hi")
             t_turns = time.perf_counter() - t
-            t = time.perf_counter()
-            for _ in range(streams):
+            for i in range(WARM + streams):
+                if i == WARM:
+                    t = time.perf_counter()
                 deltas = 0
                 async for ev in deck.stream("s", "hi"):
                     deltas += ev.kind == "text.delta"
@@ -238,23 +252,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", metavar="postgresql://...",
                    help="also bench a Postgres store against the SQLite file (in a schema of its own)")
     a = p.parse_args(argv)
+    for what in ("turns", "streams", "workflows"):  # a whole number of rounds
+        setattr(a, what, max(ROUNDS, getattr(a, what) // ROUNDS * ROUNDS))
     backends = ["asyncio", "trio"]
-    rows: dict[str, list[float]] = {k: [] for k in ("raw_turn", "raw_stream", "raw_wf_mem",
-                                                     "raw_wf_sql", "kit_wf_mem", "kit_wf_sql",
-                                                     "kit_unobserved", "kit_slow_observer")}
+    # (key -> per repeat, its rounds' seconds): the raw engines and kit side by side, round by round
+    rounds: dict[str, list[list[float]]] = {k: [] for k in (
+        "raw_turn", "raw_stream", "raw_wf_mem", "raw_wf_sql", "kit_wf_mem", "kit_wf_sql",
+        *(f"kit_{what}_{b}" for what in ("turn", "stream") for b in backends))}
+    rows: dict[str, list[float]] = {k: [] for k in ("kit_unobserved", "kit_slow_observer")}
     for b in backends:
-        rows[f"kit_turn_{b}"], rows[f"kit_stream_{b}"] = [], []
         rows[f"http_stream_{b}"], rows[f"http_unbatched_{b}"], rows[f"http_fps_{b}"] = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         anyio.run(kit_side, Path(tmp) / "warm.db", 50, 2)  # warm imports and caches
         anyio.run(raw_turns, 50)
+
+        def played(key: str, seconds: float) -> None:
+            rounds[key][-1].append(seconds)
         for r in range(a.repeats):
-            rows["raw_turn"].append(anyio.run(raw_turns, a.turns))
-            rows["raw_stream"].append(anyio.run(raw_stream, a.streams))
-            for b in backends:
-                tt, ts = anyio.run(kit_side, Path(tmp) / f"{b}{r}.db", a.turns, a.streams, backend=b)
-                rows[f"kit_turn_{b}"].append(tt)
-                rows[f"kit_stream_{b}"].append(ts)
+            for key in rounds:
+                rounds[key].append([])
+            for _ in range(ROUNDS):
+                played("raw_turn", anyio.run(raw_turns, a.turns // ROUNDS))
+                played("raw_stream", anyio.run(raw_stream, a.streams // ROUNDS))
+                for b in backends:
+                    tt, ts = anyio.run(kit_side, Path(tmp) / f"{b}{r}.db", a.turns // ROUNDS,
+                                       a.streams // ROUNDS, backend=b)
+                    played(f"kit_turn_{b}", tt)
+                    played(f"kit_stream_{b}", ts)
+                for side, fn in (("raw", raw_workflows), ("kit", kit_workflows)):
+                    t_mem, t_sql = anyio.run(fn, Path(tmp) / f"wf-{side}{r}.db", a.workflows // ROUNDS)
+                    played(f"{side}_wf_mem", t_mem)
+                    played(f"{side}_wf_sql", t_sql)
             for b in backends if a.http else ["asyncio"]:
                 for buffer, key in ((None, "http_stream"), (0, "http_unbatched")):
                     t, fps = anyio.run(http_stream, Path(tmp) / f"http-{key}-{b}{r}.db", a.streams,
@@ -264,10 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             plain, slow = anyio.run(kit_observed, Path(tmp) / f"obs{r}.db", a.turns)
             rows["kit_unobserved"].append(plain)
             rows["kit_slow_observer"].append(slow)
-            for side, fn in (("raw", raw_workflows), ("kit", kit_workflows)):
-                t_mem, t_sql = anyio.run(fn, Path(tmp) / f"wf-{side}{r}.db", a.workflows)
-                rows[f"{side}_wf_mem"].append(t_mem)
-                rows[f"{side}_wf_sql"].append(t_sql)
+    rows.update({key: [sum(times) for times in per_repeat] for key, per_repeat in rounds.items()})
+    ratios = {f"{kit_key} / {raw_key}": paired(rounds[kit_key], rounds[raw_key])
+              for kit_key, raw_key in (*((f"kit_{w}_{b}", f"raw_{w}") for w in ("turn", "stream")
+                                         for b in backends),
+                                       ("kit_wf_mem", "raw_wf_mem"), ("kit_wf_sql", "raw_wf_sql"))}
     med = statistics.median
     ok = True
     print(f"kit bench: {a.repeats} repeats, {a.turns} turns, {a.streams} x {REPLY_TOKENS}-token "
@@ -275,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  Runner.run            {a.turns / med(rows['raw_turn']):>10,.0f} turns/s")
     print(f"  Runner.run_streamed   {a.streams * REPLY_TOKENS / med(rows['raw_stream']):>10,.0f} tokens/s")
     for b in backends:
-        turn_ratio = med(k / r for k, r in zip(rows[f"kit_turn_{b}"], rows["raw_turn"]))
-        stream_ratio = med(k / r for k, r in zip(rows[f"kit_stream_{b}"], rows["raw_stream"]))
+        turn_ratio = med(ratios[f"kit_turn_{b} / raw_turn"])
+        stream_ratio = med(ratios[f"kit_stream_{b} / raw_stream"])
         # The targets are for the asyncio deck; trio figures are reported, not gated.
         gated = b == "asyncio"
         t_ok, s_ok = turn_ratio <= TURN_TARGET, stream_ratio <= STREAM_TARGET
@@ -287,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  Deck.stream ({b:7})  {a.streams * REPLY_TOKENS / med(rows[f'kit_stream_{b}']):>10,.0f} "
               f"tokens/s  ratio {stream_ratio:.2f} (target <= {STREAM_TARGET}) {mark(s_ok)}")
     for kind, label, gated in (("mem", "in memory", True), ("sql", "durable SQLite", False)):
-        ratio = med(k / r for k, r in zip(rows[f"kit_wf_{kind}"], rows[f"raw_wf_{kind}"]))
+        ratio = med(ratios[f"kit_wf_{kind} / raw_wf_{kind}"])
         good = ratio <= WORKFLOW_TARGET
         ok &= good or not gated
         print(f"  graph.ainvoke ({label:14}) {a.workflows / med(rows[f'raw_wf_{kind}']):>8,.0f} runs/s")
@@ -298,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  Deck.run, slow observer  {a.turns / med(rows['kit_slow_observer']):>8,.0f} turns/s   "
           f"ratio to no observer {slow_ratio:.2f} (info)")
     print(f"  peak RSS              {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:>10,.1f} MiB")
-    ok &= share_report(a, rows)
+    ok &= share_report(a, rows, ratios)
     if a.http:
         ok &= http_report(a, rows, backends)
     if a.surfaces:
@@ -851,12 +880,13 @@ def _child(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
         time.sleep(0.05)
 
 
-def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[float]]:
-    """Server CPU seconds per request, (server, route) -> one figure per repeat, for the floor,
-    the raw engines and the Deck behind bare ASGI apps, kit on the asyncio worker, and the floor
-    and kit on the trio worker; batches alternate order per repeat."""
+def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[list[float]]]:
+    """Server CPU seconds per request, (server, route) -> per repeat, one figure per round
+    (``ROUNDS`` batches of ``n / ROUNDS`` requests), for the floor, the raw engines and the Deck
+    behind bare ASGI apps, kit on the asyncio worker, and the floor and kit on the trio worker;
+    the batches of a round alternate order round by round."""
     import httpx
-    out: dict[tuple[str, str], list[float]] = {}
+    out: dict[tuple[str, str], list[list[float]]] = {}
     procs: dict[str, tuple[subprocess.Popen, httpx.Client]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -882,8 +912,11 @@ def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[float]]:
             for server, route in batches:
                 batch(server, route, 50)  # warm
             for r in range(repeats):
-                for key in (batches if r % 2 == 0 else reversed(batches)):
-                    out.setdefault(key, []).append(batch(*key, n))
+                for key in batches:
+                    out.setdefault(key, []).append([])
+                for i in range(ROUNDS):
+                    for key in (batches if (r + i) % 2 == 0 else reversed(batches)):
+                        out[key][-1].append(batch(*key, max(1, n // ROUNDS)))
         finally:
             for proc, client in procs.values():
                 client.close()
@@ -1005,11 +1038,18 @@ def cold_start(tries: int = 3) -> tuple[float, float, float]:
     return tuple(med(r[i] for r in rows) for i in range(3))  # type: ignore[return-value]
 
 
+def paired(kit_rounds: list[list[float]], raw_rounds: list[list[float]]) -> list[float]:
+    """Per repeat, the median over its rounds of kit's figure / the raw side's in that round
+    (``ROUNDS``)."""
+    return [statistics.median(k / r for k, r in zip(ks, rs)) for ks, rs in zip(kit_rounds, raw_rounds)]
+
+
 def _spread(ratios: list[float]) -> float:
     return (max(ratios) - min(ratios)) / statistics.median(ratios)
 
 
-def share_report(a: argparse.Namespace, rows: dict[str, list[float]]) -> bool:
+def share_report(a: argparse.Namespace, rows: dict[str, list[float]],
+                 paired_ratios: dict[str, list[float]]) -> bool:
     """Print issue 16's rows (kit's own share per layer, trio, memory, listing, start); True
     when every target is met."""
     med, ok = statistics.median, True
@@ -1019,7 +1059,8 @@ def share_report(a: argparse.Namespace, rows: dict[str, list[float]]) -> bool:
         ok &= good
         return "ok" if good else "MISSED"
 
-    cpu = server_cpu(a.repeats, a.turns)
+    per_round = server_cpu(a.repeats, a.turns)
+    cpu = {key: [med(figures) for figures in per_repeat] for key, per_repeat in per_round.items()}
     print(f"kit's own share: server CPU per request (child processes under one Hypercorn, one "
           f"keep-alive client, {a.repeats} x {a.turns} per route): kit's App against the raw "
           f"engine behind a bare ASGI app (the floor plus the engine), split by the Deck behind "
@@ -1032,16 +1073,16 @@ def share_report(a: argparse.Namespace, rows: dict[str, list[float]]) -> bool:
               f"{(raw - floor) * 1e3:.2f} + kit {share * 1e3:.2f} ms (runtime and log "
               f"{(deck - raw) * 1e3:.2f}, HTTP {(served - deck) * 1e3:.2f}) "
               f"(target <= {SHARE_TARGET * 1e3:.1f}) {gate(share <= SHARE_TARGET)}")
-    worker = [t / s for t, s in zip(cpu["kit-trio", "turn"], cpu["kit", "turn"])]
+    worker = paired(per_round["kit-trio", "turn"], per_round["kit", "turn"])
     hypercorn = med(cpu["floor-trio", "turn"]) - med(cpu["floor", "turn"])
     print(f"  trio worker / asyncio worker per JSON turn {med(worker):.2f} (target <= "
           f"{TRIO_WORKER_TARGET}) {gate(med(worker) <= TRIO_WORKER_TARGET)}; of the "
           f"{(med(cpu['kit-trio', 'turn']) - med(cpu['kit', 'turn'])) * 1e3:.2f} ms more, "
           f"Hypercorn alone on trio costs {hypercorn * 1e3:.2f}")
-    ratios = {"Deck.run / Runner.run (asyncio)": [k / r for k, r in zip(rows["kit_turn_asyncio"], rows["raw_turn"])],
-              "Deck.run / Runner.run (trio)": [k / r for k, r in zip(rows["kit_turn_trio"], rows["raw_turn"])],
-              "Deck.stream / run_streamed (asyncio)": [k / r for k, r in zip(rows["kit_stream_asyncio"], rows["raw_stream"])],
-              "workflow in memory / graph.ainvoke": [k / r for k, r in zip(rows["kit_wf_mem"], rows["raw_wf_mem"])],
+    ratios = {"Deck.run / Runner.run (asyncio)": paired_ratios["kit_turn_asyncio / raw_turn"],
+              "Deck.run / Runner.run (trio)": paired_ratios["kit_turn_trio / raw_turn"],
+              "Deck.stream / run_streamed (asyncio)": paired_ratios["kit_stream_asyncio / raw_stream"],
+              "workflow in memory / graph.ainvoke": paired_ratios["kit_wf_mem / raw_wf_mem"],
               "trio worker / asyncio worker": worker}
     trio = med(ratios["Deck.run / Runner.run (trio)"])
     print(f"  Deck.run under trio / Runner.run {trio:.2f} (target <= {TRIO_TARGET}) "
