@@ -75,19 +75,37 @@ SDK_TOOLS = tuple(typing.get_origin(t) or t for t in typing.get_args(sdk.Tool))
 #: The run a model call belongs to (set around Runner.run; the SDK's tasks inherit it).
 _CURRENT_RUN: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_run", default=None)
 _UNPRICED: set[str] = set()
+#: model -> USD (per call, per input token, per output token), for a model whose price is one
+#: flat rate (no tiers, no dated or timed prices): genai-prices' general calculation costs
+#: 0.1-0.3 ms, on every model call; a flat rate is linear in the tokens, so three of its own
+#: answers give the rates, and each call after is exact Decimal arithmetic on them.
+_RATES: dict[str, tuple[Any, Any, Any]] = {}
 
 
 def _price(model: str, input_tokens: int, output_tokens: int) -> float | None:
     """Estimated USD from genai-prices' bundled data (offline); None for an unknown model."""
     if model in _UNPRICED:
         return None
-    from genai_prices import Usage as PriceUsage, calc_price
+    if (rates := _RATES.get(model)) is not None:
+        per_call, per_input, per_output = rates
+        return float(per_call + per_input * input_tokens + per_output * output_tokens)
+    from genai_prices import Usage as PriceUsage, calc_price, types
+
+    def total(input_tokens: int, output_tokens: int) -> Any:
+        return calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens),
+                          model_ref=model, provider_id="openai").total_price
     try:
         price = calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens),
                            model_ref=model, provider_id="openai")
     except LookupError:
         _UNPRICED.add(model)
         return None
+    prices = price.model.prices
+    if isinstance(prices, types.ModelPrice) and not any(
+            isinstance(p, types.TieredPrices) for p in vars(prices).values()):
+        per_call = total(0, 0)
+        _RATES[model] = (per_call, (total(1_000_000, 0) - per_call) / 1_000_000,
+                         (total(0, 1_000_000) - per_call) / 1_000_000)
     return float(price.total_price)
 
 

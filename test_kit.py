@@ -392,13 +392,21 @@ async def test_blocks_map_to_model_input_and_unsendable_ones_are_recorded(store)
         assert len(await store.runs()) == 1  # refused runs wrote nothing
 
 
-async def test_usd_from_genai_prices(store):
-    model = ScriptedModel(["hello world"], name="gpt-4o")
+@pytest.mark.parametrize("name", ["gpt-4o", "gpt-5.5", "o3"])  # a flat rate, tiers, dated prices
+async def test_usd_from_genai_prices(store, name):
+    from genai_prices import Usage as PriceUsage, calc_price
+    model = ScriptedModel(["hello world", "a longer reply, of a few more words"], name=name)
     async with Deck([Agent("a", model=model)], store=store) as deck:
-        result = await deck.run("a", "hi")
-        [call] = [e.payload for e in await store.read(result.run_id) if e.kind == "model.completed"]
-        assert call.model == "gpt-4o" and call.usd is not None and call.usd > 0
-        assert result.usage.usd == pytest.approx(call.usd)
+        for message in ("hi", "tell me more, at some length, in many more words than before"):
+            result = await deck.run("a", message)
+            [call] = [e.payload for e in await store.read(result.run_id) if e.kind == "model.completed"]
+            # Exactly genai-prices' own answer, on the first call of a model and on later ones
+            # (which a flat rate answers from its cached rates).
+            price = calc_price(PriceUsage(input_tokens=call.input_tokens,
+                                          output_tokens=call.output_tokens),
+                               model_ref=name, provider_id="openai")
+            assert call.model == name and call.usd == float(price.total_price) > 0
+            assert result.usage.usd == pytest.approx(call.usd)
 
 
 # ------------------------------------------------------------------------------ sessions ----
