@@ -53,14 +53,13 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import anyio
-import orjson
 import sniffio
 
 from kit_bridge import Bridge, spawn
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunInfo,
                       RunStarted, RunStatus, SessionBusyError, fold_status)
 from kit_store import (RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, StoreBase, abandoned,
-                       by_run, event_row, run_row, runs_query)
+                       by_run, event_of, event_row, run_row, runs_query)
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
            "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "LISTEN_CHECK",
@@ -568,7 +567,7 @@ class PostgresStore(StoreBase):
     async def _read(self, run_id: str, after: int) -> list[Event]:
         rows = await self._fetch("SELECT body FROM events WHERE run_id = %s AND seq > %s "
                                  "ORDER BY seq", (run_id, after))
-        return [Event.from_json(orjson.loads(body)) for (body,) in rows]
+        return [event_of(body) for (body,) in rows]
 
     async def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
                     limit: int | None, before: str | None) -> list[RunInfo]:

@@ -30,6 +30,7 @@ import functools
 import json
 import operator
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -47,7 +48,8 @@ import orjson
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
-__all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "event_row", "run_row",
+__all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "event_row", "event_of",
+           "run_row",
            "runs_query", "abandoned", "by_run", "RUN_COLUMNS", "RUN_INDEXES", "BUSY_WAIT",
            "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP", "WAL_LIMIT")
 
@@ -430,6 +432,21 @@ def event_row(e: Event) -> tuple[str, int, str, str]:
     return e.run_id, e.seq, e.kind, body
 
 
+_LONG_NUMBER = re.compile(r"\d{19}")  # 19 digits in a row: maybe an integer past 64 bits
+
+
+def event_of(body: str) -> Event:
+    """The event of a stored ``body`` (``event_row``'s JSON text). orjson reads it, save what it
+    would read wrong, which the stdlib reads exactly: an integer past 64 bits (orjson makes it a
+    float) and a lone surrogate (orjson refuses its ASCII escape, so the run could not be read)."""
+    if _LONG_NUMBER.search(body) is None:
+        try:
+            return Event.from_json(orjson.loads(body))
+        except orjson.JSONDecodeError:
+            pass
+    return Event.from_json(json.loads(body))
+
+
 def runs_query(status: RunStatus | None, name: str | None, session_id: str | None,
                limit: int | None, before: str | None, mark: str) -> tuple[str, list[Any]]:
     """The SQL of a ``runs()`` page and its arguments (``mark``: the driver's placeholder, ``?``
@@ -676,7 +693,7 @@ class SQLiteStore(StoreBase):
         # fetchall: an unfinished cursor would hold a read transaction open between polls.
         rows = self._con.execute("SELECT body FROM events WHERE run_id = ? AND seq > ? ORDER BY seq",
                                 (run_id, after)).fetchall()
-        return [Event.from_json(orjson.loads(body)) for (body,) in rows]
+        return [event_of(body) for (body,) in rows]
 
     def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
               limit: int | None, before: str | None) -> list[RunInfo]:

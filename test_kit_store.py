@@ -67,6 +67,19 @@ async def test_append_read_round_trip_in_order(store):
     assert await store.read("unknown") == []
 
 
+async def test_what_orjson_cannot_hold_reads_back_exactly(store):
+    # A model or tool may produce a lone surrogate, a tool or a workflow an integer past 64
+    # bits: the log keeps both (ASCII-escaped JSON) and reads them back as they were.
+    big = {"n": 2 ** 70, "neg": -(2 ** 63) - 1, "u64": 2 ** 64 - 1, "digits": "1" * 25}
+    events = [ev("r1", 0, kit.RunStarted("bot", "agent", input=(kit.DataBlock(big),))),
+              ev("r1", 1, kit.MessageCompleted("odd \ud800 text", None, "bot")),
+              ev("r1", 2, kit.RunCompleted({"total": 3 ** 50}))]
+    await store.append(events)
+    got = await store.read("r1")
+    assert got == events
+    assert type(got[0].payload.input[0].data["n"]) is int and got[2].payload.output["total"] == 3 ** 50
+
+
 async def test_duplicate_seq_raises_and_the_whole_batch_is_absent(store):
     await store.append([started("r1"), ev("r1", 1, kit.TextDelta("a"))])
     with pytest.raises(kit.LogConflictError) as info:
