@@ -98,6 +98,9 @@ async def healthy(client: httpx.AsyncClient, proc: subprocess.Popen, base: str) 
 async def frames(client: httpx.AsyncClient, url: str, into: list[dict], **kw) -> None:
     """Every SSE frame of ``url`` (the native log route: ``event: <kind>``), in order."""
     async with aconnect_sse(client, "GET", url, **kw) as source:
+        if source.response.status_code != 200:  # say what the replica answered instead
+            raise AssertionError(f"{url}: {source.response.status_code} "
+                                 f"{(await source.response.aread())[:500]!r}")
         async for sse in source.aiter_sse():
             into.append({"kind": sse.event, **json.loads(sse.data)})
 
