@@ -30,7 +30,6 @@ import functools
 import json
 import operator
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -428,18 +427,17 @@ def event_row(e: Event) -> tuple[str, int, str, str]:
     try:
         body = orjson.dumps(obj).decode()
     except TypeError:  # a lone surrogate a model or tool produced, or an integer past 64 bits:
-        body = json.dumps(obj, separators=(",", ":"))  # ASCII-escaped JSON keeps them exactly
+        # ASCII-escaped JSON keeps them exactly, and a leading space tells ``event_of`` to read
+        # it with the stdlib (orjson would refuse the one and make the other a float).
+        body = " " + json.dumps(obj, separators=(",", ":"))
     return e.run_id, e.seq, e.kind, body
 
 
-_LONG_NUMBER = re.compile(r"\d{19}")  # 19 digits in a row: maybe an integer past 64 bits
-
-
 def event_of(body: str) -> Event:
-    """The event of a stored ``body`` (``event_row``'s JSON text). orjson reads it, save what it
-    would read wrong, which the stdlib reads exactly: an integer past 64 bits (orjson makes it a
-    float) and a lone surrogate (orjson refuses its ASCII escape, so the run could not be read)."""
-    if _LONG_NUMBER.search(body) is None:
+    """The event of a stored ``body`` (``event_row``'s JSON text): one with a leading space,
+    which orjson would misread, is read by the stdlib; so is one orjson refuses (a lone surrogate
+    written before bodies were marked, which would leave the whole run unreadable)."""
+    if not body.startswith(" "):
         try:
             return Event.from_json(orjson.loads(body))
         except orjson.JSONDecodeError:

@@ -4,6 +4,7 @@ Real SQLite files and real child processes; no mocks.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,6 +79,8 @@ async def test_what_orjson_cannot_hold_reads_back_exactly(store):
     got = await store.read("r1")
     assert got == events
     assert type(got[0].payload.input[0].data["n"]) is int and got[2].payload.output["total"] == 3 ** 50
+    unmarked = json.dumps(events[1].to_json(), separators=(",", ":"))  # as kit wrote it before
+    assert kit_store.event_of(unmarked) == events[1]
 
 
 async def test_duplicate_seq_raises_and_the_whole_batch_is_absent(store):
