@@ -9,10 +9,11 @@ Prints, with the same ScriptedModel and kit's default SQLite file store:
   (d) agent turns/s with a slow observer (each emit sleeps 1 ms) vs with none: a slow observer
       costs its own backlog (drops), never a run's time (target: ratio ~1.0, reported)
   (e) peak RSS of the process.
-The two sides run interleaved (raw, kit, raw, kit, ...) in ``ROUNDS`` rounds a repeat; a repeat's
-ratio is the median of its rounds' ratios and each ratio printed the median over repeats, so
-machine noise hits both sides alike and one noisy second spoils one round (notes/PERF.md). The kit side is also
-played under trio (engines on kit's asyncio thread) against the same raw figures.
+The two sides run interleaved (raw, kit, raw, kit, ...) in ``ROUNDS`` rounds a repeat; a
+repeat's ratio is the median of its rounds' ratios and each ratio printed the median over
+repeats, so machine noise hits both sides alike and one noisy second spoils one round
+(notes/PERF.md). The kit side is also played under trio (engines on kit's asyncio thread)
+against the same raw figures.
 
 Usage: python bench_kit.py [--repeats N] [--turns N] [--streams N] [--workflows N] [--growth N]
 [--http] [--surfaces] [--store postgresql://...] [--check]; ``--check`` exits 1 when a target
@@ -77,6 +78,7 @@ import signal
 import socket
 import subprocess
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Annotated, Any, TypedDict
@@ -106,29 +108,34 @@ def _reply(tokens: int) -> str:
     return " ".join(f"w{i}" for i in range(tokens))
 
 
+async def timed(n: int, play: Callable[[], Awaitable[Any]]) -> float:
+    """Seconds for ``n`` calls of ``play()``, after ``WARM`` untimed ones."""
+    for _ in range(WARM):
+        await play()
+    t = time.perf_counter()
+    for _ in range(n):
+        await play()
+    return time.perf_counter() - t
+
+
 async def raw_turns(n: int) -> float:
     agent = agents.Agent(name="a", instructions="Be brief.",
                          model=kit.ScriptedModel(["hello there"], cycle=True))
-    for i in range(WARM + n):
-        if i == WARM:
-            t = time.perf_counter()
-        await agents.Runner.run(agent, "hi", run_config=RUN_CONFIG)
-    return time.perf_counter() - t
+    return await timed(n, lambda: agents.Runner.run(agent, "hi", run_config=RUN_CONFIG))
 
 
 async def raw_stream(n: int) -> float:
     agent = agents.Agent(name="a", instructions="Be brief.",
                          model=kit.ScriptedModel([_reply(REPLY_TOKENS)], cycle=True))
-    for i in range(WARM + n):
-        if i == WARM:
-            t = time.perf_counter()
+
+    async def one() -> None:
         rs = agents.Runner.run_streamed(agent, "hi", run_config=RUN_CONFIG)
         deltas = 0
         async for ev in rs.stream_events():
             if ev.type == "raw_response_event" and ev.data.type == "response.output_text.delta":
                 deltas += 1
         assert deltas == REPLY_TOKENS, deltas
-    return time.perf_counter() - t
+    return await timed(n, one)
 
 
 class State(TypedDict):
@@ -153,23 +160,16 @@ async def raw_workflows(db: Path, n: int) -> tuple[float, float]:
     import aiosqlite
     from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
     graph = _graph().compile(checkpointer=InMemorySaver())
-    for i in range(WARM + n):
-        if i == WARM:
-            t = time.perf_counter()
-        await graph.ainvoke({"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}})
-    t_mem = time.perf_counter() - t
+    t_mem = await timed(n, lambda: graph.ainvoke({"log": []}, {"configurable": {
+        "thread_id": uuid.uuid4().hex}}))
     async with aiosqlite.connect(db) as conn:
         await conn.execute("PRAGMA journal_mode=WAL")
         await conn.execute("PRAGMA synchronous=NORMAL")
         saver = AsyncSqliteSaver(conn)
         await saver.setup()
-        graph = _graph().compile(checkpointer=saver)
-        for i in range(WARM + n):
-            if i == WARM:
-                t = time.perf_counter()
-            await graph.ainvoke({"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}},
-                                durability="sync")
-        t_sql = time.perf_counter() - t
+        durable = _graph().compile(checkpointer=saver)
+        t_sql = await timed(n, lambda: durable.ainvoke(
+            {"log": []}, {"configurable": {"thread_id": uuid.uuid4().hex}}, durability="sync"))
     return t_mem, t_sql
 
 
@@ -178,16 +178,9 @@ async def kit_workflows(db: Path, n: int) -> tuple[float, float]:
         deck = kit.Deck(workflows=[kit.Workflow("mem", _graph()),
                                    kit.Workflow("durable", _graph(), durable=True)], store=store)
         async with deck:
-            for i in range(WARM + n):
-                if i == WARM:
-                    t = time.perf_counter()
-                await deck.run("mem", {"log": []})
-            t_mem = time.perf_counter() - t
-            for i in range(WARM + n):
-                if i == WARM:
-                    t = time.perf_counter()
-                await deck.run("durable", {"log": []}, session_id=uuid.uuid4().hex)
-            t_sql = time.perf_counter() - t
+            t_mem = await timed(n, lambda: deck.run("mem", {"log": []}))
+            t_sql = await timed(n, lambda: deck.run("durable", {"log": []},
+                                                    session_id=uuid.uuid4().hex))
     return t_mem, t_sql
 
 
@@ -204,10 +197,7 @@ async def kit_observed(db: Path, turns: int) -> tuple[float, float]:
         for observers in ((), (SlowObserver(),)):
             agent = kit.Agent("a", "Be brief.", model=kit.ScriptedModel(["hello there"], cycle=True))
             async with kit.Deck([agent], store=store, observers=observers) as deck:
-                t = time.perf_counter()
-                for _ in range(turns):
-                    await deck.run("a", "hi")
-                out.append(time.perf_counter() - t)
+                out.append(await timed(turns, lambda: deck.run("a", "hi")))
     return out[0], out[1]
 
 
@@ -218,21 +208,14 @@ async def kit_side(db: Path | str, turns: int, streams: int) -> tuple[float, flo
             kit.Agent("a", "Be brief.", model=kit.ScriptedModel(["hello there"], cycle=True)),
             kit.Agent("s", "Be brief.", model=kit.ScriptedModel([_reply(REPLY_TOKENS)], cycle=True)),
         ], store=store)
+
+        async def one() -> None:
+            deltas = 0
+            async for ev in deck.stream("s", "hi"):
+                deltas += ev.kind == "text.delta"
+            assert deltas == REPLY_TOKENS, deltas
         async with deck:
-            for i in range(WARM + turns):
-                if i == WARM:
-                    t = time.perf_counter()
-                await deck.run("a", "hi")
-            t_turns = time.perf_counter() - t
-            for i in range(WARM + streams):
-                if i == WARM:
-                    t = time.perf_counter()
-                deltas = 0
-                async for ev in deck.stream("s", "hi"):
-                    deltas += ev.kind == "text.delta"
-                assert deltas == REPLY_TOKENS, deltas
-            t_streams = time.perf_counter() - t
-    return t_turns, t_streams
+            return await timed(turns, lambda: deck.run("a", "hi")), await timed(streams, one)
 
 
 def main(argv: list[str] | None = None) -> int:
