@@ -93,19 +93,18 @@ def _price(model: str, input_tokens: int, output_tokens: int) -> float | None:
 
     def total(input_tokens: int, output_tokens: int) -> Any:
         return calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens),
-                          model_ref=model, provider_id="openai").total_price
+                          model_ref=model, provider_id="openai")
     try:
-        price = calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens),
-                           model_ref=model, provider_id="openai")
+        price = total(input_tokens, output_tokens)
     except LookupError:
         _UNPRICED.add(model)
         return None
     prices = price.model.prices
     if isinstance(prices, types.ModelPrice) and not any(
             isinstance(p, types.TieredPrices) for p in vars(prices).values()):
-        per_call = total(0, 0)
-        _RATES[model] = (per_call, (total(1_000_000, 0) - per_call) / 1_000_000,
-                         (total(0, 1_000_000) - per_call) / 1_000_000)
+        per_call = total(0, 0).total_price
+        _RATES[model] = (per_call, (total(1_000_000, 0).total_price - per_call) / 1_000_000,
+                         (total(0, 1_000_000).total_price - per_call) / 1_000_000)
     return float(price.total_price)
 
 

@@ -48,9 +48,8 @@ from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogCo
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
 __all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "event_row", "event_of",
-           "run_row",
-           "runs_query", "abandoned", "by_run", "RUN_COLUMNS", "RUN_INDEXES", "BUSY_WAIT",
-           "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP", "WAL_LIMIT")
+           "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS", "RUN_INDEXES",
+           "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP", "WAL_LIMIT")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
 #: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
