@@ -120,7 +120,7 @@ class _Run(RunHandle):
             self.lagged = True
         self.live.append(event)
         if self.commit_reader:
-            self._writer.hurry()  # the reader waits for this one: commit within 2 ms, not 20
+            self._writer.hurry()  # the reader waits for this one: HURRY_DELAY, not FLUSH_DELAY
         else:
             self.wake.set()
 

@@ -45,7 +45,7 @@ __all__ = ("Writer", "FLUSH_MAX", "FLUSH_DELAY", "HURRY_DELAY", "BACKLOG_MAX", "
            "RETRY_MAX", "STORE_DOWN_LIMIT")
 
 #: A batch is committed when this many events wait, or FLUSH_DELAY after the first one arrived
-#: (or at once when a reader waits for it): a slow stream is visible to other processes within
+#: (HURRY_DELAY when a reader waits for it): a slow stream is visible to other processes within
 #: FLUSH_DELAY, a fast one pays one commit per FLUSH_MAX events.
 FLUSH_MAX = 256
 FLUSH_DELAY = 0.02
