@@ -238,11 +238,9 @@ class Deck:
         self._mcp_servers = {}
         if self._agents or servers:  # the agents SDK (~1.4 s, ~45 MB) only for a deck that uses it
             import kit_agents
-            limit, raw = self._history_limit, os.environ.get("KIT_HISTORY_LIMIT", "").strip()
-            if limit is None and raw:  # the setting: kit-serve's way to pass history_limit
-                if not raw.isdigit() or int(raw) < 1:
-                    raise ConfigError(f"KIT_HISTORY_LIMIT must be a positive integer, got {raw!r}")
-                limit = int(raw)
+            limit = self._history_limit  # else the setting: kit-serve's way to pass it
+            if limit is None:
+                limit = kit_core.count_setting("KIT_HISTORY_LIMIT", os.environ.get("KIT_HISTORY_LIMIT"))
             # The SDK's server objects are made here, unconnected: opening the deck connects them.
             self._mcp_servers = kit_agents.mcp_servers(self._mcp)
             for a in self._agents:  # an agent's workflows become tools that play child runs

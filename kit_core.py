@@ -15,7 +15,7 @@ Theory of operation: everything here is a value. Events are frozen dataclasses; 
 carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (``ends``: terminal,
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
-(``jsonable``, ``check_name``, ``check_limit``, ``RunHandle``, ...) are kit's internal API between
+(``jsonable``, ``check_name``, ``check_limit``, ``count_setting``, ``RunHandle``, ...) are kit's internal API between
 its modules.
 """
 from __future__ import annotations
@@ -841,6 +841,16 @@ def check_limit(what: str, value: object) -> int | None:
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return value  # type: ignore[return-value]
     raise ConfigError(f"{what} must be a positive int or None, got {value!r}")
+
+
+def count_setting(name: str, raw: str | None) -> int | None:
+    """The positive integer a setting ``name`` holds as text ``raw``; None when it is unset or
+    blank (an exported empty variable means unset). Raises ``ConfigError`` naming it otherwise."""
+    if raw is None or not raw.strip():
+        return None
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
+    return int(raw)
 
 
 def aware(now: datetime | None) -> datetime:

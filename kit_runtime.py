@@ -52,7 +52,8 @@ from kit_core import (
     InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled, RunCompleted,
     RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed, RunSleeping, RunStarted,
     NewRunId, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked,
-    TurnResult, UnknownNameError, UnknownRunError, as_blocks, as_history, check_name, new_run_id,
+    TurnResult, UnknownNameError, UnknownRunError, as_blocks, as_history, check_name, count_setting,
+    new_run_id,
 )
 from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
@@ -177,16 +178,6 @@ def _seconds(env: Any, name: str, default: float) -> float:
     return value
 
 
-def _count(env: Any, name: str, default: int) -> int:
-    """A positive integer from setting ``name``; ``ConfigError`` naming it otherwise."""
-    raw = env.get(name)
-    if raw is None:
-        return default
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
-    return int(raw)
-
-
 def _count_upto(live: deque[Event], seq: int) -> int:
     """How many events at the front of ``live`` have a seq at most ``seq``."""
     n = 0
@@ -262,7 +253,7 @@ class Runtime:
             self._agents.use_api(env.get("KIT_OPENAI_API"))
             self.sessions = self._agents.Sessions(
                 env.get("KIT_SESSION"), self._session_factory,
-                _count(env, "KIT_SESSION_MAX", self._agents.MAX_SESSIONS))
+                count_setting("KIT_SESSION_MAX", env.get("KIT_SESSION_MAX")) or self._agents.MAX_SESSIONS)
         try:
             if self._own_store:
                 self.store = store_from_url(env.get("KIT_STORE", self._default_store),

@@ -777,6 +777,19 @@ async def test_bad_settings_are_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match="KIT_OPENAI_API"):
         async with Deck([Agent("a", model=ScriptedModel(["x"]))]):
             pass
+    monkeypatch.delenv("KIT_OPENAI_API")
+    for name, bad, says in (("KIT_SESSION_MAX", "0", "a positive integer"),
+                            ("KIT_SESSION_MAX", "1e3", "a positive integer"),
+                            ("KIT_LEASE_SECONDS", "soon", "a number of seconds"),
+                            ("KIT_STORE_DOWN_SECONDS", "-5", "positive")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ConfigError, match=rf"{name} must be {says}, got '{bad}'"):
+            async with Deck([Agent("a", model=ScriptedModel(["x"]))]):
+                pass
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KIT_SESSION_MAX", " ")  # exported but empty: unset, like KIT_HISTORY_LIMIT
+    async with Deck([Agent("a", model=ScriptedModel(["x"]))]) as deck:
+        assert (await deck.run("a", "hi", session_id="s")).output == "x"
 
 
 async def test_a_missing_extra_is_named(monkeypatch):
