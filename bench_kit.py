@@ -90,6 +90,7 @@ from langgraph.graph import END, START, StateGraph
 
 import kit
 import kit_http
+import kit_sse
 import kit_writer
 from kit_pg import masked, pg_url, store_from_url
 from kit_store import SQLiteStore
@@ -766,8 +767,8 @@ def _engine_app(play: Any, deck: kit.Deck | None = None) -> Any:
                      if path.split("?")[0] == scope["path"] and (r == "stream") == stream)
         out = await play(route, body)
         if route == "stream":
-            frames = [kit_http.sse_frame(json.dumps({"delta": d})) for d in out]
-            data = b"".join(frames) + kit_http.sse_frame("{}", event="done")
+            frames = [kit_sse.sse_frame(json.dumps({"delta": d})) for d in out]
+            data = b"".join(frames) + kit_sse.sse_frame("{}", event="done")
             kind = b"text/event-stream"
         else:
             data, kind = json.dumps({"output": out, "run_id": uuid.uuid4().hex}).encode(), \

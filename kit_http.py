@@ -1,9 +1,9 @@
 """kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``serve`` under Hypercorn.
 
-Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON and SSE responses), SSE
-framing (``sse_frame``), the translation of a run's events into v1.2.1 wire frames, serving the
-playground page (kit_playground) and the OpenAPI document (kit_openapi), applying the
-browser-safety policy (kit_guard) at the top of dispatch, and ``serve`` (an app under Hypercorn).
+Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON responses, the open SSE
+responses, whose frames and streams kit_sse makes), serving the playground page (kit_playground)
+and the OpenAPI document (kit_openapi), applying the browser-safety policy (kit_guard) at the top
+of dispatch, and ``serve`` (an app under Hypercorn).
 ``kit-serve``, the process, is kit_serve (``python -m kit_http`` runs it).
 
 Must never: hold business logic (a handler passes plain arguments to the Deck: a name, a session
@@ -22,14 +22,10 @@ there); until it is open every request gets 503 ``{"status": "starting"}``. A bo
 strictly: bad UTF-8, deep nesting, huge integers and NaN are 400s, never 500s. Errors are answered
 from one table, ``ERROR_STATUS``, as ``{"error": <exception type name>, "message": ...}``.
 
-An SSE response is a *writer* (the only task that sends) and a *disconnect watcher* (Hypercorn
-never raises on a send to a closed connection, only ``receive()`` tells: CONVENTIONS A8); the
-writer is fed by a *reader* of the run's events through a bounded channel, so it sends every frame
-that is ready in one ``http.response.body`` message (the per-send cost dominates, not bytes:
-notes/PERF.md section 4) and pings while a run is quiet. Whichever of writer and watcher ends
-first cancels the rest. The run belongs to the deck: a disconnect ends the stream, never the run,
-and the client picks the run up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every frame's
-``id`` is its event's seq).
+An SSE response is a ``kit_sse.Stream`` (a writer, a reader of the run's events and a disconnect
+watcher) that the app keeps while it is open. The run belongs to the deck: a disconnect ends the
+stream, never the run, and the client picks the run up with ``GET /runs/{id}/events`` and
+``Last-Event-ID`` (every frame's ``id`` is its event's seq).
 
 ``App.shutdown()`` (``serve``'s trigger on SIGINT/SIGTERM, and the lifespan) ends every open stream
 itself with an ``event: server.shutdown`` frame, because Hypercorn's graceful timeout does not end
@@ -56,25 +52,27 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import anyio
-import orjson
 import sniffio
 
 import kit_openai
 from kit_core import (
     ConfigError, ContentError, DeckStateError, Event, InterruptResult, KitError, LogConflictError,
-    NodeUpdated, RunCancelled, RunCompleted, RunFailed, RunInterrupted, RunNotWaitingError,
-    RunPaused, RunSleeping, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError,
-    TextDelta, UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id,
+    RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError,
+    UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id,
 )
 from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
 from kit_playground import load as load_playground
+from kit_sse import (
+    PING_INTERVAL, STOP_GRACE, STREAM_BUFFER, FrameOf, Message, Receive, Send, Stream,
+    data_frames, dumps, native_frame, run_id_header, v1_frame, v1_workflow_frame,
+)
 
 if typing.TYPE_CHECKING:
     from kit import Deck
 
 __all__ = (
-    "App", "sse_frame", "serve", "main", "SURFACES",
+    "App", "serve", "main", "SURFACES",
     # errors (their statuses are in ERROR_STATUS)
     "HTTPError", "RouteNotFoundError", "MethodNotAllowedError", "MalformedRequestError",
     "BodyTooLargeError", "UnsupportedMediaTypeError", "ThreadNotWaitingError", "NotResumableError",
@@ -90,14 +88,6 @@ MAX_BODY_BYTES = 2 * 1024 * 1024
 #: Deeper JSON is a 400: the stdlib parser stops only at the recursion limit, and the deck walks
 #: input recursively afterwards, so ~990 levels would parse and then fail as a 500.
 MAX_JSON_DEPTH = 64
-#: A comment line every 15 s keeps a quiet stream open through proxies (WHATWG HTML 9.2.7).
-PING_INTERVAL = 15.0
-#: Frames waiting for the writer. A full channel makes the reader wait, never the run: the run
-#: keeps its own live buffer and catches a lagging reader up from the log.
-STREAM_BUFFER = 256
-#: On shutdown: how long in-flight requests may take before they are cancelled, and how long a
-#: stream's writer may take to hand its last frame to a slow client.
-STOP_GRACE = 5.0
 #: What kit_http says (an unexpected error, ``serve``'s address); ``kit_http.access``: the access
 #: log, with ``serve(access_log=True)``; ``kit_http.hypercorn``: Hypercorn's own messages. Only
 #: ``kit-serve`` (kit_serve) gives them a handler.
@@ -105,17 +95,8 @@ _log = logging.getLogger("kit_http")
 _access_log = logging.getLogger("kit_http.access")
 _hypercorn_log = logging.getLogger("kit_http.hypercorn")
 
-Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-FrameOf = Callable[[Event], "bytes | None"]
-
-_PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
+Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it (kit_sse)
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
-                (b"x-accel-buffering", b"no")]
-_HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,200}")  # a run id we echo in x-kit-run-id
 _OFF = ("0", "false", "no", "off")  # a switch setting that turns its feature off
 _SEQ = re.compile(r"(-1|[0-9]{1,18})?")  # Last-Event-ID / ?after= (empty or -1: from the start)
 
@@ -200,34 +181,7 @@ def _status_of(exc: BaseException) -> int:
     return next((ERROR_STATUS[c] for c in type(exc).__mro__ if c in ERROR_STATUS), 500)
 
 
-# ======================================================================================= wire ====
-
-def sse_frame(data: str, *, event: str | None = None, id: str | None = None) -> bytes:
-    """One server-sent event: ``id:``, ``event:`` and ``data:`` lines, then a blank line.
-
-    ``data`` is one line (kit sends compact JSON); ``id`` and ``event`` must not contain CR, LF or
-    NUL, which would forge fields or events (WHATWG HTML 9.2.5; CONVENTIONS A11). Raises
-    ``ValueError`` for any of those.
-    """
-    head = ""
-    for name, value in (("id", id), ("event", event)):
-        if value is not None:
-            if "\n" in value or "\r" in value or "\0" in value:
-                raise ValueError(f"an SSE {name} cannot contain CR, LF or NUL: {value!r}")
-            head += f"{name}: {value}\n"
-    if "\n" in data or "\r" in data:
-        raise ValueError("SSE data must be a single line")
-    return f"{head}data: {data}\n\n".encode()
-
-
-def _dumps(obj: Any) -> str:
-    """Compact one-line JSON: orjson, or the stdlib for what orjson refuses (huge integers, lone
-    surrogates)."""
-    try:
-        return orjson.dumps(obj).decode()
-    except TypeError:  # ASCII escapes: a lone surrogate a model produced still encodes
-        return json.dumps(obj, separators=(",", ":"), default=str)
-
+# ===================================================================================== bodies ====
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
@@ -276,42 +230,6 @@ def _id(body: dict[str, Any], key: str) -> str | None:
     if value == "":
         raise MalformedRequestError(f"{key!r} must not be empty")
     return value
-
-
-# Event -> frame: the frame for an event, or None to skip it (FrameOf).
-
-def _native_frame(ev: Event) -> bytes:
-    return sse_frame(_dumps(ev.to_json()), event=ev.kind, id=str(ev.seq))
-
-
-def _v1_frame(ev: Event, agent: bool = True) -> bytes | None:
-    """The v1.2.1 wire: ``data:`` per delta or node, then ``done``, ``interrupt`` or ``error``."""
-    p, seq = ev.payload, str(ev.seq)
-    if type(p) is TextDelta:
-        return sse_frame(_dumps({"delta": p.text}), id=seq)
-    if type(p) is NodeUpdated:
-        return sse_frame(_dumps({"node": p.node, "update": p.update}), id=seq)
-    if isinstance(p, RunCompleted):
-        done = {"output": p.output, "usage": p.usage.to_json()} if agent else {"output": p.output}
-        return sse_frame(_dumps(done), event="done", id=seq)
-    if isinstance(p, (RunInterrupted, RunSleeping)):
-        payload = p.payload if isinstance(p, RunInterrupted) else {"kind": "sleep", "until": p.until}
-        return sse_frame(_dumps({"type": "interrupt", "payload": payload, "thread_id": p.thread_id,
-                                 "run_id": ev.run_id}), event="interrupt", id=seq)
-    if isinstance(p, RunFailed):
-        return sse_frame(_dumps({"error": p.error}), event="error", id=seq)
-    if isinstance(p, (RunCancelled, RunPaused)):  # what Deck.run raises for them
-        return sse_frame(_dumps({"error": RunStoppedError.__name__}), event="error", id=seq)
-    return None
-
-
-def _v1_workflow_frame(ev: Event) -> bytes | None:
-    return _v1_frame(ev, agent=False)
-
-
-def _data_frames(items: list[Any], seq: int) -> bytes | None:
-    """Bare ``data:`` frames (the Chat Completions wire names no events), JSON or ``[DONE]``."""
-    return b"".join(sse_frame(i if isinstance(i, str) else _dumps(i), id=str(seq)) for i in items) or None
 
 
 def _workflow_body(result: Any, run_id: str, thread_id: str) -> dict[str, Any]:
@@ -386,30 +304,13 @@ class _Request:
 async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = (),
                    content_type: bytes = b"application/json") -> None:
     """The JSON response helper (``obj`` None: no body, as for 204; bytes: sent as they are)."""
-    body = b"" if obj is None else obj if isinstance(obj, bytes) else _dumps(obj).encode()
+    body = b"" if obj is None else obj if isinstance(obj, bytes) else dumps(obj).encode()
     head = [(b"content-type", content_type)] if obj is not None else []
     head.append((b"content-length", b"%d" % len(body)))
-    if req.run_id and _HEADER_SAFE.fullmatch(req.run_id):
-        head.append((b"x-kit-run-id", req.run_id.encode()))
+    head += run_id_header(req.run_id)
     req.started = True
     await req.send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
     await req.send({"type": "http.response.body", "body": body})
-
-
-class _Stream:
-    """One open SSE response, as ``App.shutdown`` sees it."""
-    __slots__ = ("reader", "scope", "stopping", "finished")
-
-    def __init__(self) -> None:
-        self.reader = anyio.CancelScope()  # the reader of the run's events
-        self.scope: anyio.CancelScope | None = None  # the whole stream
-        self.stopping = self.finished = False
-
-    def stop(self) -> None:
-        self.stopping = True
-        self.reader.cancel()
-        if self.scope is not None:
-            self.scope.deadline = anyio.current_time() + STOP_GRACE
 
 
 #: The route table: method, path (an OpenAPI path template, the very key kit_openapi describes
@@ -489,7 +390,7 @@ class App:
         self._workflows: frozenset[str] = frozenset()
         self._durable: frozenset[str] = frozenset()  # workflows whose runs need a thread_id
         self._skills: list[str] = []
-        self._streams: set[_Stream] = set()
+        self._streams: set[Stream] = set()
         self._inflight: set[anyio.CancelScope] = set()
         self._idle: anyio.Event | None = None
 
@@ -666,8 +567,8 @@ class App:
 
     async def _openapi(self, req: _Request) -> None:
         if self._document is None:  # built once, when the deck's names are known
-            self._document = _dumps(document([(m, p) for m, p, *_ in self._routes],
-                                             agents=self._agents, workflows=self._workflows)).encode()
+            self._document = dumps(document([(m, p) for m, p, *_ in self._routes],
+                                            agents=self._agents, workflows=self._workflows)).encode()
         await _respond(req, 200, self._document)
 
     async def _health(self, req: _Request) -> None:
@@ -680,7 +581,7 @@ class App:
         self._check(name, "agent")
         if _flag(req, "stream"):
             events = self.deck.stream(name, message, session_id=session_id, committed=True)
-            return await self._stream_run(req, events, _v1_frame)
+            return await self._stream_run(req, events, v1_frame)
         run_id = new_run_id()  # known before the run ends, for x-kit-run-id
         result = await self._run(req, run_id, self.deck.run(name, message, session_id=session_id,
                                                               run_id=run_id))
@@ -695,7 +596,7 @@ class App:
                                         "(the thread it runs on; the same id carries it on)")
         if _flag(req, "stream"):
             events = self.deck.stream(name, state, session_id=thread_id, committed=True)
-            return await self._stream_run(req, events, _v1_workflow_frame)
+            return await self._stream_run(req, events, v1_workflow_frame)
         run_id = new_run_id()
         result = await self._run(req, run_id, self.deck.run(name, state, session_id=thread_id,
                                                             run_id=run_id))
@@ -716,7 +617,7 @@ class App:
                 if info is not None and info.namespace is None:  # HTTP threads have none
                     if _flag(req, "stream"):
                         events = self.deck.stream_answer(p.run_id, value, committed=True)
-                        return await self._stream_run(req, events, _v1_workflow_frame)
+                        return await self._stream_run(req, events, v1_workflow_frame)
                     result = await self._run(req, p.run_id, self.deck.answer(p.run_id, value))
                     return await _respond(req, 200, _workflow_body(result, p.run_id, thread_id))
         raise ThreadNotWaitingError(f"no run of workflow {name!r} waits on thread {thread_id!r}")
@@ -748,7 +649,7 @@ class App:
             if first is None:
                 raise not_paused
             req.run_id = run_id
-            frame_of = _v1_frame if info.invocable == "agent" else _v1_workflow_frame
+            frame_of = v1_frame if info.invocable == "agent" else v1_workflow_frame
             return await self._sse(req, run_id, first, events, frame_of)
         events = await self._run(req, run_id, self.deck.resume(run_id))
         if not events:
@@ -771,7 +672,7 @@ class App:
         if after >= 0 and not await store.read(run_id, after - 1):  # no event `after` (yet)
             raise MalformedRequestError(f"run {run_id} has no event {after}: a client only ever "
                                         "receives events the log holds")
-        await self._sse(req, run_id, None, store.follow(run_id, after), _native_frame)
+        await self._sse(req, run_id, None, store.follow(run_id, after), native_frame)
 
     async def _native_chat(self, req: _Request, name: str) -> None:
         body = await req.json(("input", "session_id"))
@@ -788,7 +689,7 @@ class App:
         else:
             raise UnknownNameError(name, self._agents | self._workflows)
         events = self.deck.stream(name, value, session_id=session_id, committed=True)
-        await self._stream_run(req, events, _native_frame)
+        await self._stream_run(req, events, native_frame)
 
     # ------------------------------------------------------------------ optional surfaces --
     async def _chat_completions(self, req: _Request) -> None:
@@ -799,7 +700,7 @@ class App:
         if turn.stream:
             chunks = kit_openai.Chunks(turn.model)
             events = self.deck.stream(turn.model, turn.input, committed=True, **args)
-            return await self._stream_run(req, events, lambda ev: _data_frames(chunks(ev), ev.seq))
+            return await self._stream_run(req, events, lambda ev: data_frames(chunks(ev), ev.seq))
         run_id = new_run_id()
         result = await self._run(req, run_id, self.deck.run(turn.model, turn.input, run_id=run_id,
                                                             **args))
@@ -824,102 +725,21 @@ class App:
 
     async def _sse(self, req: _Request, run_id: str, first: Event | None,
                    events: AsyncIterator[Event], frame_of: FrameOf) -> None:
-        """The SSE response helper: headers, then the frames of ``first`` and ``events``."""
-        headers = _SSE_HEADERS + ([(b"x-kit-run-id", run_id.encode())]
-                                  if _HEADER_SAFE.fullmatch(run_id) else [])
-        stream = _Stream()
-        send_frames, frames = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
+        """The SSE response helper: headers, then the frames of ``first`` and ``events``, kept
+        among the open streams that ``shutdown`` ends."""
+        stream = Stream()
         self._streams.add(stream)
         if self._stopping:  # shutdown() began after this request was let in
             stream.stop()
         try:
             req.started = True
-            await req.send({"type": "http.response.start", "status": 200, "headers": headers})
-            async with anyio.create_task_group() as tg:
-                stream.scope = tg.cancel_scope
-                tg.start_soon(_watch, req.receive, tg.cancel_scope)
-                tg.start_soon(_read, first, events, frame_of, send_frames, stream)
-                await _write(req.send, frames, stream, run_id)
-                tg.cancel_scope.cancel()
+            await stream.play(req.send, req.receive, run_id, first, events, frame_of)
         finally:
             self._streams.discard(stream)
-            frames.close()
-            send_frames.close()
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:  # ends the stream, never the run: Deck.stream's runs are the deck's
-                with anyio.CancelScope(shield=True):
-                    await aclose()
 
 
 def _flag(req: _Request, name: str) -> bool:
     return (req.query.get(name) or [""])[-1].lower() in ("true", "1")
-
-
-async def _watch(receive: Receive, scope: anyio.CancelScope) -> None:
-    """The disconnect watcher: Hypercorn says a client left only through ``receive()``."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
-
-
-async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: FrameOf, out: Any,
-                stream: _Stream) -> None:
-    """The reader: the frames of the run's events into the writer's channel, until the run ends
-    or parks; closing the channel tells the writer. An error becomes an ``event: error`` frame."""
-    with out, stream.reader:
-        try:
-            if first is not None and (frame := frame_of(first)) is not None:
-                await out.send(frame)
-            async for ev in events:  # left to end by itself: a generator it holds is closed
-                if (frame := frame_of(ev)) is not None:
-                    try:  # no loop pass per frame: the writer wakes once a burst is in
-                        out.send_nowait(frame)
-                    except anyio.WouldBlock:
-                        await out.send(frame)
-                stream.finished = stream.finished or ev.payload.ends is not None
-            stream.finished = True
-        except Exception as exc:
-            if not stream.finished:  # Deck.stream raises a failed run's error after run.failed
-                stream.finished = True
-                await out.send(sse_frame(_dumps({"error": type(exc).__name__}), event="error"))
-
-
-async def _write(send: Send, frames: Any, stream: _Stream, run_id: str) -> None:
-    """The writer: every frame that is ready goes out in one body message; a ping when quiet."""
-    ended = False
-    while not ended:
-        batch: list[bytes] = []
-        with anyio.move_on_after(PING_INTERVAL):
-            try:
-                batch.append(await frames.receive())
-            except anyio.EndOfStream:
-                break
-        if not batch:
-            await _send(send, _PING, stream)
-            continue
-        while True:
-            try:
-                batch.append(frames.receive_nowait())
-            except anyio.WouldBlock:
-                break
-            except anyio.EndOfStream:
-                ended = True
-                break
-        await _send(send, {"type": "http.response.body", "body": b"".join(batch), "more_body": True},
-                    stream)
-    tail = b""
-    if stream.stopping and not stream.finished:  # the client picks the run up later
-        tail = sse_frame(_dumps({"run_id": run_id}), event="server.shutdown")
-    await _send(send, {"type": "http.response.body", "body": tail, "more_body": False}, stream)
-
-
-async def _send(send: Send, message: Message, stream: _Stream) -> None:
-    try:
-        await send(message)
-    except OSError:  # servers that follow ASGI 2.4 raise on a closed connection: a disconnect
-        if stream.scope is not None:
-            stream.scope.cancel()
-        await anyio.lowlevel.checkpoint()
 
 
 # ====================================================================================== serve ====

@@ -23,8 +23,10 @@ from langgraph.graph import END, START, StateGraph
 
 import kit
 import kit_http
+import kit_sse
 from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
-from kit_http import App, sse_frame
+from kit_http import App
+from kit_sse import sse_frame
 from test_kit_control import Gate
 
 pytestmark = pytest.mark.anyio
@@ -602,7 +604,7 @@ async def test_lifespan_startup_failure_is_reported_and_frees_the_deck():
 
 
 async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_streamed_body_is_counted(monkeypatch):
-    monkeypatch.setattr(kit_http, "PING_INTERVAL", 0.05)
+    monkeypatch.setattr(kit_sse, "PING_INTERVAL", 0.05)
     deck = catalog()
     app = App(deck)
     life = Scripted({"type": "lifespan.startup"})
