@@ -59,7 +59,7 @@ from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
 
 if TYPE_CHECKING:
-    import kit_agents
+    import kit_sessions
 
 __all__ = ("Runtime", "CONTROL_RETRY", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT",
            "BACKOFF_MAX")
@@ -232,7 +232,7 @@ class Runtime:
         self._sdk_tracing = False
         self._own_store = store is None
         self._session_factory = session_factory
-        self.sessions: kit_agents.Sessions | None = None
+        self.sessions: kit_sessions.Sessions | None = None
         self.bridge: Bridge | None = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.active: dict[str, _Run] = {}
@@ -250,10 +250,11 @@ class Runtime:
         self.lease = _seconds(env, "KIT_LEASE_SECONDS", DEFAULT_LEASE_SECONDS)
         self.down_limit = _seconds(env, "KIT_STORE_DOWN_SECONDS", STORE_DOWN_LIMIT)
         if self._agents is not None:
+            import kit_sessions  # it imports the agents SDK too: only beside kit_agents
             self._agents.use_api(env.get("KIT_OPENAI_API"))
-            self.sessions = self._agents.Sessions(
-                env.get("KIT_SESSION"), self._session_factory,
-                count_setting("KIT_SESSION_MAX", env.get("KIT_SESSION_MAX")) or self._agents.MAX_SESSIONS)
+            kept = count_setting("KIT_SESSION_MAX", env.get("KIT_SESSION_MAX"))
+            self.sessions = kit_sessions.Sessions(env.get("KIT_SESSION"), self._session_factory,
+                                                  kept or kit_sessions.MAX_SESSIONS)
         try:
             if self._own_store:
                 self.store = store_from_url(env.get("KIT_STORE", self._default_store),

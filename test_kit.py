@@ -561,9 +561,9 @@ async def test_postgres_sessions_share_their_tables_objects(monkeypatch, store, 
 
 
 def test_a_session_url_of_another_kind_is_refused_with_its_password_masked(monkeypatch):
-    import kit_agents
+    import kit_sessions
     with pytest.raises(ConfigError, match=r"KIT_SESSION must be") as info:
-        kit_agents.Sessions("mysql://u:s3cret@h/db", None)
+        kit_sessions.Sessions("mysql://u:s3cret@h/db", None)
     assert "s3cret" not in str(info.value)
 
 

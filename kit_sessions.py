@@ -1,0 +1,259 @@
+"""kit_sessions: the conversation memory of a deck's agent runs, one SDK session per conversation.
+
+Owns: ``Sessions`` (the ``agents.memory.Session`` of each conversation key, chosen by
+``KIT_SESSION``: in-process, a SQLite file, Postgres or Redis; at most ``KIT_SESSION_MAX`` kept),
+``MemorySession`` (the in-process default: every conversation in one in-memory SQLite database)
+and ``MAX_SESSIONS``.
+
+Must never: reach the event store, the Runtime or a run (the log is the record of every turn; a
+session is only what the model is given to remember), touch asyncio directly (kit_bridge does),
+or show a session URL's password (``kit_pg.masked``).
+
+Theory of operation
+-------------------
+The SDK reads a session's whole history before each turn and appends the turn's items after it.
+Its own session classes cost a connection or a private database per conversation, so kit shares
+what they would each build: one in-memory database (``MemorySession``), one connection per
+SQLite file, one set of SQLAlchemy table objects per Postgres deck. A deck keeps at most
+``max_sessions`` objects, least recently used dropped first; only the in-process default loses a
+conversation's history that way (the log still holds every turn).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sqlite3
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import agents as sdk
+from agents.memory import SessionABC
+
+from kit_core import ConfigError
+from kit_pg import masked, open_pool, pg_url, setup_lock
+
+__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS")
+
+#: Conversations the in-process session store keeps (``KIT_SESSION_MAX``), least recently used
+#: dropped first: ~2 kB each measured, so ~20 MB at the default; bounded, unlike a process's life.
+MAX_SESSIONS = 10_000
+
+
+class _MemoryDB:
+    """Every conversation-memory session of the process in ONE in-memory SQLite database.
+
+    The SDK's ``SQLiteSession(":memory:")`` costs ~64 KiB per session (a private database each,
+    PERF.md section 1); here a session is a key into one shared table. Lost on process exit.
+    """
+
+    def __init__(self) -> None:
+        self.db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+        self.db.execute("CREATE TABLE items(id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                        "session TEXT NOT NULL, data TEXT NOT NULL)")
+        self.db.execute("CREATE INDEX items_session ON items(session, id)")
+        self.lock = threading.Lock()  # the engine thread and the kit side may both call in
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class MemorySession(SessionABC):
+    """An ``agents.memory.Session`` over the shared in-memory database."""
+
+    def __init__(self, store: _MemoryDB, session_id: str) -> None:
+        self.session_id, self.session_settings, self._s = session_id, None, store
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        with self._s.lock:
+            if limit is None:
+                rows = self._s.db.execute("SELECT data FROM items WHERE session=? ORDER BY id",
+                                          (self.session_id,)).fetchall()
+            else:
+                rows = self._s.db.execute(
+                    "SELECT data FROM (SELECT id, data FROM items WHERE session=? ORDER BY id DESC "
+                    "LIMIT ?) ORDER BY id", (self.session_id, limit)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    async def add_items(self, items: list[Any]) -> None:
+        rows = [(self.session_id, json.dumps(i, default=str)) for i in items]
+        with self._s.lock:
+            self._s.db.executemany("INSERT INTO items(session, data) VALUES (?, ?)", rows)
+
+    async def pop_item(self) -> Any:
+        with self._s.lock:
+            row = self._s.db.execute("SELECT id, data FROM items WHERE session=? ORDER BY id DESC "
+                                     "LIMIT 1", (self.session_id,)).fetchone()
+            if row is None:
+                return None
+            self._s.db.execute("DELETE FROM items WHERE id=?", (row[0],))
+        return json.loads(row[1])
+
+    async def clear_session(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Delete this conversation's items (synchronously: eviction happens on the kit side)."""
+        with self._s.lock:
+            self._s.db.execute("DELETE FROM items WHERE session=?", (self.session_id,))
+
+
+class _FileSession(sdk.SQLiteSession):
+    """The SDK's ``SQLiteSession`` on a file (``KIT_SESSION=sqlite:///path``), its queries
+    unchanged, on one connection that every session of the file shares.
+
+    The SDK's own opens a connection per session object per worker thread, each with its file
+    descriptors and page cache (measured: ~4 descriptors and ~240 kB per conversation), so the
+    ``KIT_SESSION_MAX`` conversations a deck keeps would exhaust the process's descriptors. The
+    SDK already serializes every query on one lock per file (``_locked_connection``), which is
+    what makes one shared connection safe.
+    """
+
+    def __init__(self, session_id: str, path: str, conn: sqlite3.Connection) -> None:
+        super().__init__(session_id, path)
+        self._conn = conn
+
+    def _get_connection(self) -> sqlite3.Connection:
+        if self._closed:
+            raise RuntimeError("SQLiteSession is closed")
+        return self._conn
+
+
+@functools.cache
+def _pg_session_class() -> type:
+    """The SDK's ``SQLAlchemySession`` (``KIT_SESSION=postgresql://...``), its queries
+    unchanged, with the SQLAlchemy objects of its tables shared by every session of a deck.
+
+    The SDK builds a ``MetaData``, two ``Table``s and a session maker per session object
+    (~31 kB each, measured): ~300 MB for the ``KIT_SESSION_MAX`` conversations a deck keeps.
+    They describe the same tables on the same engine, so the first session's serve them all.
+    Made on first use: the SDK's extension imports SQLAlchemy.
+    """
+    from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+
+    class PgSession(SQLAlchemySession):
+        def __init__(self, session_id: str, engine: Any, shared: list[tuple[Any, ...]]) -> None:
+            super().__init__(session_id, engine=engine)
+            if not shared:
+                shared.append((self._metadata, self._sessions, self._messages,
+                               self._session_factory))
+            self._metadata, self._sessions, self._messages, self._session_factory = shared[0]
+
+    return PgSession
+
+
+class Sessions:
+    """The conversation-memory sessions (``agents.memory.Session``) of a deck's agent runs.
+
+    ``factory(key)`` when given; else, by ``url`` (``KIT_SESSION``), one of the SDK's own
+    durable sessions: ``RedisSession`` (``redis://``, ``rediss://``, ``unix://``: replicas on
+    several machines), ``SQLiteSession`` on a file (``sqlite:///path``: processes of one
+    machine) or ``SQLAlchemySession`` on psycopg (``postgresql://...[?schema=name]``: replicas,
+    beside a Postgres log); else ``MemorySession``s in one in-process database, lost on exit.
+    One object per key (``<namespace>:<session_id>``, or the session id). The SQLite file's
+    sessions share one connection (``_FileSession``), the Postgres ones their table objects
+    (``_pg_session_class``): a conversation costs a small object, not a connection or ~31 kB.
+
+    At most ``max_sessions`` are kept (``KIT_SESSION_MAX``), least recently used dropped first:
+    for the in-process default that *forgets the conversation* (its history is deleted; the log
+    keeps every turn); for the others only the cached object goes (the data stays where it
+    lives). Keep it above the number of conversations in flight at once. Raises
+    ``ConfigError`` for another URL scheme (the URL masked), a missing extra, or a bound below 1.
+    """
+
+    def __init__(self, url: str | None, factory: Callable[[str], Any] | None,
+                 max_sessions: int = MAX_SESSIONS) -> None:
+        if not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ConfigError(f"KIT_SESSION_MAX must be a positive integer, got {max_sessions!r}")
+        self._factory, self._url, self.max_sessions = factory, url, max_sessions
+        self._sessions: OrderedDict[str, Any] = OrderedDict()
+        self._redis: Any = None
+        self._sqlite: str | None = None
+        self._sqlite_conn: sqlite3.Connection | None = None  # every session of that file's
+        self._postgres: tuple[str, str] | None = None
+        self._engine: Any = None  # SQLAlchemy's, made on the engine side by open()
+        self._pg_tables: list[tuple[Any, ...]] = []  # its sessions' shared table objects
+        self.memory: _MemoryDB | None = None
+        if not url:
+            if factory is None:
+                self.memory = _MemoryDB()
+        elif url.startswith(("redis://", "rediss://", "unix://")):
+            try:
+                import redis.asyncio
+            except ImportError:
+                raise ConfigError(f"KIT_SESSION={url.split('://')[0]}://... needs the redis extra: "
+                                  "pip install 'kit[redis]'") from None
+            self._redis = redis.asyncio.from_url(url)
+        elif url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
+            self._sqlite = url[len("sqlite:///"):]
+        elif url.startswith(("postgresql://", "postgres://")):
+            self._postgres = pg_url(url)
+        else:
+            raise ConfigError("KIT_SESSION must be a redis://, sqlite:///path or postgresql:// "
+                              f"URL, got {masked(url)!r}")
+
+    async def open(self) -> None:
+        """Engine side: with ``postgresql://``, the SQLAlchemy engine, and the SDK's tables in
+        the URL's schema, created once even when replicas open together."""
+        if self._postgres is None:
+            return
+        try:
+            from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+            from sqlalchemy.ext.asyncio import create_async_engine
+        except ImportError:
+            raise ConfigError("KIT_SESSION=postgresql://... needs the postgres extra: "
+                              "pip install 'kit[postgres]'") from None
+        conninfo, schema = self._postgres
+        pool = await open_pool(conninfo, schema, max_size=1)  # creates the schema
+        try:
+            async with setup_lock(pool, f"kit:sessions:{schema}"):
+                self._engine = create_async_engine(
+                    "postgresql+psycopg://" + conninfo.split("://", 1)[1],
+                    connect_args={"options": f"-c search_path={schema}"})
+                await SQLAlchemySession("kit:setup", engine=self._engine,
+                                        create_tables=True).get_items(limit=1)
+        finally:
+            await pool.close()
+
+    def get(self, session_id: str, namespace: str | None = None) -> Any:
+        key = session_id if namespace is None else f"{namespace}:{session_id}"
+        session = self._sessions.get(key)
+        if session is not None:
+            self._sessions.move_to_end(key)
+        else:
+            if self._factory is not None:
+                session = self._factory(key)
+            elif self._redis is not None:
+                from agents.extensions.memory.redis_session import RedisSession
+                session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
+            elif self._sqlite is not None:
+                if self._sqlite_conn is None:  # the SDK's settings for its connections
+                    self._sqlite_conn = sqlite3.connect(self._sqlite, check_same_thread=False)
+                    self._sqlite_conn.execute("PRAGMA journal_mode=WAL")
+                session = _FileSession(key, self._sqlite, self._sqlite_conn)
+            elif self._engine is not None:
+                session = _pg_session_class()(key, self._engine, self._pg_tables)
+            else:
+                session = MemorySession(self.memory, key)  # type: ignore[arg-type]
+            self._sessions[key] = session
+            if len(self._sessions) > self.max_sessions:
+                _, dropped = self._sessions.popitem(last=False)
+                if isinstance(dropped, MemorySession):
+                    dropped.forget()
+        return session
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def aclose(self) -> None:
+        """Engine side: close the Redis client or the SQLAlchemy engine (their connections
+        belong to the engine's loop)."""
+        if self._redis is not None:
+            await self._redis.aclose()
+        if self._engine is not None:
+            await self._engine.dispose()
+        if self.memory is not None:
+            self.memory.close()
+        if self._sqlite_conn is not None:
+            self._sqlite_conn.close()
