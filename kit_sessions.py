@@ -11,7 +11,8 @@ or show a session URL's password (``kit_pg.masked``).
 
 Theory of operation
 -------------------
-The SDK reads a session's whole history before each turn and appends the turn's items after it.
+The SDK reads a session's history before each turn (all of it, or what the agent's history
+limit lets through) and appends the turn's items after it.
 Its own session classes cost a connection or a private database per conversation, so kit shares
 what they would each build: one in-memory database (``MemorySession``), one connection per
 SQLite file, one set of SQLAlchemy table objects per Postgres deck. A deck keeps at most
