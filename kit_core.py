@@ -848,7 +848,7 @@ def count_setting(name: str, raw: str | None) -> int | None:
     blank (an exported empty variable means unset). Raises ``ConfigError`` naming it otherwise."""
     if raw is None or not raw.strip():
         return None
-    if not raw.strip().isdigit() or int(raw) < 1:
+    if not raw.strip().isdecimal() or int(raw) < 1:  # isdigit takes '²', which int() refuses
         raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
     return int(raw)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -187,19 +188,33 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):  # 1e999: valid JSON, but no number a log can write back
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
 def _parse_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object. Raises ``MalformedRequestError`` for anything else."""
+    obj = _parse_json(body)
+    if not isinstance(obj, dict):
+        raise MalformedRequestError(f"the body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _parse_json(body: bytes) -> Any:
+    """The body as JSON: UTF-8, at most ``MAX_JSON_DEPTH`` deep, no NaN, infinity or lone
+    surrogate. Raises ``MalformedRequestError`` naming what is wrong."""
     too_deep = MalformedRequestError(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         text = body.decode("utf-8")
-        obj = json.loads(text, parse_constant=_no_constant)
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise too_deep from None
     except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a >4300-digit integer
         raise MalformedRequestError(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise MalformedRequestError(f"the body must be a JSON object, got {type(obj).__name__}")
-    stack: list[tuple[Any, int]] = [(obj, 1)]
+    stack: list[tuple[Any, int]] = [(obj, 1)] if isinstance(obj, (dict, list)) else []
     while stack:  # iterative: a recursive walk would hit the very limit it checks for
         value, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
@@ -260,7 +275,7 @@ class _Request:
         first, then counting chunks). Raises ``BodyTooLargeError``, ``_ClientGone``."""
         too_large = BodyTooLargeError(f"the body is over {MAX_BODY_BYTES} bytes")
         length = self.header(b"content-length")
-        if length is not None and not length.strip().isdigit():
+        if length is not None and not (length.strip().isascii() and length.strip().isdigit()):
             raise MalformedRequestError("Content-Length is not a number")
         if length is not None and int(length) > MAX_BODY_BYTES:
             raise too_large
@@ -521,7 +536,7 @@ class App:
         status, message = _status_of(exc), str(exc)
         if status == 500 and not isinstance(exc, _RunFailed):
             # Its type and stack only: a message may quote input, tool output or a secret.
-            _log.error("%s %s failed with %s\n%s", req.scope["method"], req.scope["path"],
+            _log.error("%s %s failed with %s\n%s", req.scope["method"], _printable(req.scope["path"]),
                        type(exc).__name__, "".join(traceback.format_tb(exc.__traceback__)).rstrip())
             message = "internal error; the server log has the details"
         if req.started:  # a stream broke after its headers: end the body, nothing else fits
@@ -713,7 +728,16 @@ class App:
         async def send(message: Message) -> None:  # the MCP server answers for itself
             req.started = True
             await req.send(message)
-        await self._mcp_server(req.scope, req.receive, send)
+        receive = req.receive
+        if req.scope["method"] == "POST":  # read as strictly as kit's own routes first: the mcp
+            body = await req.body()  # package answers 500 to bad UTF-8 or deep nesting
+            try:
+                _parse_json(body)
+            except MalformedRequestError as exc:  # JSON-RPC's parse error, with no id to answer
+                return await _respond(req, 400, {"jsonrpc": "2.0", "id": None, "error": {
+                    "code": -32700, "message": f"Parse error: {exc}"}})
+            receive = _replay(body, req.receive)
+        await self._mcp_server(req.scope, receive, send)
 
     # ---------------------------------------------------------------------------- streams --
     async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf) -> None:
@@ -738,6 +762,35 @@ class App:
             self._streams.discard(stream)
 
 
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for a request whose body was read already: the body once, then ``receive``
+    (which tells of the client leaving)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+    return replayed
+
+
+def _printable(text: str) -> str:
+    """``text`` with its control characters escaped: a path's ``%0D%0A`` decodes to a line break,
+    which would let a client forge log lines."""
+    return text if text.isprintable() else "".join(
+        c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class _PrintableAccess(logging.Filter):
+    """The access log's path (Hypercorn's ``U`` atom, decoded) with control characters escaped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, dict) and isinstance(record.args.get("U"), str):
+            record.args["U"] = _printable(record.args["U"])
+        return True
+
+
+_PRINTABLE_ACCESS = _PrintableAccess()
+
+
 def _flag(req: _Request, name: str) -> bool:
     return (req.query.get(name) or [""])[-1].lower() in ("true", "1")
 
@@ -759,6 +812,7 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.backlog = 1024  # bursts of connections, such as 1,000 streams at once (CONVENTIONS A7)
     config.accesslog = _access_log if access_log else None
+    _access_log.addFilter(_PRINTABLE_ACCESS)  # once: addFilter skips a filter it holds
     config.errorlog = _hypercorn_log
     config.access_log_format = '%(h)s "%(m)s %(U)s" %(s)s %(L)ss'  # no query, no headers
     try:  # Hypercorn binds only after the lifespan; a failed bind then leaves a half-open app

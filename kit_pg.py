@@ -494,7 +494,7 @@ class PostgresStore(StoreBase):
         request watchers; anything else (not kit's) everyone, who re-read and find nothing."""
         what, _, rest = payload.partition(" ")
         seq, _, run_id = rest.partition(" ")
-        if what in ("c", "e") and seq.isdigit():
+        if what in ("c", "e") and seq.isdecimal():
             return functools.partial(self._woken, run_id if what == "e" else None, int(seq))
         return self._wake_all
 

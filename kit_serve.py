@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker not in ("asyncio", "trio"):
         parser.error(f"the worker is asyncio or trio, got {args.worker!r}")
-    if not str(args.port).isdigit() or int(args.port) > 65535:
+    if not str(args.port).isdecimal() or int(args.port) > 65535:
         parser.error(f"the port must be a number from 0 to 65535, got {args.port!r}")
     surfaces = [name.strip() for name in args.surfaces.split(",") if name.strip()]
     if set(surfaces) - set(SURFACES):

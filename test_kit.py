@@ -780,6 +780,7 @@ async def test_bad_settings_are_config_errors(monkeypatch):
     monkeypatch.delenv("KIT_OPENAI_API")
     for name, bad, says in (("KIT_SESSION_MAX", "0", "a positive integer"),
                             ("KIT_SESSION_MAX", "1e3", "a positive integer"),
+                            ("KIT_SESSION_MAX", "²", "a positive integer"),
                             ("KIT_LEASE_SECONDS", "soon", "a number of seconds"),
                             ("KIT_STORE_DOWN_SECONDS", "-5", "positive")):
         monkeypatch.setenv(name, bad)

@@ -266,6 +266,13 @@ async def test_hostile_bodies_are_4xx_never_500(body, headers, status, error):
         assert (await client.post("/agents/echo/chat", json={"message": "hi"})).status_code == 200
 
 
+async def test_a_number_past_float_range_is_400_not_infinity():
+    async with served(catalog()) as (client, _):
+        r = await client.post("/workflows/approve", content=b'{"input": {"n": 1e999}}', headers=JSON)
+        assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError")
+        assert "the number 1e999 is out of range" in r.json()["message"]
+
+
 async def test_a_body_over_the_cap_is_413_before_it_is_read():
     async with served(catalog()) as (client, _):
         port = client.base_url.port
@@ -603,7 +610,7 @@ async def test_lifespan_startup_failure_is_reported_and_frees_the_deck():
     Deck([echo()]).build()  # the failed deck does not hold the one live-deck slot
 
 
-async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_streamed_body_is_counted(monkeypatch):
+async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_body_is_counted_and_measured(monkeypatch):
     monkeypatch.setattr(kit_sse, "PING_INTERVAL", 0.05)
     deck = catalog()
     app = App(deck)
@@ -631,4 +638,11 @@ async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_streamed_body_is_
             await app(http_scope("POST", "/agents/echo/chat", [(b"content-type", b"application/json")]),
                       big.receive, big.send)
             assert big.sent[0]["status"] == 413 and len(big.inbox) == 0
+            # Superscript digits pass str.isdigit, not int(): a 400 under a server that lets
+            # them through (Hypercorn's parsers refuse them first).
+            odd = Scripted({"type": "http.request", "body": b'{"message": "hi"}'})
+            await app(http_scope("POST", "/agents/echo/chat", [(b"content-type", b"application/json"),
+                                                               (b"content-length", b"\xb9\xb3")]),
+                      odd.receive, odd.send)
+            assert odd.sent[0]["status"] == 400 and b"Content-Length" in odd.sent[1]["body"]
             life.push({"type": "lifespan.shutdown"})

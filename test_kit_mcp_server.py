@@ -174,6 +174,11 @@ async def test_the_mcp_route_speaks_streamable_http():
                               headers={"accept": "application/json, text/event-stream"})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert '"name":"answer"' in r.text
-        r = await client.post("/mcp", content=b"not json", headers={
-            "content-type": "application/json", "accept": "application/json, text/event-stream"})
-        assert r.status_code == 400 and r.json()["error"]["code"] == -32700  # JSON-RPC parse error
+        head = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+        nested = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":' + b"[" * 5000 + b"]" * 5000 + b"}"
+        for bad, says in ((b"not json", "not valid JSON"), (b'{"method":"\xff"}', "not valid JSON"),
+                          (nested, "nested deeper than"), (b'{"id":1e999}', "out of range")):
+            r = await client.post("/mcp", content=bad, headers=head)  # the mcp package: 500s
+            assert r.status_code == 400, (bad[:20], r.text)
+            error = r.json()["error"]
+            assert error["code"] == -32700 and says in error["message"]  # JSON-RPC parse error

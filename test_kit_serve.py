@@ -113,11 +113,16 @@ def test_kit_serve_logs_a_line_per_failed_run_without_secrets_and_per_request(tm
                           timeout=10) as s:
             assert b"event: error" in s.read()
             failed.append(s.headers["x-kit-run-id"])
+        forged = "/runs/x%0D%0Akit-serve:%20run%20forged%20(broken)%20failed/events"  # decoded: CR LF
+        assert httpx.get(f"{base}{forged}", timeout=10).status_code == 404
     finally:
         stderr = stop(proc)
     assert token not in stderr and "abcdef123456" not in stderr
     lines = stderr.splitlines()
     assert all(line.startswith("kit-serve: ") for line in lines), stderr
+    assert not any(line.startswith("kit-serve: run forged") for line in lines)
+    assert any('"GET /runs/x\\r\\nkit-serve: run forged (broken) failed/events" 404' in line
+               for line in lines), stderr
     runs = [line for line in lines if " failed: " in line]
     assert runs == [f"kit-serve: run {run_id} (broken) failed: RuntimeError: Incorrect API key "
                     "provided: sk-***; token ***" for run_id in failed]
@@ -140,6 +145,15 @@ def test_kit_serve_on_a_taken_port_exits_1_with_one_line(tmp_path):
     [line] = out.stderr.splitlines()
     assert line.startswith(f"kit-serve: cannot listen on 127.0.0.1:{port}: "), line
     assert not (root / ".state").exists()
+
+
+@pytest.mark.parametrize("port", ["http", "-1", "65536", "\u00b2"])  # '²' passes isdigit, not int()
+def test_kit_serve_refuses_a_port_that_is_no_port(port, capsys):
+    import kit_serve
+    with pytest.raises(SystemExit) as exited:
+        kit_serve.main(["--port", port])
+    assert exited.value.code == 2
+    assert f"the port must be a number from 0 to 65535, got {port!r}" in capsys.readouterr().err
 
 
 def test_kit_serve_names_the_extra_a_worker_needs():
