@@ -52,7 +52,7 @@ from kit_pg import open_pool, pg_url, setup_lock
 if TYPE_CHECKING:
     from kit_catalog import Workflow
 
-__all__ = ("compile_workflow", "WorkflowEngine", "open_graphs", "checkpoint_path", "due_threads",
+__all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "open_graphs", "checkpoint_path", "due_threads",
            "still_due", "ThreadLocks", "PgThreadLocks", "run_headless", "workflow_tool",
            "child_tool", "CHECKPOINT_POOL")
 
@@ -68,6 +68,27 @@ _FROM_RUNTIME = {"runtime": lambda r: r, "writer": lambda r: r.stream_writer,
 
 
 # ================================================================================ compiling ====
+
+#: The integers LangGraph's checkpoint serializer (msgpack) stores. A state or an answer with
+#: another would fail the run at its first checkpoint, so it is refused before the run starts.
+INT_RANGE = (-2**63, 2**64 - 1)
+
+
+def _check_ints(what: str, value: Any) -> None:
+    low, high = INT_RANGE
+    stack = [value]
+    while stack:  # iterative: an answer from Python may nest deeper than the recursion limit
+        v = stack.pop()
+        if isinstance(v, int):
+            if not low <= v <= high:
+                raise ContentError(f"{what} holds an integer beyond 64 bits, which LangGraph's "
+                                   "checkpoints cannot store; send it as a string")
+        elif isinstance(v, typing.Mapping):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+
 
 class WorkflowEngine:
     """A compiled workflow: the deck's copy of its graph (nodes that take a ``Context`` bound to
@@ -87,7 +108,13 @@ class WorkflowEngine:
             raise ContentError(f"workflow {self.name!r} takes a mapping (its initial "
                                f"state) as input, got {type(input).__name__}")
         DataBlock(dict(input))  # JSON data, within the inline cap: ContentError otherwise
+        _check_ints(f"the input of workflow {self.name!r}", input)
         return dict(input)
+
+    def check_answer(self, value: Any) -> None:
+        """Raise ``ContentError`` for an answer its checkpoint could not store (checked before
+        the parked run is taken over, so a bad answer leaves it waiting)."""
+        _check_ints(f"the answer to workflow {self.name!r}", value)
 
     def key(self, namespace: str | None, thread_id: str) -> str:
         return f"{self.name}:{namespace or ''}:{thread_id}"

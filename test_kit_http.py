@@ -236,6 +236,26 @@ async def test_every_post_route_refuses_unknown_and_missing_keys_naming_them():
         assert r.json()["output"] == {"log": ["plan", "answer=None"]}
 
 
+async def test_an_integer_past_64_bits_is_a_400_that_writes_nothing_and_keeps_the_run_waiting():
+    """LangGraph's checkpoints (msgpack) cannot store it: the run would fail at its first one,
+    and an answer would turn a waiting run into a failed one."""
+    big = b"18446744073709551616"  # 2**64
+    async with served(catalog()) as (client, app):
+        r = await client.post("/workflows/approve", content=b'{"input": {"n": %s}}' % big, headers=JSON)
+        assert (r.status_code, r.json()["error"]) == (400, "ContentError")
+        assert "beyond 64 bits" in r.json()["message"] and await app.deck.store.runs() == []
+        r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})
+        run_id = r.headers["x-kit-run-id"]
+        for value in (big, b"[[-9223372036854775809]]", b'{"k": %s}' % big):
+            r = await client.post("/workflows/approve/t1/resume", content=b'{"value": %s}' % value,
+                                  headers=JSON)
+            assert (r.status_code, r.json()["error"]) == (400, "ContentError"), value
+        assert await app.deck.status(run_id) is RunStatus.WAITING_HUMAN
+        assert [e.kind for e in await app.deck.store.read(run_id)][-1] == "run.interrupted"
+        r = await client.post("/workflows/approve/t1/resume", json={"value": 2**64 - 1})
+        assert r.json()["output"] == {"log": ["plan", f"answer={2**64 - 1}"]}
+
+
 async def test_a_durable_workflow_without_thread_id_is_a_400_that_speaks_http():
     async with served(Deck(workflows=[Workflow("ship", graph(plan), durable=True)])) as (client, _):
         r = await client.post("/workflows/ship", json={"input": {}})
