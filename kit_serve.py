@@ -73,8 +73,20 @@ class FailedRunLog:
         return message if len(message) <= MAX_LOG_MESSAGE else message[:MAX_LOG_MESSAGE - 3] + "..."
 
 
+class _NoRequestBodies(logging.Filter):
+    """The mcp package logs a request that fails validation, the request quoted, through the
+    root logger (``mcp/shared/session.py``); kit-serve logs no request body, only the refusal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.pathname.endswith(os.path.join("mcp", "shared", "session.py")):
+            record.msg, record.args = "mcp: a request failed validation (its body is not logged)", ()
+        return True
+
+
 def _console() -> None:
-    """kit_http's and kit_serve's loggers onto stderr, one ``kit-serve:`` line per message."""
+    """kit_http's and kit_serve's loggers onto stderr, one ``kit-serve:`` line per message; so is
+    what else logs through the root logger (the mcp package, the project's own code) at
+    WARNING and above, rather than through ``logging.basicConfig``'s handler."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("kit-serve: %(message)s"))
     for name in ("kit_http", "kit_serve"):
@@ -84,6 +96,10 @@ def _console() -> None:
             logger.setLevel(logging.INFO)
             logger.propagate = False
     logging.getLogger("kit_http.hypercorn").setLevel(logging.WARNING)  # "Running on" repeats ours
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(handler)
+    root.addFilter(_NoRequestBodies())
 
 
 def main(argv: list[str] | None = None) -> int:

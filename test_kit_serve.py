@@ -147,6 +147,22 @@ def test_kit_serve_on_a_taken_port_exits_1_with_one_line(tmp_path):
     assert not (root / ".state").exists()
 
 
+def test_kit_serve_logs_no_mcp_request_body(tmp_path):
+    """The mcp package logs a request that fails validation, quoted, many lines long, through
+    the root logger; kit-serve's console says one line that it was refused."""
+    proc, base = kit_serve(project(tmp_path, sleepy=AGENT_BUNDLE), KIT_SURFACES="mcp")
+    try:
+        r = httpx.post(f"{base}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                            "params": {"name": 5, "note": "zz-client-secret"}},
+                       headers={"accept": "application/json, text/event-stream"}, timeout=10)
+        assert r.status_code == 200 and '"code":-32602' in r.text
+    finally:
+        stderr = stop(proc)
+    assert "zz-client-secret" not in stderr
+    assert all(line.startswith("kit-serve: ") for line in stderr.splitlines()), stderr
+    assert "kit-serve: mcp: a request failed validation (its body is not logged)" in stderr
+
+
 @pytest.mark.parametrize("port", ["http", "-1", "65536", "\u00b2"])  # '²' passes isdigit, not int()
 def test_kit_serve_refuses_a_port_that_is_no_port(port, capsys):
     import kit_serve
