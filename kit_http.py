@@ -348,8 +348,7 @@ _ROUTES = [(method, path, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path
     ("POST", "/v1/chat/completions", "_chat_completions", "openai"),
     ("GET", "/v1/models", "_models", "openai"),
     ("POST", "/mcp", "_mcp", "mcp"),
-    ("GET", "/mcp", "_mcp", "mcp"),
-    ("DELETE", "/mcp", "_mcp", "mcp"),
+    ("GET", "/mcp", "_mcp", "mcp"),  # stateless: no session for DELETE to end (405)
 )]
 #: The optional surfaces ``kit-serve`` turns on when ``KIT_SURFACES`` (or ``--surfaces``) names
 #: them: the Chat Completions wire (kit_openai) and the MCP server (kit_mcp).

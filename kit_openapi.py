@@ -41,8 +41,9 @@ def _ref(name: str) -> dict[str, str]:
 
 
 def _object(required: Iterable[str] = (), closed: bool = True, **properties: Any) -> dict[str, Any]:
-    """An object schema; ``closed`` (responses) forbids fields the document does not name.
-    Request bodies stay open: kit ignores fields it does not know."""
+    """An object schema; ``closed`` forbids fields the document does not name: a response never
+    has one, and a request body with one is a 400 naming it (a misspelt key must not pass for an
+    absent one). The Chat Completions request stays open: OpenAI clients send many fields."""
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if required := list(required):
         schema["required"] = required
@@ -57,12 +58,12 @@ _SCHEMAS: dict[str, Any] = {
     "Status": _object(["status"], status={"enum": ["starting", "stopping"]}),
     "Health": _object(["status", "agents", "workflows", "skills"], status={"const": "ok"},
                       agents=_NAMES, workflows=_NAMES, skills=_NAMES),
-    "ChatRequest": _object(["message"], False, message=_STR, session_id=_SESSION),
+    "ChatRequest": _object(["message"], message=_STR, session_id=_SESSION),
     "ChatReply": _object(["output"], output={"description": "the reply's text, or the JSON of "
                                              "the agent's structured output"}),
     "Usage": _object(["input_tokens", "output_tokens", "usd"], input_tokens={"type": "integer"},
                      output_tokens={"type": "integer"}, usd={"type": ["number", "null"]}),
-    "WorkflowRequest": _object((), False, input={"type": ["object", "null"],
+    "WorkflowRequest": _object((), input={"type": ["object", "null"],
                                "description": "the initial state"}, thread_id=_THREAD),
     "WorkflowOutput": _object(["output", "thread_id", "run_id"], output={"description":
                               "the final state"}, thread_id=_STR, run_id=_STR),
@@ -74,12 +75,16 @@ _SCHEMAS: dict[str, Any] = {
         ["run_id", "workflow", "thread_id", "session_id", "payload", "since"], run_id=_STR,
         workflow=_STR, thread_id=_STR, session_id=_OPT_STR, payload={},
         since={"type": "string", "format": "date-time"})}),
-    "ResumeRequest": _object((), False, value={"description": "the answer: any JSON value"}),
-    "ControlRequest": _object((), False, reason=_OPT_STR),
-    "Empty": _object((), False),
-    "OpenAIRequest": _object(["model", "messages"], False, model=_STR,
-                             messages={"type": "array", "items": {"type": "object"}},
+    "ResumeRequest": _object(["value"], value={"description": "the answer: any JSON value"}),
+    "ControlRequest": _object((), reason=_OPT_STR),
+    "Empty": _object(()),
+    "OpenAIRequest": _object(["model", "messages"], False, model={"type": "string", "minLength": 1},
+                             messages={"type": "array", "items": {"type": "object"}, "minItems": 1},
                              stream={"type": ["boolean", "null"]}),
+    "OpenAIError": _object(["error"], error=_object(
+        ["message", "type", "param", "code"], message=_STR, param={"type": "null"},
+        type={"enum": ["invalid_request_error", "server_error"]},
+        code={"type": "string", "description": "kit's exception type name"})),
     "ControlAccepted": _object(["run_id", "requested"], run_id=_STR,
                                requested={"enum": ["pause", "cancel"]}),
     "Event": _object(["run_id", "seq", "kind", "at", "origin", "message_id", "payload"],
@@ -98,7 +103,7 @@ _SCHEMAS: dict[str, Any] = {
     "StreamError": _object(["error"], error={"type": "string", "description":
                            "the exception type's name (RunStoppedError: paused or cancelled)"}),
     "Shutdown": _object(["run_id"], run_id=_STR),
-    "NativeChatRequest": _object((), False, session_id=_SESSION, input={
+    "NativeChatRequest": _object((), session_id=_SESSION, input={
         "type": ["string", "array", "object", "null"],
         "description": "an agent's text or content blocks; a workflow's initial state"}),
 }
@@ -183,7 +188,9 @@ _SSE_COMMON = ("Every frame carries `id: <seq>` (the event's seq in the run's lo
 
 def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[str] = (), *,
         body: str | None = None, body_required: bool = True, params: Iterable[dict] = (),
-        description: str = "") -> dict[str, Any]:
+        description: str = "", error_schema: str = "Error") -> dict[str, Any]:
+    """One operation; ``errors`` and, with a ``body``, its 400/413/415 as ``error_schema``
+    (403, 421, 500 and 503 come before a route answers: kit's ``Error`` always)."""
     op: dict[str, Any] = {"operationId": op_id, "summary": summary}
     if description:
         op["description"] = description
@@ -193,7 +200,11 @@ def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[st
         op["requestBody"] = {"required": body_required, "content": {"application/json": {
             "schema": _ref(body)}}}
         errors = (*_BODY, *errors)
-    refs = {code: {"$ref": f"#/components/responses/{code}"} for code in (*errors, *_ALWAYS)}
+    refs: dict[str, Any] = {code: {"$ref": f"#/components/responses/{code}"} for code in _ALWAYS}
+    for code in errors:
+        refs[code] = {"$ref": f"#/components/responses/{code}"} if error_schema == "Error" else {
+            "description": _RESPONSES[code]["description"],
+            "content": {"application/json": {"schema": _ref(error_schema)}}}
     op["responses"] = dict(sorted({**responses, **refs}.items()))
     return op
 
@@ -270,10 +281,10 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "chatCompletions", "OpenAI Chat Completions: `model` names an agent (KIT_SURFACES=openai)",
         {"200": {"description": "A chat.completion object, or with `stream: true` "
                  "`chat.completion.chunk` frames then `data: [DONE]`; errors are OpenAI's "
-                 "`{\"error\": {\"message\", \"type\", \"code\"}}`", "headers": _RUN_ID,
-                 "content": {"application/json": {"schema": {"type": "object"}},
-                             "text/event-stream": {"schema": _STR}}}},
-        ("404", "409"), body="OpenAIRequest"),
+                 "`{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`",
+                 "headers": _RUN_ID, "content": {"application/json": {"schema": {"type": "object"}},
+                                                 "text/event-stream": {"schema": _STR}}}},
+        ("404", "409"), body="OpenAIRequest", error_schema="OpenAIError"),
     ("GET", "/v1/models"): _op("models", "OpenAI model list: the agents (KIT_SURFACES=openai)",
                                {"200": {"description": "A list object", "content": {
                                    "application/json": {"schema": {"type": "object"}}}}}),
@@ -281,8 +292,17 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         f"mcp{method.title()}", "The MCP server, streamable HTTP transport (KIT_SURFACES=mcp)",
         {"200": {"description": "JSON-RPC, as MCP's streamable HTTP transport specifies",
                  "content": {"application/json": {"schema": {"type": "object"}},
-                             "text/event-stream": {"schema": _STR}}}})
-       for method in ("POST", "GET", "DELETE")},
+                             "text/event-stream": {"schema": _STR}}},
+         "202": {"description": "A notification or response, accepted"},
+         "400": {"description": "Not JSON (a JSON-RPC parse error, -32700) or not a JSON-RPC "
+                 "request the transport takes", "content": {"application/json": {"schema": {
+                     "type": "object"}}, "text/plain": {"schema": _STR}}},
+         "406": {"description": "The Accept header does not take both application/json and "
+                 "text/event-stream"},
+         "413": _RESPONSES["413"]},
+        description="Stateless: no MCP session lives between requests, so DELETE (ending one) "
+                    "is a 405.")
+       for method in ("POST", "GET")},
 }
 
 

@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import jsonschema
 import pytest
 from openapi_spec_validator import validate
 
@@ -42,7 +43,7 @@ def test_the_document_describes_exactly_the_route_table():
 
 
 SURFACE_OPS = {("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/mcp"),
-               ("GET", "/mcp"), ("DELETE", "/mcp")}
+               ("GET", "/mcp")}
 
 
 @pytest.mark.anyio
@@ -71,6 +72,17 @@ async def test_an_app_documents_the_routes_it_serves_and_a_validator_accepts_it(
         frames = doc["paths"]["/agents/{name}/chat"]["post"]["responses"]["200"]["content"]
         assert set(frames) == {"application/json", "text/event-stream"}
         assert "event: done" in doc["paths"]["/agents/{name}/chat"]["post"]["description"]
+        # Request bodies are as closed as kit reads them: an unknown key is a 400 naming it.
+        schemas = doc["components"]["schemas"]
+        assert schemas["ChatRequest"]["additionalProperties"] is False
+        assert schemas["ResumeRequest"]["required"] == ["value"]
+        if ("POST", "/v1/chat/completions") in served_ops:  # its errors are OpenAI's shape
+            op = doc["paths"]["/v1/chat/completions"]["post"]
+            assert op["responses"]["400"]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/OpenAIError"}
+            r = await client.post("/v1/chat/completions", json={"model": "echo", "messages": []})
+            assert r.status_code == 400
+            jsonschema.validate(r.json(), schemas["OpenAIError"])
 
 
 def test_schemathesis_finds_no_5xx_and_no_response_that_breaks_the_document(tmp_path):
