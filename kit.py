@@ -240,7 +240,8 @@ class Deck:
             import kit_agents
             limit = self._history_limit  # else the setting: kit-serve's way to pass it
             if limit is None:
-                limit = kit_core.count_setting("KIT_HISTORY_LIMIT", os.environ.get("KIT_HISTORY_LIMIT"))
+                raw = os.environ.get("KIT_HISTORY_LIMIT")
+                limit = kit_core.count_setting("KIT_HISTORY_LIMIT", raw)
             # The SDK's server objects are made here, unconnected: opening the deck connects them.
             self._mcp_servers = kit_agents.mcp_servers(self._mcp)
             for a in self._agents:  # an agent's workflows become tools that play child runs

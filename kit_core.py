@@ -15,8 +15,8 @@ Theory of operation: everything here is a value. Events are frozen dataclasses; 
 carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (``ends``: terminal,
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
-(``jsonable``, ``check_name``, ``check_limit``, ``count_setting``, ``RunHandle``, ...) are kit's internal API between
-its modules.
+(``jsonable``, ``check_name``, ``check_limit``, ``count_setting``, ``RunHandle``, ...) are kit's
+internal API between its modules.
 """
 from __future__ import annotations
 

@@ -535,7 +535,8 @@ class App:
         status, message = _status_of(exc), str(exc)
         if status == 500 and not isinstance(exc, _RunFailed):
             # Its type and stack only: a message may quote input, tool output or a secret.
-            _log.error("%s %s failed with %s\n%s", req.scope["method"], _printable(req.scope["path"]),
+            path = _printable(req.scope["path"])
+            _log.error("%s %s failed with %s\n%s", req.scope["method"], path,
                        type(exc).__name__, "".join(traceback.format_tb(exc.__traceback__)).rstrip())
             message = "internal error; the server log has the details"
         if req.started:  # a stream broke after its headers: end the body, nothing else fits

@@ -849,7 +849,7 @@ class Runtime:
         spec = self.specs.get(info.name)
         if spec is None or spec.kind != "workflow":
             raise UnknownNameError(info.name, [n for n, s in self.specs.items() if s.kind == "workflow"])
-        if wanted == "run.interrupted":  # an answer: refused now, or the run fails at its checkpoint
+        if wanted == "run.interrupted":  # an answer: refused now, not by the run's checkpoint
             spec.engine.check_answer(value)
         parked = last.payload
         run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)

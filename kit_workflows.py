@@ -52,9 +52,9 @@ from kit_pg import open_pool, pg_url, setup_lock
 if TYPE_CHECKING:
     from kit_catalog import Workflow
 
-__all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "open_graphs", "checkpoint_path", "due_threads",
-           "still_due", "ThreadLocks", "PgThreadLocks", "run_headless", "workflow_tool",
-           "child_tool", "CHECKPOINT_POOL")
+__all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "open_graphs", "checkpoint_path",
+           "due_threads", "still_due", "ThreadLocks", "PgThreadLocks", "run_headless",
+           "workflow_tool", "child_tool", "CHECKPOINT_POOL")
 
 #: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
 #: share them, and a ticker holds one per thread it is resuming.
