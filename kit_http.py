@@ -405,6 +405,7 @@ class App:
         self._durable: frozenset[str] = frozenset()  # workflows whose runs need a thread_id
         self._skills: list[str] = []
         self._streams: set[Stream] = set()
+        self._mcp_streams: set[anyio.CancelScope] = set()  # GET /mcp: idle until the client leaves
         self._inflight: set[anyio.CancelScope] = set()
         self._idle: anyio.Event | None = None
 
@@ -477,6 +478,8 @@ class App:
         self._stopping = True
         for stream in list(self._streams):
             stream.stop()
+        for scope in list(self._mcp_streams):  # they carry nothing to wait for
+            scope.cancel()
         if self._inflight:
             self._idle = anyio.Event()
             with anyio.move_on_after(STOP_GRACE):
@@ -737,7 +740,18 @@ class App:
                 return await _respond(req, 400, {"jsonrpc": "2.0", "id": None, "error": {
                     "code": -32700, "message": f"Parse error: {exc}"}})
             receive = _replay(body, req.receive)
-        await self._mcp_server(req.scope, receive, send)
+        if req.scope["method"] != "GET":
+            return await self._mcp_server(req.scope, receive, send)
+        # GET is the transport's standalone stream; stateless, it carries nothing but pings.
+        # Shutdown ends it at once, and cleanly, rather than cutting it after STOP_GRACE.
+        with anyio.CancelScope() as scope:
+            self._mcp_streams.add(scope)
+            try:
+                await self._mcp_server(req.scope, receive, send)
+            finally:
+                self._mcp_streams.discard(scope)
+        if scope.cancelled_caught and req.started:
+            await req.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ---------------------------------------------------------------------------- streams --
     async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf) -> None:

@@ -12,6 +12,7 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 import kit_mcp
+from kit_sse import STOP_GRACE
 from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Skills, Workflow
 from test_kit_control import Gate
 from test_kit_http import ask, catalog, graph, plan, served
@@ -166,6 +167,18 @@ def test_an_invocable_named_answer_refuses_the_mcp_surface():
     deck = Deck([Agent("answer", model=ScriptedModel(["hi"]))])
     with pytest.raises(ConfigError, match="clashes"):
         kit_mcp.MCPSurface(deck, max_body=1024)
+
+
+async def test_shutdown_ends_an_idle_mcp_get_stream_at_once_and_cleanly():
+    """GET /mcp is the transport's standalone stream, which carries nothing when stateless:
+    shutdown ends it with the body's end, not by cutting it after STOP_GRACE."""
+    async with served(catalog(), surfaces=("mcp",)) as (client, app):
+        async with client.stream("GET", "/mcp", headers={"accept": "text/event-stream"}) as r:
+            assert r.status_code == 200
+            with anyio.fail_after(STOP_GRACE / 2):
+                await app.shutdown()
+                async for _ in r.aiter_raw():  # an incomplete chunked body would raise here
+                    pass
 
 
 async def test_the_mcp_route_speaks_streamable_http():
