@@ -48,7 +48,7 @@ import kit_observers
 import kit_workflows
 from kit_bridge import Bridge
 from kit_core import (
-    Claim, ConfigError, ControlRequest, ControlRequested, DataBlock, DeckStateError, Due, Event,
+    Claim, ConfigError, ControlRequest, ControlRequested, DeckStateError, Due, Event,
     InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled, RunCompleted,
     RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed, RunSleeping, RunStarted,
     NewRunId, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked,
@@ -577,12 +577,12 @@ class Runtime:
             job = functools.partial(spec.engine.play, run, items, session,
                                     self._agents.run_config(self._sdk_tracing, run.run_id, session_id))
         else:
-            state = spec.engine.to_input(input)
+            block = spec.engine.to_input(input)
             if spec.engine.durable and session_id is None:
                 raise ConfigError(f"workflow {spec.name!r} is durable: pass session_id= (its thread id)")
-            blocks = (DataBlock(state),)
+            blocks = (block,)
             job = functools.partial(spec.engine.play, run, self.graphs[spec.name],
-                                    state if command is None else command)
+                                    block.data if command is None else command)
         started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks,
                                                   history=history), spec.name)
         try:
@@ -684,16 +684,16 @@ class Runtime:
     async def _child(self, parent: RunHandle, name: str, args: dict[str, Any]) -> Any:
         """Engine side: play workflow ``name`` as a child run of ``parent`` (a tool call)."""
         spec = self.specs[name]
-        state = spec.engine.to_input(args)  # a child's thread is its own run id
+        block = spec.engine.to_input(args)  # a child's thread is its own run id
         run = self._new_run(spec, new_run_id(), parent.data, None, parent.namespace)
         run.origin = f"{parent.origin}/{name}"
         run.parent = parent.run_id
         started = Event(run.run_id, 0, RunStarted(name, "workflow", None, parent.namespace,
-                                                  (DataBlock(state),), parent.run_id), run.origin)
+                                                  (block,), parent.run_id), run.origin)
         await self._commit(run, started, self._claim(run))
         self.active[run.run_id] = run  # pause and cancel reach it like any run
         try:
-            return _result(run, await spec.engine.play(run, self.graphs[name], state))
+            return _result(run, await spec.engine.play(run, self.graphs[name], block.data))
         finally:
             self.active.pop(run.run_id, None)
 

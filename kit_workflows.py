@@ -102,14 +102,16 @@ class WorkflowEngine:
     def __init__(self, name: str, graph: Any, durable: bool) -> None:
         self.name, self.graph, self.durable = name, graph, durable
 
-    def to_input(self, input: Any) -> dict[str, Any]:
-        """The initial state; raises ``ContentError`` for a non-mapping or non-JSON input."""
+    def to_input(self, input: Any) -> DataBlock:
+        """The initial state, as the ``DataBlock`` its ``run.started`` records (``.data``: the
+        state). Raises ``ContentError`` for a non-mapping or non-JSON input (over the inline
+        cap too), or one its checkpoints could not store."""
         if not isinstance(input, typing.Mapping):
             raise ContentError(f"workflow {self.name!r} takes a mapping (its initial "
                                f"state) as input, got {type(input).__name__}")
-        DataBlock(dict(input))  # JSON data, within the inline cap: ContentError otherwise
-        _check_ints(f"the input of workflow {self.name!r}", input)
-        return dict(input)
+        block = DataBlock(dict(input))  # JSON data, within the inline cap: ContentError otherwise
+        _check_ints(f"the input of workflow {self.name!r}", block.data)
+        return block
 
     def check_answer(self, value: Any) -> None:
         """Raise ``ContentError`` for an answer its checkpoint could not store (checked before
