@@ -846,11 +846,12 @@ def check_limit(what: str, value: object) -> int | None:
 def count_setting(name: str, raw: str | None) -> int | None:
     """The positive integer a setting ``name`` holds as text ``raw``; None when it is unset or
     blank (an exported empty variable means unset). Raises ``ConfigError`` naming it otherwise."""
-    if raw is None or not raw.strip():
+    text = "" if raw is None else raw.strip()
+    if not text:
         return None
-    if not raw.strip().isdecimal() or int(raw) < 1:  # isdigit takes '²', which int() refuses
+    if not text.isdecimal() or int(text) < 1:  # isdigit takes '²', which int() refuses
         raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
-    return int(raw)
+    return int(text)
 
 
 def aware(now: datetime | None) -> datetime:

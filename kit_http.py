@@ -96,7 +96,7 @@ _log = logging.getLogger("kit_http")
 _access_log = logging.getLogger("kit_http.access")
 _hypercorn_log = logging.getLogger("kit_http.hypercorn")
 
-Scope = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells it (kit_sse)
+Scope = MutableMapping[str, Any]  # ASGI's vocabulary, as Starlette spells it (the rest: kit_sse)
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
 _OFF = ("0", "false", "no", "off")  # a switch setting that turns its feature off
 _SEQ = re.compile(r"(-1|[0-9]{1,18})?")  # Last-Event-ID / ?after= (empty or -1: from the start)
@@ -190,7 +190,7 @@ def _no_constant(name: str) -> Any:
 
 def _finite(text: str) -> float:
     value = float(text)
-    if value in (math.inf, -math.inf):  # 1e999: valid JSON, but no number a log can write back
+    if math.isinf(value):  # 1e999: valid JSON, but no number a log can write back
         raise ValueError(f"the number {text[:40]} is out of range")
     return value
 
@@ -275,10 +275,12 @@ class _Request:
         first, then counting chunks). Raises ``BodyTooLargeError``, ``_ClientGone``."""
         too_large = BodyTooLargeError(f"the body is over {MAX_BODY_BYTES} bytes")
         length = self.header(b"content-length")
-        if length is not None and not (length.strip().isascii() and length.strip().isdigit()):
-            raise MalformedRequestError("Content-Length is not a number")
-        if length is not None and int(length) > MAX_BODY_BYTES:
-            raise too_large
+        if length is not None:
+            length = length.strip()
+            if not (length.isascii() and length.isdigit()):
+                raise MalformedRequestError("Content-Length is not a number")
+            if int(length) > MAX_BODY_BYTES:
+                raise too_large
         chunks, size = [], 0
         while True:
             message = await self.receive()

@@ -79,8 +79,12 @@ class _NoRequestBodies(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.pathname.endswith(os.path.join("mcp", "shared", "session.py")):
-            record.msg, record.args = "mcp: a request failed validation (its body is not logged)", ()
+            record.msg = "mcp: a request failed validation (its body is not logged)"
+            record.args = ()
         return True
+
+
+_NO_REQUEST_BODIES = _NoRequestBodies()
 
 
 def _console() -> None:
@@ -99,7 +103,7 @@ def _console() -> None:
     root = logging.getLogger()
     if not root.handlers:
         root.addHandler(handler)
-    root.addFilter(_NoRequestBodies())
+    root.addFilter(_NO_REQUEST_BODIES)  # once: addFilter skips a filter it holds
 
 
 def main(argv: list[str] | None = None) -> int:
