@@ -15,8 +15,8 @@ Theory of operation: everything here is a value. Events are frozen dataclasses; 
 carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (``ends``: terminal,
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
-(``jsonable``, ``check_name``, ``check_limit``, ``count_setting``, ``RunHandle``, ...) are kit's
-internal API between its modules.
+(``jsonable``, ``check_name``, ``check_limit``, ``check_inline_json``, ``count_setting``,
+``RunHandle``, ...) are kit's internal API between its modules.
 """
 from __future__ import annotations
 
@@ -291,15 +291,21 @@ class DataBlock:
     type: ClassVar[str] = "data"
 
     def __post_init__(self) -> None:
-        try:
-            text = json.dumps(self.data, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
-        except (TypeError, ValueError) as exc:
-            raise ContentError(f"DataBlock.data must be JSON data: {exc}") from None
-        _check_unicode("DataBlock.data", text)
-        size = len(text)
-        if size > MAX_INLINE_BYTES:
-            raise ContentError(f"DataBlock carries {size} bytes of JSON, more than "
-                               f"{MAX_INLINE_BYTES}; use a ResourceBlock for larger content")
+        check_inline_json("DataBlock.data", self.data, "in a ResourceBlock")
+
+
+def check_inline_json(what: str, data: Any, reference: str) -> None:
+    """Raise ``ContentError`` naming ``what`` unless ``data`` is JSON data of at most
+    ``MAX_INLINE_BYTES`` encoded; ``reference`` says where a larger one's reference goes."""
+    try:
+        text = json.dumps(data, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ContentError(f"{what} must be JSON data: {exc}") from None
+    _check_unicode(what, text)
+    if len(text) > MAX_INLINE_BYTES:
+        raise ContentError(f"{what} is {len(text)} bytes of JSON, more than {MAX_INLINE_BYTES} "
+                           f"(the log holds data inline up to that); keep larger data elsewhere "
+                           f"and pass a reference to it {reference}")
 
 
 ContentBlock = TextBlock | ImageBlock | AudioBlock | ResourceBlock | DataBlock

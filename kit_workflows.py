@@ -45,7 +45,7 @@ from kit_context import context_params, node_function
 from kit_core import (
     ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, InterruptResult,
     InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
-    RunPaused, RunSleeping, Usage, jsonable, new_run_id,
+    RunPaused, RunSleeping, Usage, check_inline_json, jsonable, new_run_id,
 )
 from kit_pg import open_pool, pg_url, setup_lock
 
@@ -109,8 +109,13 @@ class WorkflowEngine:
         if not isinstance(input, typing.Mapping):
             raise ContentError(f"workflow {self.name!r} takes a mapping (its initial "
                                f"state) as input, got {type(input).__name__}")
-        block = DataBlock(dict(input))  # JSON data, within the inline cap: ContentError otherwise
-        _check_ints(f"the input of workflow {self.name!r}", block.data)
+        what = f"the input of workflow {self.name!r}"
+        try:
+            block = DataBlock(dict(input))
+        except ContentError:  # said again in a caller's terms: an HTTP client has no DataBlock
+            check_inline_json(what, dict(input), "(a URI or an id) in the state")
+            raise
+        _check_ints(what, block.data)
         return block
 
     def check_answer(self, value: Any) -> None:

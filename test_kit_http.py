@@ -256,6 +256,18 @@ async def test_an_integer_past_64_bits_is_a_400_that_writes_nothing_and_keeps_th
         assert r.json()["output"] == {"log": ["plan", f"answer={2**64 - 1}"]}
 
 
+async def test_a_workflow_input_over_the_inline_cap_is_a_400_in_the_clients_terms():
+    """The body is within MAX_BODY_BYTES, the input's JSON is over MAX_INLINE_BYTES: the answer
+    names the workflow's input and what to do, not a Python class the client never sent."""
+    async with served(catalog()) as (client, app):
+        r = await client.post("/workflows/plain", json={"input": {"doc": "a" * kit.MAX_INLINE_BYTES}})
+        assert (r.status_code, r.json()["error"]) == (400, "ContentError")
+        message = r.json()["message"]
+        assert message.startswith("the input of workflow 'plain' is 1000010 bytes of JSON"), message
+        assert "a reference to it (a URI or an id) in the state" in message
+        assert "Block" not in message and await app.deck.store.runs() == []
+
+
 async def test_a_durable_workflow_without_thread_id_is_a_400_that_speaks_http():
     async with served(Deck(workflows=[Workflow("ship", graph(plan), durable=True)])) as (client, _):
         r = await client.post("/workflows/ship", json={"input": {}})
