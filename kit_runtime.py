@@ -602,6 +602,9 @@ class Runtime:
         down = self.writer.down_since
         if down is not None and anyio.current_time() - down >= self.down_limit:
             raise StoreUnavailableError(run.run_id, anyio.current_time() - down)
+        if not fenced and self.writer.pending < BACKLOG_MAX:  # nothing to wait for: no timer
+            self._put(run, started, self._claim(run))
+            return
         with anyio.move_on_after(self.down_limit) as waiting:
             await self.writer.room()
             if not fenced:
