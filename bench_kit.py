@@ -374,8 +374,8 @@ async def http_stream(db: Path, streams: int, buffer: int | None) -> tuple[float
     """``streams`` 500-token replies over ``POST /agents/s/chat?stream=true``, read by httpx
     in this process; returns (seconds, SSE frames per send). ``buffer=0`` turns coalescing off."""
     import httpx  # the test extra: only --http needs it
-    saved = kit_http.STREAM_BUFFER
-    kit_http.STREAM_BUFFER = saved if buffer is None else buffer
+    saved = kit_sse.STREAM_BUFFER
+    kit_sse.STREAM_BUFFER = saved if buffer is None else buffer
     try:
         async with SQLiteStore(db) as store:
             app = _CountingApp(kit.Deck([kit.Agent("s", "Be brief.", model=kit.ScriptedModel(
@@ -395,7 +395,7 @@ async def http_stream(db: Path, streams: int, buffer: int | None) -> tuple[float
                         await one()
                     elapsed = time.perf_counter() - t
     finally:
-        kit_http.STREAM_BUFFER = saved
+        kit_sse.STREAM_BUFFER = saved
     return elapsed, app.frames / max(app.sends, 1)
 
 

@@ -29,7 +29,8 @@ stream, never the run, and the client picks the run up with ``GET /runs/{id}/eve
 
 ``App.shutdown()`` (``serve``'s trigger on SIGINT/SIGTERM, and the lifespan) ends every open stream
 itself with an ``event: server.shutdown`` frame, because Hypercorn's graceful timeout does not end
-open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``STOP_GRACE`` seconds.
+open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``kit_sse.STOP_GRACE``
+seconds.
 
 Everything kit_http says goes through the ``logging`` module (loggers ``kit_http``: an unexpected
 error's type and stack, the address ``serve`` listens on; ``kit_http.access``: one line per request
@@ -64,9 +65,10 @@ from kit_core import (
 from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
 from kit_playground import load as load_playground
+import kit_sse  # STOP_GRACE is read there at each shutdown: one knob for streams and requests
 from kit_sse import (
-    PING_INTERVAL, STOP_GRACE, STREAM_BUFFER, FrameOf, Message, Receive, Send, Stream,
-    data_frames, dumps, native_frame, run_id_header, v1_frame, v1_workflow_frame,
+    FrameOf, Message, Receive, Send, Stream, data_frames, dumps, native_frame, run_id_header,
+    v1_frame, v1_workflow_frame,
 )
 
 if typing.TYPE_CHECKING:
@@ -80,7 +82,7 @@ __all__ = (
     "ControlRefusedError",
     "ServerStoppingError", "ERROR_STATUS",
     # limits
-    "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
+    "MAX_BODY_BYTES", "MAX_JSON_DEPTH",
 )
 
 #: Bodies over this are 413: json.loads multiplies a body's footprint several times. 2 MiB leaves
@@ -475,8 +477,8 @@ class App:
 
     async def shutdown(self) -> None:
         """Stop serving: new requests get 503, every open stream ends now with a final
-        ``event: server.shutdown`` frame, and in-flight requests get ``STOP_GRACE`` seconds
-        before they are cancelled (answered 503). Idempotent; the deck stays open."""
+        ``event: server.shutdown`` frame, and in-flight requests get ``kit_sse.STOP_GRACE``
+        seconds before they are cancelled (answered 503). Idempotent; the deck stays open."""
         self._stopping = True
         for stream in list(self._streams):
             stream.stop()
@@ -484,11 +486,11 @@ class App:
             scope.cancel()
         if self._inflight:
             self._idle = anyio.Event()
-            with anyio.move_on_after(STOP_GRACE):
+            with anyio.move_on_after(kit_sse.STOP_GRACE):
                 await self._idle.wait()
             for scope in list(self._inflight):
                 scope.cancel()
-            with anyio.move_on_after(STOP_GRACE):
+            with anyio.move_on_after(kit_sse.STOP_GRACE):
                 await self._idle.wait()
 
     # ----------------------------------------------------------------------------- http --

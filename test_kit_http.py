@@ -557,7 +557,7 @@ async def test_shutdown_ends_open_streams_itself():
 
 
 async def test_shutdown_answers_in_flight_requests_503_after_the_grace(monkeypatch):
-    monkeypatch.setattr(kit_http, "STOP_GRACE", 0.1)
+    monkeypatch.setattr(kit_sse, "STOP_GRACE", 0.1)
     gate, worker = gated("done")
     async with served(catalog(worker)) as (client, app):
         async with anyio.create_task_group() as tg:
