@@ -36,7 +36,7 @@ from typing import Any
 import kit_catalog
 import kit_core
 from kit_catalog import *  # noqa: F403  (re-exported: kit_catalog.__all__)
-from kit_catalog import MCP, Agent, Skill, Skills, Workflow
+from kit_catalog import MCP, Agent, Skill, Skills, Workflow, bundle_files
 from kit_core import *  # noqa: F403  (re-exported: kit_core.__all__)
 from kit_core import (
     ConfigError, DeckStateError, Due, Event, EventSinkPort, EventStorePort, HistoryMessage,
@@ -133,24 +133,35 @@ class Deck:
         ``skills/<name>/SKILL.md``, and the MCP servers of ``.mcp.json`` beside the project
         directory (in its parent), when there is one.
 
-        Bundles load from their files, in name order, with no ``sys.path`` change. Without
+        Bundles load from their files, in name order, with no ``sys.path`` change (each is in
+        ``sys.modules`` as ``kit_project_<kind>_<bundle>``, as its dataclasses and type hints
+        need). Without
         ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other keyword
         arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
         Raises ``ConfigError`` for a missing directory, naming the file of a bundle that fails
-        to import or lacks its object, and as ``Skills`` and ``MCP`` do.
+        to import, lacks its object, is not a regular file or shares its name with another, and
+        as ``Skills`` and ``MCP`` do.
         """
         root = Path(path)
         if not root.is_dir():
             raise ConfigError(f"no kit project at {str(root)!r} (a directory with agents/ and "
                               "workflows/ bundles); set KIT_PROJECT or pass path=")
-        agents = [_load_bundle(f, "agent", Agent) for f in sorted(root.glob("agents/*/agent.py"))]
-        workflows = [_load_bundle(f, "workflow", Workflow)
-                     for f in sorted(root.glob("workflows/*/workflow.py"))]
+        bundles: dict[str, tuple[Path, Any]] = {}
+        for kind, attr, type_ in (("agents", "agent", Agent), ("workflows", "workflow", Workflow)):
+            for file in bundle_files(root / kind, f"{attr}.py") if (root / kind).is_dir() else ():
+                found = _load_bundle(file, attr, type_)
+                if found.name in bundles:
+                    raise ConfigError(f"{bundles[found.name][0]} and {file} both define "
+                                      f"{found.name!r}; names must be unique across agents and "
+                                      "workflows")
+                bundles[found.name] = (file, found)
+        agents = [b for _, b in bundles.values() if isinstance(b, Agent)]
+        workflows = [b for _, b in bundles.values() if isinstance(b, Workflow)]
         if "skills" not in kwargs and (root / "skills").is_dir():
             kwargs["skills"] = Skills(root / "skills")
         mcp_json = root.resolve().parent / ".mcp.json"
-        if "mcp" not in kwargs and mcp_json.is_file():
-            kwargs["mcp"] = MCP(mcp_json)
+        if "mcp" not in kwargs and (mcp_json.exists() or mcp_json.is_symlink()):
+            kwargs["mcp"] = MCP(mcp_json)  # one that is not a regular file is refused there
         token = _making.set(f"project {str(root.resolve())!r}")
         try:
             deck = cls(agents, workflows, **kwargs)
@@ -466,8 +477,12 @@ def _load_bundle(file: Path, attr: str, kind: type) -> Any:
     try:
         spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        # In sys.modules while it runs, as an import would: a dataclass or a TypedDict's hints
+        # under `from __future__ import annotations` are resolved through it.
+        sys.modules[name] = module
         spec.loader.exec_module(module)  # type: ignore[union-attr]
     except Exception as exc:
+        sys.modules.pop(name, None)
         raise ConfigError(f"{file} failed to import: {type(exc).__name__}: {exc}") from exc
     found = getattr(module, attr, None)
     if not isinstance(found, kind):

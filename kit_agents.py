@@ -478,16 +478,20 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
     tools = [t if isinstance(t, SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
     if skills:
         tools.append(_skill_tool(agent.name, skills))
-    return sdk.Agent(
-        name=agent.name, instructions=_instructions(agent, _skill_catalog(skills)),
-        tools=tools + list(extra_tools),
-        hooks=_UserHooks(agent.hooks) if agent.hooks is not None else None, model=model,
-        model_settings=agent.model_settings or sdk.ModelSettings(), output_type=agent.output_type,
-        # Tool names qualified by server (mcp_<server>__<tool>): two servers may share a name.
-        # Without servers the SDK's default config: qualifying costs a tool scan per turn.
-        mcp_servers=list(mcp_servers), mcp_config={
-            "include_server_in_tool_names": True, "failure_error_function": _mcp_tool_error,
-        } if mcp_servers else {})
+    try:
+        return sdk.Agent(
+            name=agent.name, instructions=_instructions(agent, _skill_catalog(skills)),
+            tools=tools + list(extra_tools),
+            hooks=_UserHooks(agent.hooks) if agent.hooks is not None else None, model=model,
+            model_settings=agent.model_settings or sdk.ModelSettings(),
+            output_type=agent.output_type,
+            # Tool names qualified by server (mcp_<server>__<tool>): two servers may share a
+            # name. Without servers the SDK's default config: qualifying costs a tool scan per turn.
+            mcp_servers=list(mcp_servers), mcp_config={
+                "include_server_in_tool_names": True, "failure_error_function": _mcp_tool_error,
+            } if mcp_servers else {})
+    except (TypeError, ValueError) as exc:  # the SDK's checks: model_settings, output_type, ...
+        raise ConfigError(f"agent {agent.name!r}: {exc}") from None
 
 
 def _mcp_tool_error(ctx: Any, error: Exception) -> str:

@@ -62,8 +62,8 @@ class Agent:
     default) takes the deck's ``history_limit``, and when that is None too the whole history is
     sent. It is the SDK's own ``SessionSettings(limit=...)``, applied per run.
 
-    Raises ``ConfigError`` for a malformed name, a non-callable tool, a bad model or a
-    ``history_limit`` that is not a positive int.
+    Raises ``ConfigError`` for a malformed name, a non-callable tool, a bad model, a string
+    where a list of names goes, or a ``history_limit`` that is not a positive int.
     """
 
     def __init__(self, name: str, instructions: str | Callable[..., Any] | None = None,
@@ -76,6 +76,10 @@ class Agent:
         if instructions is not None and not isinstance(instructions, str) and not callable(instructions):
             raise ConfigError(f"agent {name!r}: instructions must be a str or a callable, "
                               f"got {type(instructions).__name__}")
+        for what, names in (("tools", tools), ("skills", skills), ("mcp_servers", mcp_servers),
+                            ("workflows", workflows)):
+            if isinstance(names, (str, bytes)):  # each character would be taken for a name
+                raise ConfigError(f"agent {name!r}: {what} takes a list, got the string {names!r}")
         for t in tools:
             if not callable(t) and not _is_sdk_tool(t):
                 raise ConfigError(f"agent {name!r}: tool {t!r} is neither a function nor an SDK tool")
@@ -194,8 +198,8 @@ class Skills(Mapping):
     after it is the body ``load_skill`` serves. Files are read here, once.
 
     Raises ``ConfigError`` naming the file for a missing or malformed front matter, a bad name
-    or description, a file over ``MAX_SKILL_BYTES``, or two skills of the same name; and for a
-    path that is not a directory.
+    or description, a file over ``MAX_SKILL_BYTES``, a ``SKILL.md`` that is not a readable
+    regular file, or two skills of the same name; and for a path that is not a directory.
     """
 
     def __init__(self, paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = ()) -> None:
@@ -204,10 +208,10 @@ class Skills(Mapping):
         self._skills: dict[str, Skill] = {}
         for p in paths:
             root = Path(p)
-            if (root / "SKILL.md").is_file():
-                files = [root / "SKILL.md"]
+            if (root / "SKILL.md").exists() or (root / "SKILL.md").is_symlink():
+                files = [root / "SKILL.md"]  # one that is not a regular file is refused there
             elif root.is_dir():
-                files = sorted(root.glob("*/SKILL.md"))
+                files = bundle_files(root, "SKILL.md")
             else:
                 raise ConfigError(f"no skills at {str(root)!r}: expected a skill directory (with "
                                   "SKILL.md) or a directory of them")
@@ -231,10 +235,34 @@ class Skills(Mapping):
         return f"Skills({list(self._skills)})"
 
 
+def bundle_files(root: Path, filename: str) -> list[Path]:
+    """``root/*/filename`` in name order: the bundle (or skill) files of a project directory.
+
+    A directory that holds no ``filename`` is not a bundle. Raises ``ConfigError`` naming what
+    cannot be read: ``root`` or a bundle directory that cannot be listed, or a ``filename`` that
+    is not a regular file (a FIFO would hang its reader, a looping or dangling symlink would be
+    skipped without a word)."""
+    try:
+        dirs = sorted(d for d in root.iterdir() if d.is_dir())
+        files = []
+        for d in dirs:
+            file = d / filename
+            if file.is_file():
+                files.append(file)
+            elif file.is_symlink() or file.exists():
+                raise ConfigError(f"{file} is not a regular file" if file.exists() else
+                                  f"{file} is a symlink that leads to no file")
+    except OSError as exc:
+        raise ConfigError(f"{exc.filename or root} cannot be read: {exc.strerror or exc}") from None
+    return files
+
+
 def _read_skill(file: Path) -> Skill:
     """Parse and validate one ``SKILL.md`` (safe YAML front matter, then the body)."""
     import yaml
     try:
+        if not file.is_file():
+            raise ConfigError(f"{file} is not a regular file")
         if file.stat().st_size > MAX_SKILL_BYTES:
             raise ConfigError(f"{file} is larger than {MAX_SKILL_BYTES} bytes; keep SKILL.md short "
                               "and put long material in files it references")
@@ -251,6 +279,8 @@ def _read_skill(file: Path) -> Skill:
         meta = yaml.safe_load("".join(lines[1:end]))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: the front matter is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{file}: the front matter is nested too deeply") from None
     if not isinstance(meta, dict):
         raise ConfigError(f"{file}: the front matter must be a mapping with name and description")
     name, description = meta.get("name"), meta.get("description")
@@ -308,11 +338,15 @@ class MCP:
         if isinstance(config, (str, os.PathLike)):
             self.source = str(config)
             try:
+                if Path(config).exists() and not Path(config).is_file():  # a FIFO: the read hangs
+                    raise ConfigError(f"MCP config {self.source} is not a regular file")
                 data = json.loads(Path(config).read_text(encoding="utf-8"))
             except OSError as exc:
                 raise ConfigError(f"cannot read MCP config {self.source}: {exc}") from None
             except ValueError as exc:
                 raise ConfigError(f"MCP config {self.source} is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ConfigError(f"MCP config {self.source} is nested too deeply") from None
         elif isinstance(config, Mapping):
             self.source, data = "MCP(...)", config
         else:
@@ -326,7 +360,7 @@ class MCP:
         if not isinstance(servers, Mapping):
             raise ConfigError(f"{self.source}: the servers must be an object of name -> config")
         self.servers: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
-            check_name("MCP server", n): _mcp_server(self.source, n, s)
+            check_name(f"{self.source}: MCP server", n): _mcp_server(self.source, n, s)
             for n, s in servers.items()})
 
     def __repr__(self) -> str:
@@ -368,7 +402,7 @@ def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
     kind = raw.get("type") or ("stdio" if "command" in raw else "http" if "url" in raw else None)
     if kind is None:
         raise ConfigError(f"{where} needs a 'command' (stdio) or a 'url' (HTTP)")
-    if kind not in _MCP_KINDS:
+    if not isinstance(kind, str) or kind not in _MCP_KINDS:
         raise ConfigError(f"{where} has unknown type {kind!r}; expected stdio, http or sse")
     timeout = raw.get("timeout", MCP_TIMEOUT)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -395,10 +429,11 @@ def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
         out.update(command=_expand(where, command), args=strings("args", list) or [],
                    env=strings("env", dict), cwd=cwd)
     else:
-        url = raw.get("url")
-        url = _expand(where, url) if isinstance(url, str) else url
+        written = raw.get("url")  # quoted as written: its ${VAR}s may hold a secret
+        url = _expand(where, written) if isinstance(written, str) else written
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{where}: an {out['type']} server needs an http(s) 'url', got {url!r}")
+            raise ConfigError(f"{where}: an {out['type']} server needs an http(s) 'url', "
+                              f"got {written!r}")
         out.update(url=url, headers=strings("headers", dict) or {})
     return out
 

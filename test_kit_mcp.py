@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -156,11 +157,20 @@ def test_mcp_json_formats_and_transports(tmp_path, monkeypatch):
     ({"mcpServers": {"a": {"command": "x", "args": "one"}}}, "list of strings"),
     ({"mcpServers": {"a b": {"command": "x"}}}, "MCP server name"),
     ({"mcpServers": []}, "name -> config"),
+    ({"mcpServers": {"a": {"type": ["stdio"], "command": "x"}}}, r"unknown type \['stdio'\]"),
 ])
 def test_bad_mcp_configs_are_config_errors(monkeypatch, config, match):
     monkeypatch.delenv("KIT_T_UNSET", raising=False)
     with pytest.raises(ConfigError, match=match):
         MCP(config)
+
+
+def test_an_mcp_error_quotes_the_config_as_written_not_the_secret_it_expands_to(monkeypatch):
+    monkeypatch.setenv("KIT_T_KEY", "sk-live-SUPERSECRET")
+    for url in ("${KIT_T_KEY}", "wss://h/?token=${KIT_T_KEY}"):
+        with pytest.raises(ConfigError, match=re.escape(repr(url))) as err:
+            MCP({"mcpServers": {"t": {"url": url}}})
+        assert "SUPERSECRET" not in str(err.value)
 
 
 def test_unreadable_files_and_unknown_names(tmp_path):
@@ -171,6 +181,16 @@ def test_unreadable_files_and_unknown_names(tmp_path):
     assert str(bad) in str(err.value)
     with pytest.raises(ConfigError, match="cannot read"):
         MCP(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="nested too deeply") as err:
+        bad.write_text("[" * 100_000 + "]" * 100_000)
+        MCP(bad)
+    assert str(bad) in str(err.value)
+    with pytest.raises(ConfigError, match=r"^MCP config .*/fifo.json is not a regular file"):
+        os.mkfifo(tmp_path / "fifo.json")  # its read would wait for a writer for ever
+        MCP(tmp_path / "fifo.json")
+    with pytest.raises(ConfigError, match=r"/\.mcp\.json: MCP server name must be .* got 'a b'"):
+        bad.write_text('{"mcpServers": {"a b": {"command": "x"}}}')
+        MCP(bad)
     deck = Deck([Agent("a", mcp_servers=["time", "nope"])], mcp=MCP({"time": TIME}))
     with pytest.raises(ConfigError, match=r"unknown MCP server 'nope' \(the deck has: time\)"):
         deck.build()

@@ -2,6 +2,7 @@
 and the example project in this repository (asyncio and trio)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -91,6 +92,65 @@ async def test_a_projects_agents_and_deck_take_a_history_limit(tmp_path, monkeyp
         with pytest.raises(ConfigError, match=rf"KIT_HISTORY_LIMIT must be a positive integer, got '{bad}'"):
             deck.build()
         await deck.aclose()
+
+
+FUTURE_AGENT = '''
+from __future__ import annotations
+import dataclasses
+import kit
+
+@dataclasses.dataclass
+class Settings:
+    greeting: str = "hello"
+
+agent = kit.Agent("dc", model=kit.ScriptedModel([Settings().greeting], cycle=True))
+'''
+FUTURE_WORKFLOW = '''
+from __future__ import annotations
+import operator
+from typing import Annotated, TypedDict
+from langgraph.graph import END, START, StateGraph
+import kit
+
+class State(TypedDict):
+    log: Annotated[list[str], operator.add]
+
+graph = StateGraph(State)
+graph.add_node("a", lambda state: {"log": ["a"]})
+graph.add_edge(START, "a").add_edge("a", END)
+workflow = kit.Workflow("wf", graph)
+'''
+
+
+async def test_bundles_load_as_modules_do_under_future_annotations(tmp_path, monkeypatch):
+    """A dataclass, and a TypedDict state's hints, are resolved through sys.modules."""
+    monkeypatch.setenv("KIT_STORE", "memory")
+    root = project(tmp_path, {"agents/dc/agent.py": FUTURE_AGENT,
+                              "workflows/wf/workflow.py": FUTURE_WORKFLOW})
+    async with Deck.from_project(root) as deck:
+        assert (await deck.run("dc", "hi")).output == "hello"
+        assert await deck.run("wf", {"log": []}) == {"log": ["a"]}
+
+
+def test_what_would_be_skipped_or_hang_is_a_config_error_naming_the_file(tmp_path):
+    root = project(tmp_path, {"agents/a/agent.py": AGENT.format(name="ant")})
+    looped = root / "agents" / "loop" / "agent.py"
+    looped.parent.mkdir()
+    looped.symlink_to(looped)  # glob skipped it: the deck was served without the agent
+    with pytest.raises(ConfigError, match=f"^{looped} is a symlink that leads to no file$"):
+        Deck.from_project(root)
+    looped.unlink()
+    os.mkfifo(looped)  # reading it would wait for a writer for ever
+    with pytest.raises(ConfigError, match=f"^{looped} is not a regular file$"):
+        Deck.from_project(root)
+    looped.unlink()
+    looped.write_text(AGENT.format(name="ant"))
+    with pytest.raises(ConfigError, match=f"^{root / 'agents' / 'a' / 'agent.py'} and {looped} "
+                                          "both define 'ant'"):
+        Deck.from_project(root)
+    looped.write_text("import kit\nagent = kit.Agent('bee', skills='release-notes')\n")
+    with pytest.raises(ConfigError, match="skills takes a list, got the string 'release-notes'"):
+        Deck.from_project(root)
 
 
 def test_a_missing_project_is_a_config_error(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import anyio
@@ -87,6 +88,7 @@ def test_a_valid_catalog_from_a_directory_a_skill_or_a_sequence(skills_dir):
     ("a", front("a", "d" * 1025), "1-1024 characters"),
     ("a", "---\nname: a\ndescription: d\ncompatibility: " + "c" * 501 + "\n---\n", "compatibility"),
     ("a", "---\nname: a\ndescription: d\nmetadata: {n: 1}\n---\n", "metadata"),
+    ("a", "---\nname: " + "[" * 50_000 + "]" * 50_000 + "\n---\n", "nested too deeply"),
 ])
 def test_a_bad_skill_md_is_a_config_error_naming_the_file(tmp_path, dirname, text, match):
     path = skill(tmp_path, dirname, text)
@@ -107,6 +109,22 @@ def test_size_duplicates_and_missing_paths_are_refused(tmp_path):
         Skills(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="no skills at"):
         Deck(skills=tmp_path / "nowhere")
+
+
+def test_a_skill_md_that_cannot_be_read_is_named_not_skipped(tmp_path):
+    """A looping symlink was skipped by the directory scan: the agent then named an 'unknown
+    skill'; a FIFO would hang the read."""
+    path = tmp_path / "s" / "SKILL.md"
+    path.parent.mkdir()
+    path.symlink_to(path)
+    with pytest.raises(ConfigError, match=f"^{path} is a symlink that leads to no file$"):
+        Skills(tmp_path)
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(ConfigError, match=f"^{path} is not a regular file$"):
+        Skills(tmp_path)
+    with pytest.raises(ConfigError, match=f"^{path} is not a regular file$"):
+        Skills(path.parent)
 
 
 def test_build_refuses_a_skill_the_deck_does_not_have(skills_dir):
