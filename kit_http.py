@@ -383,7 +383,8 @@ class App:
     is ``0``; off, ``/`` is a 404 as before). ``guard`` says which ``Host`` and ``Origin`` headers
     are answered (default: ``Guard.from_env``, which answers loopback names only unless
     ``KIT_ALLOWED_HOSTS`` says otherwise). Raises ``ConfigError`` for an unknown surface or a
-    malformed setting. HTTP runs never carry a namespace or a context (SPEC 4.3).
+    malformed setting. HTTP runs never carry a namespace or a context (SPEC 4.3). When the deck
+    does not open, ``open_error`` holds why (the server's own error only says the lifespan failed).
     """
 
     def __init__(self, deck: Deck, *, native: bool = False, surfaces: typing.Iterable[str] = (),
@@ -394,6 +395,7 @@ class App:
             raise ConfigError(f"unknown surface {', '.join(unknown)}; the surfaces are "
                               f"{', '.join(SURFACES)}")
         self._mcp_server: Any = None  # kit_mcp.MCPSurface while the lifespan holds it open
+        self.open_error: Exception | None = None
         self.guard = Guard.from_env(os.environ) if guard is None else guard
         if playground is None:
             playground = os.environ.get("KIT_PLAYGROUND", "1").strip().lower() not in _OFF
@@ -435,6 +437,7 @@ class App:
                         await self.deck.__aenter__()
                         await self._open_mcp()
                     except Exception as exc:
+                        self.open_error = exc
                         with anyio.CancelScope(shield=True):
                             await self.deck.aclose()  # a failed open frees the live-deck slot
                         await send({"type": "lifespan.startup.failed",
@@ -821,9 +824,10 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     ``shutdown_trigger`` returns (default: SIGINT or SIGTERM), then end its streams itself.
 
     The address is bound before the app's lifespan opens the deck, so a taken one is refused
-    at once. ``access_log``: one ``kit_http.access`` log line per request (client, method, path,
-    status, seconds). Needs the ``serve`` extra. Raises ``OSError`` (naming the address) when it
-    cannot listen, Hypercorn's ``LifespanFailureError`` when the deck does not open.
+    at once; ``port=0`` takes a free port, the one logged. ``access_log``: one
+    ``kit_http.access`` log line per request (client, method, path, status, seconds). Needs the
+    ``serve`` extra. Raises ``OSError`` (naming the address) when it cannot listen, Hypercorn's
+    ``LifespanFailureError`` when the deck does not open (``app.open_error`` says why).
     """
     from hypercorn.config import Config
     config = Config()
@@ -838,6 +842,9 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     except OSError as exc:
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
     for sock in probe.secure_sockets + probe.insecure_sockets + probe.quic_sockets:
+        if port == 0:  # the port the system chose: the one served, and the one told
+            port = sock.getsockname()[1]
+            config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
         sock.close()
 
     async def trigger() -> None:

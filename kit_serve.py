@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     import kit  # the composition root: only the console entry point builds a deck itself
     try:  # the observers the settings ask for, then the failed-run lines
         guard = Guard.from_env(env, bind=args.host)
+        failed = FailedRunLog(env)
         deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"),
-                                     observers=[*resolve_observers(None, env), FailedRunLog(env)])
+                                     observers=[*resolve_observers(None, env), failed])
         app = App(deck, surfaces=surfaces, playground=args.playground, guard=guard)
     except KitError as exc:
         _log.error("%s", exc)
@@ -160,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the address is taken or not ours: serve() named it
         _log.error("%s", exc.strerror or exc)
         return 1
-    except Exception as exc:  # the deck did not open
-        _log.error("%s: %s", type(exc).__name__, exc)
+    except Exception as exc:  # the deck did not open: the app kept why, said on one line, masked
+        cause = app.open_error or exc
+        _log.error("%s: %s", type(cause).__name__, failed.redact(str(cause)))
         return 1
     return 0
 

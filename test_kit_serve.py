@@ -147,6 +147,43 @@ def test_kit_serve_on_a_taken_port_exits_1_with_one_line(tmp_path):
     assert not (root / ".state").exists()
 
 
+def test_kit_serve_on_port_0_says_the_port_it_serves(tmp_path):
+    env = dict(os.environ, KIT_PROJECT=str(project(tmp_path, sleepy=AGENT_BUNDLE)),
+               KIT_STORE="memory", HOST="127.0.0.1", PORT="0")
+    proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # the first line kit-serve writes
+        assert line.startswith("kit-serve: listening on http://127.0.0.1:"), line
+        port = int(line.split("http://127.0.0.1:", 1)[1].split(" ", 1)[0])
+        assert port != 0 and f"playground at http://127.0.0.1:{port}/" in line
+        deadline = time.monotonic() + 30
+        while True:  # the deck opens after the line: the port answers once it has
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+    finally:
+        stop(proc)
+
+
+def test_a_deck_that_does_not_open_is_one_masked_line_naming_why(tmp_path):
+    """Hypercorn wraps the failure ('LifespanFailureError: Lifespan failure in startup. ...'),
+    and libpq's message spans lines; kit-serve says the deck's own error, on one line."""
+    env = dict(os.environ, KIT_PROJECT=str(project(tmp_path, sleepy=AGENT_BUNDLE)),
+               KIT_STORE="postgresql://kit:hunter2222@127.0.0.1:1/nowhere", HOST="127.0.0.1",
+               PORT=str(free_port()))
+    out = subprocess.run([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    listening, failed = out.stderr.splitlines()
+    assert listening.startswith("kit-serve: listening on ") and failed.startswith("kit-serve: ")
+    assert "LifespanFailureError" not in failed and "127.0.0.1" in failed, failed
+    assert "hunter2222" not in out.stderr
+
+
 def test_kit_serve_logs_no_mcp_request_body(tmp_path):
     """The mcp package logs a request that fails validation, quoted, many lines long, through
     the root logger; kit-serve's console says one line that it was refused."""
