@@ -18,32 +18,49 @@ Commands:
   kit runs signal <run_id> {pause,cancel,resume} [--store URL] [--reason TEXT]
       Records the request for a run another process plays; that process acts on it at the run's
       next safe point (a resume is taken up by a deck that has the run's agent or workflow).
+
+Values from the log reach a terminal as text: a table cell, a hint or an error shows each
+character Python's ``repr`` would escape (control characters, line separators, bidi overrides)
+as ``repr`` escapes it, so one run is one line and a value an HTTP client wrote is never a
+terminal control sequence; JSON lines escape them already (``json.dumps``, ASCII). A SQLite file
+that is there but is not kit's log (no ``events`` table, or not a database) is refused, naming
+it, after a read-only look and before kit's store opens it: kit never writes its schema into
+another database. argparse checks every argument: text is UTF-8 (a non-UTF-8 byte in argv is a
+usage error naming the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, ``--store`` and
+``--before`` are not empty.
+
 Output that meets a closed pipe (``kit runs list | head``) ends quietly. Exit codes: 0 done (or
 recorded), 1 an unknown run, a request that cannot act on the run (a finished run; pause of a
 parked run; resume of a run that is not paused: the message says its status) or a log that
-cannot be read, 2 a usage error (clig.dev conventions), 130 interrupted.
+cannot be read (the message names it), 2 a usage error (clig.dev conventions), 130 interrupted.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import sqlite3
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 
 from kit_core import (ConfigError, EventStorePort, RunInfo, RunStatus, UnknownRunError,
-                      control_refusal)
+                      control_refusal, printable)
 from kit_pg import masked, store_from_url
 from kit_store import project_log_url
 
-__all__ = ("main", "LIST_LIMIT")
+__all__ = ("main", "LIST_LIMIT", "LIST_LIMIT_MAX")
 
 #: Runs per page of ``kit runs list``: a screenful of the newest; older pages are one
 #: ``--before`` away, each read as one index range however long the log.
 LIST_LIMIT = 50
+#: The largest ``--limit``: a page is read whole before it prints, so it is held in memory at
+#: once (and SQLite's and Postgres's LIMIT are 64-bit); more runs are ``--before`` pages away.
+LIST_LIMIT_MAX = 100_000
 
 _STORE_HELP = ("event store URL, e.g. sqlite:///app.db (default: $KIT_STORE, else the project's "
                "log, $KIT_PROJECT/.state/kit.db with KIT_PROJECT defaulting to .kit)")
@@ -56,24 +73,35 @@ def _parser() -> argparse.ArgumentParser:
         dest="action", required=True)
     ls = runs.add_parser("list", help="list the most recent runs, oldest first")
     ls.add_argument("--status", choices=[s.value for s in RunStatus])
-    ls.add_argument("--name", help="only runs of this agent or workflow")
-    ls.add_argument("--session", help="only runs of this session id")
+    ls.add_argument("--name", type=_text, help="only runs of this agent or workflow")
+    ls.add_argument("--session", type=_text, help="only runs of this session id")
     ls.add_argument("--limit", type=_positive, default=LIST_LIMIT,
-                    help=f"at most this many runs, the most recent (default {LIST_LIMIT})")
+                    help=f"at most this many runs, the most recent (default {LIST_LIMIT}, "
+                         f"at most {LIST_LIMIT_MAX})")
     ls.add_argument("--before", metavar="RUN_ID", type=_nonempty,
                     help="only runs started before this one (the first run of the previous page)")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     events = runs.add_parser("events", help="print a run's events as JSON lines")
-    events.add_argument("run_id")
+    events.add_argument("run_id", type=_text)
     events.add_argument("--follow", action="store_true",
                         help="then wait for the rest, live, until the run ends or parks")
     sig = runs.add_parser("signal", help="ask a run to pause, cancel or resume")
-    sig.add_argument("run_id")
+    sig.add_argument("run_id", type=_text)
     sig.add_argument("signal", choices=["pause", "cancel", "resume"])
-    sig.add_argument("--reason", help="recorded with the request")
+    sig.add_argument("--reason", type=_text, help="recorded with the request")
     for command in (ls, events, sig):
-        command.add_argument("--store", help=_STORE_HELP)
+        command.add_argument("--store", type=_store_url, help=_STORE_HELP)
     return p
+
+
+def _text(text: str) -> str:
+    """An argument as text the log can hold: argv bytes that are not UTF-8 arrive as lone
+    surrogates (PEP 383), which no store can encode, so they are a usage error naming it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"must be UTF-8 text, got {text!r}") from None
+    return text
 
 
 def _positive(text: str) -> int:
@@ -81,15 +109,22 @@ def _positive(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    if not 1 <= value <= LIST_LIMIT_MAX:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer at most {LIST_LIMIT_MAX}, got {text!r}")
     return value
 
 
 def _nonempty(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must be a run id, got ''")
-    return text
+    return _text(text)
+
+
+def _store_url(text: str) -> str:
+    if not text:  # not "unset": an empty --store would silently read another log
+        raise argparse.ArgumentTypeError("must be a store URL, got ''")
+    return _text(text)
 
 
 class _Refused(Exception):
@@ -105,7 +140,7 @@ async def _signal(store: EventStorePort, a: argparse.Namespace) -> None:
         if refusal is not None:
             raise _Refused(f"run {a.run_id}: {refusal}")
         request_id = await store.request(a.run_id, a.signal, a.reason, "cli")
-    print(f"{a.signal} requested for run {a.run_id} (request {request_id})")
+    print(f"{a.signal} requested for run {printable(a.run_id)} (request {request_id})")
 
 
 async def _list(store: EventStorePort, a: argparse.Namespace) -> None:
@@ -119,8 +154,7 @@ async def _list(store: EventStorePort, a: argparse.Namespace) -> None:
     _print_runs(infos, a.json)
     if older:
         sys.stdout.flush()  # the page first, then the hint after it on a terminal
-        print(f"kit: older runs match; the next page: {_next_page(a, infos[0].run_id)}",
-              file=sys.stderr)
+        _say(f"older runs match; the next page: {_next_page(a, infos[0].run_id)}")
 
 
 def _next_page(a: argparse.Namespace, before: str) -> str:
@@ -146,7 +180,8 @@ def _print_runs(infos: Sequence[RunInfo], as_json: bool) -> None:
                               "parent_run_id": i.parent_run_id}))
         return
     rows = [("RUN_ID", "STATUS", "NAME", "SESSION", "STARTED")] + [
-        (i.run_id, i.status.value, i.name, i.session_id or "-",
+        (printable(i.run_id), i.status.value, printable(i.name),
+         printable(i.session_id or "-"),
          i.started_at.isoformat(timespec="seconds")) for i in infos]
     widths = [max(len(row[c]) for row in rows) for c in range(4)]
     for row in rows:
@@ -165,10 +200,16 @@ async def _events(store: EventStorePort, a: argparse.Namespace) -> None:
             print(json.dumps(event.to_json(), separators=(",", ":")), flush=True)
 
 
-def _store(a: argparse.Namespace) -> EventStorePort:
-    """The store of the log (see the module docstring), unopened. Raises ``ConfigError`` for one
-    the command cannot read (a malformed URL, the in-memory store) and ``FileNotFoundError`` for
-    a SQLite file that is not there (opening it would create an empty log)."""
+class _Unreadable(Exception):
+    """The log named cannot be read: a SQLite file that is not there, not a database, or a
+    database that is not kit's log (exit 1; the message names the file)."""
+
+
+def _store(a: argparse.Namespace) -> tuple[EventStorePort, str]:
+    """The store of the log (see the module docstring), unopened, and where it is for an error
+    (the SQLite path, or the URL with its password masked). Raises ``ConfigError`` for one the
+    command cannot read (a malformed URL, the in-memory store) and ``_Unreadable`` for a SQLite
+    file that is not there (opening it would create an empty log) or is not kit's log."""
     env = os.environ
     if a.store:
         url, source = a.store, "--store"
@@ -181,22 +222,49 @@ def _store(a: argparse.Namespace) -> EventStorePort:
     if url == "memory":
         raise ConfigError(f"{source} names the in-memory store, whose log lives and dies with its "
                           "process: pass --store sqlite:///path/to/kit.db")
-    if url.startswith("sqlite:///") and not os.path.exists(url[len("sqlite:///"):]):
-        raise FileNotFoundError(f"no event log at {url[len('sqlite:///'):]} (from {source}); pass "
-                                "--store sqlite:///path/to/kit.db, or set KIT_STORE or KIT_PROJECT")
-    return store
+    if not url.startswith("sqlite:///"):
+        return store, masked(url)
+    path = url[len("sqlite:///"):]
+    if not os.path.exists(path):
+        raise _Unreadable(f"no event log at {path} (from {source}); pass "
+                          "--store sqlite:///path/to/kit.db, or set KIT_STORE or KIT_PROJECT")
+    _check_kit_log(path, source)
+    return store, path
+
+
+def _check_kit_log(path: str, source: str) -> None:
+    """Raise ``_Unreadable`` naming ``path`` unless it is a SQLite database with kit's
+    ``events`` table. The look is read-only (``mode=ro``): kit's store, which would create its
+    schema in whatever database it opens, only opens a file that passed it."""
+    try:
+        uri = Path(os.path.abspath(path)).as_uri() + "?mode=ro"
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+            found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                               "AND name = 'events'").fetchone()
+    except sqlite3.Error as exc:  # not a database, a directory, unreadable
+        raise _Unreadable(f"cannot read {path} (from {source}) as a kit event log: "
+                          f"{type(exc).__name__}: {exc}") from None
+    if found is None:
+        raise _Unreadable(f"{path} (from {source}) is not a kit event log (it has no events "
+                          "table); it is left as it is: pass --store sqlite:///path/to/kit.db")
+
+
+def _say(message: str) -> None:
+    """``message`` on stderr as ``kit: ...``, one line, its control characters escaped (it may
+    quote the log)."""
+    print(f"kit: {printable(message)}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kit`` command; returns the exit code."""
     a = _parser().parse_args(argv)
     try:
-        store = _store(a)
+        store, where = _store(a)
     except ConfigError as exc:
-        print(f"kit: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 2
-    except FileNotFoundError as exc:
-        print(f"kit: {exc}", file=sys.stderr)
+    except _Unreadable as exc:
+        _say(str(exc))
         return 1
     command = {"list": _list, "events": _events, "signal": _signal}[a.action]
     try:
@@ -210,10 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (UnknownRunError, _Refused) as exc:
-        print(f"kit: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 1
-    except Exception as exc:  # the store could not be read: say why, exit 1
-        print(f"kit: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:  # the store could not be read (or written): say which and why
+        _say(f"{where}: {type(exc).__name__}: {exc}")
         return 1
     return 0
 

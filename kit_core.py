@@ -16,7 +16,7 @@ carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
 (``jsonable``, ``check_name``, ``check_limit``, ``check_inline_json``, ``count_setting``,
-``RunHandle``, ...) are kit's internal API between its modules.
+``printable``, ``RunHandle``, ...) are kit's internal API between its modules.
 """
 from __future__ import annotations
 
@@ -839,6 +839,14 @@ def check_name(what: str, name: object) -> str:
         raise ConfigError(f"{what} name must be 1-128 characters of letters, digits, '_', '.' or '-' "
                           f"starting with a letter or digit (it appears in URLs), got {name!r}")
     return name
+
+
+def printable(text: str) -> str:
+    """``text`` as a terminal or a log line should show text a client wrote: each character
+    ``repr`` escapes (control characters, line separators, bidi overrides) as ``repr`` escapes
+    it (``\\x1b``, ``\\n``, ``\\u202e``), printable Unicode as is. One line, no control sequence."""
+    return text if text.isprintable() else "".join(
+        c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def check_limit(what: str, value: object) -> int | None:

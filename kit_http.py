@@ -60,7 +60,7 @@ import kit_openai
 from kit_core import (
     ConfigError, ContentError, DeckStateError, Event, InterruptResult, KitError, LogConflictError,
     RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError,
-    UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id,
+    UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id, printable,
 )
 from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
@@ -545,7 +545,7 @@ class App:
         status, message = _status_of(exc), str(exc)
         if status == 500 and not isinstance(exc, _RunFailed):
             # Its type and stack only: a message may quote input, tool output or a secret.
-            path = _printable(req.scope["path"])
+            path = printable(req.scope["path"])
             _log.error("%s %s failed with %s\n%s", req.scope["method"], path,
                        type(exc).__name__, "".join(traceback.format_tb(exc.__traceback__)).rstrip())
             message = "internal error; the server log has the details"
@@ -793,19 +793,12 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-def _printable(text: str) -> str:
-    """``text`` with its control characters escaped: a path's ``%0D%0A`` decodes to a line break,
-    which would let a client forge log lines."""
-    return text if text.isprintable() else "".join(
-        c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 class _PrintableAccess(logging.Filter):
     """The access log's path (Hypercorn's ``U`` atom, decoded) with control characters escaped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, dict) and isinstance(record.args.get("U"), str):
-            record.args["U"] = _printable(record.args["U"])
+            record.args["U"] = printable(record.args["U"])
         return True
 
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import shlex
+import sqlite3
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -216,3 +217,106 @@ async def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
             code = await anyio.to_thread.run_sync(proc.wait)
         assert first.strip() and (code, proc.stderr.read()) == (0, "")
         proc.stderr.close()
+
+
+EVIL = "x\u001b[2J\u001b]0;PWNED\u0007\nfake-row"  # as an unauthenticated HTTP client may send it
+
+
+async def test_values_from_the_log_reach_the_terminal_as_text_one_run_one_line(shared_url):
+    async with store_from_url(shared_url) as store:
+        async with kit.Deck([kit.Agent("greeter", model=kit.ScriptedModel(["hi"]))],
+                            store=store) as deck:
+            evil = (await deck.run("greeter", "hello", session_id=EVIL)).run_id
+        await store.append([kit.Event("run-\u009b31m\u202e", 0, kit.RunStarted(  # C1 CSI, bidi
+            "na\\me\r", "agent", "s\u2028t", None, ()), "a")])
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url)
+    assert ran.returncode == 0, ran.stderr
+    header, *lines = ran.stdout.split("\n")[:-1]  # split on LF only: no other line break either
+    assert len(lines) == 2 and all(line.isprintable() for line in [header, *lines])
+    [row] = [line for line in lines if line.startswith(evil)]
+    assert row.split()[3] == r"x\x1b[2J\x1b]0;PWNED\x07\nfake-row"  # one cell, shown escaped
+    [other] = [line for line in lines if not line.startswith(evil)]
+    assert other.split()[:4] == [r"run-\x9b31m\u202e", "RUNNING", r"na\me\r", r"s\u2028t"]
+    assert [line.index("greeter" if line is row else "na") for line in lines] == (
+        [header.index("NAME")] * 2)  # the columns still align
+    listed = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--json",
+                                            "--store", shared_url)
+    events = await anyio.to_thread.run_sync(kit_cli, "runs", "events", evil,
+                                            "--store", shared_url)
+    for ran in (listed, events):  # JSON lines escape them themselves (ASCII), and keep them
+        assert ran.returncode == 0 and ran.stdout.isascii(), ran.stderr
+        assert all(line.isprintable() for line in ran.stdout.split("\n"))
+    assert EVIL in [json.loads(line)["session_id"] for line in listed.stdout.splitlines()]
+    assert json.loads(events.stdout.splitlines()[0])["payload"]["session_id"] == EVIL
+
+
+def test_a_file_that_is_not_kit_s_log_is_refused_naming_it_and_left_as_it_is(tmp_path):
+    other = tmp_path / "other.db"  # someone else's database
+    with contextlib.closing(sqlite3.connect(other)) as db:
+        db.execute("CREATE TABLE users(name TEXT)")
+        db.execute("INSERT INTO users VALUES ('ann')")
+        db.commit()
+    (tmp_path / "empty.db").write_bytes(b"")
+    (tmp_path / "garbage.db").write_bytes(bytes(range(256)) * 16)
+    (tmp_path / "dir.db").mkdir()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    for name, says in (("other.db", "is not a kit event log"), ("garbage.db", "not a database"),
+                       ("empty.db", "is not a kit event log"), ("dir.db", "cannot read")):
+        for args in (["runs", "list"], ["runs", "list", "--json"], ["runs", "events", "r1"],
+                     ["runs", "events", "r1", "--follow"], ["runs", "signal", "r1", "cancel"]):
+            ran = kit_cli(*args, "--store", f"sqlite:///{tmp_path / name}")
+            assert (ran.returncode, ran.stdout) == (1, ""), ran
+            assert f"{tmp_path / name} (from --store)" in ran.stderr
+            assert says in ran.stderr and "--store" in ran.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+async def logged(db: Path) -> str:
+    """A closed kit log at ``db`` with one run in it; its run id."""
+    async with SQLiteStore(db) as store:
+        await store.append([kit.Event("r1", 0, kit.RunStarted("a", "agent", "s1", None, ()), "a")])
+    return "r1"
+
+
+async def test_arguments_that_are_not_utf8_are_usage_errors_naming_them(tmp_path):
+    db = tmp_path / "kit.db"
+    run_id, store = await logged(db), f"sqlite:///{db}"
+    before = db.read_bytes()
+    bad = "\udcff"  # what Python makes of the byte 0xff in argv (PEP 383)
+    for args, names in ((["runs", "events", bad, "--store", store], "run_id"),
+                        (["runs", "list", "--name", bad, "--store", store], "--name"),
+                        (["runs", "list", "--session", bad, "--store", store], "--session"),
+                        (["runs", "list", "--before", bad, "--store", store], "--before"),
+                        (["runs", "signal", bad, "cancel", "--store", store], "run_id"),
+                        (["runs", "signal", run_id, "cancel", "--reason", "why" + bad,
+                          "--store", store], "--reason"),
+                        (["runs", "list", "--store", store + bad], "--store")):
+        ran = await anyio.to_thread.run_sync(kit_cli, *args)
+        assert ran.returncode == 2 and f"argument {names}: must be UTF-8" in ran.stderr, ran
+    ran = await anyio.to_thread.run_sync(lambda: subprocess.run(  # the bytes a shell passes
+        [sys.executable, "-m", "kit_cli", "runs", "signal", run_id, "pause",
+         "--reason", b"\xff", "--store", store], cwd=HERE, capture_output=True, timeout=60))
+    assert ran.returncode == 2 and b"argument --reason: must be UTF-8" in ran.stderr, ran.stderr
+    assert db.read_bytes() == before and not list(tmp_path.glob("kit.db-*"))  # nothing written
+
+
+async def test_a_limit_past_the_cap_is_a_usage_error_saying_the_cap(tmp_path):
+    db = tmp_path / "kit.db"
+    await logged(db)
+    for limit in ("99999999999999999999999", str(2 ** 63), "100001"):  # past SQLite's INTEGER too
+        ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--limit", limit,
+                                             "--store", f"sqlite:///{db}")
+        assert ran.returncode == 2 and "argument --limit" in ran.stderr, ran
+        assert f"at most {cli.LIST_LIMIT_MAX}" in ran.stderr and cli.LIST_LIMIT_MAX == 100_000
+    ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--json", "--limit",
+                                         str(cli.LIST_LIMIT_MAX), "--store", f"sqlite:///{db}")
+    assert ran.returncode == 0 and json.loads(ran.stdout)["run_id"] == "r1"
+
+
+async def test_an_empty_store_is_a_usage_error_not_another_log(tmp_path, monkeypatch):
+    db = tmp_path / "kit.db"
+    await logged(db)
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{db}")  # an empty --store does not fall back to it
+    for args in (["runs", "list"], ["runs", "events", "r1"], ["runs", "signal", "r1", "cancel"]):
+        ran = await anyio.to_thread.run_sync(kit_cli, *args, "--store", "")
+        assert (ran.returncode, ran.stdout) == (2, "") and "argument --store" in ran.stderr, ran
