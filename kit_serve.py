@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 
 import anyio
 
-from kit_core import Event, KitError, RunFailed
+from kit_core import Event, KitError, RunFailed, printable
 from kit_guard import Guard
 from kit_http import SURFACES, App, serve
 from kit_observers import resolve_observers
@@ -63,13 +63,14 @@ class FailedRunLog:
                        self.redact(event.payload.message))
 
     def redact(self, message: str) -> str:
-        """``message`` on one line, at most ``MAX_LOG_MESSAGE`` characters, with ``***`` for the
+        """``message`` on one line (control characters escaped), at most ``MAX_LOG_MESSAGE``
+        characters, with ``***`` for the
         values of secret-looking settings (``*KEY*``, ``*SECRET*``, ``*TOKEN*``, ``*PASSWORD*``)
         and for anything shaped like a key, a bearer token or a URL's credentials."""
         for value in self._secrets:
             message = message.replace(value, "***")
         message = _SECRET_SHAPES.sub(lambda m: "".join(g or "" for g in m.groups()) + "***", message)
-        message = " ".join(message.split())
+        message = printable(" ".join(message.split()))  # one line, no terminal control sequence
         return message if len(message) <= MAX_LOG_MESSAGE else message[:MAX_LOG_MESSAGE - 3] + "..."
 
 

@@ -224,3 +224,4 @@ def test_a_failure_message_is_logged_on_one_line_with_its_secrets_masked():
     assert log.redact("no such file /home/someone-long/x") == "no such file /home/someone-long/x"  # not a secret
     assert log.redact("the api_key client option must be set") == "the api_key client option must be set"
     assert len(log.redact("x" * 1000)) == MAX_LOG_MESSAGE
+    assert log.redact("bad tool \x1b]0;owned\x07 output") == "bad tool \\x1b]0;owned\\x07 output"
