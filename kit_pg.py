@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -62,8 +63,8 @@ from kit_store import (RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, Store
                        by_run, event_of, event_row, run_row, runs_query)
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
-           "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "LISTEN_CHECK",
-           "RECONNECT_MAX")
+           "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "CONNECT_TIMEOUT",
+           "LISTEN_CHECK", "RECONNECT_MAX")
 
 #: The version of the tables this module creates (row ``schema_version`` of ``kit_meta``). A
 #: later release migrates from it; a store refuses a schema newer than it knows. 2: the run
@@ -78,6 +79,11 @@ POOL_MAX = 8
 #: How long a call waits for a pooled connection (seconds): past it, the database is down for
 #: this call (the writer retries its batch; a reader gets the error).
 POOL_TIMEOUT = 10.0
+#: How long opening one connection may take (seconds; libpq's ``connect_timeout``, whole
+#: seconds, at least 2) unless the URL's ``connect_timeout`` or ``PGCONNECT_TIMEOUT`` says: past
+#: psycopg's own 130 s, a server that accepts and never answers would hold a command or a
+#: starting replica that long.
+CONNECT_TIMEOUT = 5
 #: An idle listener pings the server this often (seconds), so a silently dead connection is
 #: noticed and reopened (followers re-read then).
 LISTEN_CHECK = 5.0
@@ -96,22 +102,41 @@ _log = logging.getLogger("kit.pg")
 # ======================================================================================= urls ====
 
 def masked(url: str) -> str:
-    """``url`` with its password replaced by ``***``: what errors and logs may show."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """``url`` with its password replaced by ``***``: what errors and logs may show. Never raises.
+
+    The password is everything from the first ``:`` of the user info up to the URL's *last*
+    ``@``, whatever ``urlsplit`` makes of it: an unencoded ``/``, ``?`` or ``#`` in a password
+    ends ``urlsplit``'s host early (it then sees no user info at all), and an ``@`` in it is
+    libpq's end of the user info, so a narrower cut would show a fragment. A user name that
+    holds such a character is hidden too (``scheme://***@host``)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not (sep and at and ":" in userinfo):
         return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    user = userinfo.partition(":")[0]
+    shown = "" if set(user) & set("/?#@[") else f"{user}:"
+    return f"{scheme}://{shown}***@{host}"
 
 
 def pg_url(url: str) -> tuple[str, str]:
     """Split a kit ``postgresql://`` URL into ``(libpq URL, schema)``: kit's own ``schema``
     query parameter (default ``DEFAULT_SCHEMA``) is removed, the rest goes to libpq as is.
-    Raises ``ConfigError`` (the URL masked) for another scheme or a schema name that is not
-    lower-case letters, digits and ``_`` (at most 59: it also names the NOTIFY channel)."""
-    parts = urlsplit(url)
+    Raises ``ConfigError`` (the URL masked) for a URL ``urlsplit`` refuses (an unclosed ``[``),
+    another scheme, user info that is ambiguous (an unencoded ``/``, ``?``, ``#`` or ``@`` in the
+    password: ``urlsplit``, libpq and ``masked`` would each cut it elsewhere, and libpq's errors
+    would show a piece of it as the host), or a schema name that is not lower-case letters,
+    digits and ``_`` (at most 59: it also names the NOTIFY channel)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise ConfigError(f"{masked(url)!r} is not a valid URL: {exc}") from None
     if parts.scheme not in ("postgresql", "postgres"):
         raise ConfigError(f"not a postgresql:// URL: {masked(url)!r}")
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    if userinfo != parts.netloc.rpartition("@")[0] or "@" in userinfo:
+        raise ConfigError(f"ambiguous user info in {masked(url)!r}: percent-encode the "
+                          "password's '/', '?', '#' and '@' (%2F, %3F, %23, %40), and any '@' "
+                          "after the host (%40)")
     query = parse_qsl(parts.query, keep_blank_values=True)
     schema = next((v for k, v in query if k == "schema"), DEFAULT_SCHEMA)
     if not _SCHEMA_NAME.match(schema):
@@ -131,28 +156,43 @@ def _psycopg() -> Any:
     return psycopg
 
 
+def _bounded(conninfo: str) -> dict[str, Any]:
+    """The connection arguments that bound a connect to ``CONNECT_TIMEOUT`` seconds, or none
+    when ``conninfo`` (or libpq's ``PGCONNECT_TIMEOUT``) sets its own bound."""
+    from psycopg.conninfo import conninfo_to_dict
+    if "connect_timeout" in conninfo_to_dict(conninfo) or os.environ.get("PGCONNECT_TIMEOUT"):
+        return {}
+    return {"connect_timeout": CONNECT_TIMEOUT}
+
+
 async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, **kwargs: Any) -> Any:
     """On asyncio: an open ``psycopg_pool.AsyncConnectionPool`` of autocommit connections whose
     ``search_path`` is ``schema`` (created if missing), named ``kit:<schema>`` in
     ``pg_stat_activity`` (the listener is ``kit-listen:<schema>``). ``kwargs`` go to each
-    connection.
-    Raises ``ConfigError`` without the postgres extra; psycopg's errors when the server is
-    unreachable (libpq's messages name the host, never the password)."""
+    connection; a connect is bounded (``CONNECT_TIMEOUT``) unless ``conninfo`` sets a bound.
+    Raises ``ConfigError`` without the postgres extra; psycopg's ``OperationalError`` when the
+    server cannot be reached (libpq's messages name the host, never the password), its
+    ``ConnectionTimeout`` naming ``conninfo`` (masked) when the server does not answer in time."""
     psycopg = _psycopg()
     from psycopg import sql
     from psycopg_pool import AsyncConnectionPool
     path = sql.SQL("SET search_path TO {}").format(sql.Identifier(schema))
+    bound = _bounded(conninfo)
 
     async def configure(conn: Any) -> None:
         await conn.execute(path)
 
-    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn, \
+    try:
+        first = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, **bound)
+    except psycopg.errors.ConnectionTimeout as exc:  # libpq's other errors name the host
+        raise type(exc)(f"cannot connect to {masked(conninfo)!r}: {exc}") from None
+    async with first as conn, \
             conn.transaction():  # locked: concurrent twins of CREATE SCHEMA IF NOT EXISTS collide
         await _try_lock(conn, f"kit:schema:{schema}", "xact_")
         await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     pool = AsyncConnectionPool(conninfo, min_size=1, max_size=max_size, open=False,
                                configure=configure, timeout=POOL_TIMEOUT,
-                               kwargs={"autocommit": True, **kwargs,
+                               kwargs={"autocommit": True, **bound, **kwargs,
                                        "application_name": f"kit:{schema}"[:63]})
     await pool.open(wait=True, timeout=POOL_TIMEOUT)
     return pool
@@ -355,7 +395,8 @@ class PostgresStore(StoreBase):
     idempotently and once when replicas open together; a schema created by a newer kit is
     refused. Other processes' commits wake this one's followers through LISTEN/NOTIFY, never a
     poll. Raises ``ConfigError`` for a malformed URL, or on open without the postgres extra or
-    for a newer schema; opening raises psycopg's errors when the server cannot be reached.
+    for a newer schema; opening raises psycopg's errors when the server cannot be reached, its
+    ``ConnectionTimeout`` naming the URL (masked) when it does not answer (``CONNECT_TIMEOUT``).
     """
 
     def __init__(self, url: str) -> None:
@@ -480,7 +521,7 @@ class PostgresStore(StoreBase):
         psycopg = _psycopg()
         from psycopg import sql
         async with await psycopg.AsyncConnection.connect(
-                self._conninfo, autocommit=True,
+                self._conninfo, autocommit=True, **_bounded(self._conninfo),
                 application_name=f"kit-listen:{self.schema}"[:63]) as conn:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             ready()
@@ -625,14 +666,18 @@ def store_from_url(url: str, *, sqlite_sync: str | None = None) -> StoreBase:
     ``memory``, ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db`` or
     ``postgresql://...[?schema=name]`` (``PostgresStore``); ``sqlite_sync`` (``KIT_SQLITE_SYNC``:
     ``NORMAL``, the default, or ``FULL``) is SQLite's ``synchronous``. Raises ``ConfigError``
-    naming the URL (its password masked) for anything else, or naming a bad ``sqlite_sync``.
+    naming the URL (its password masked) for anything else or a ``postgresql://`` URL that
+    ``pg_url`` refuses, or naming a bad ``sqlite_sync``.
     """
     if url == "memory":
         return MemoryStore()
     if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
         return SQLiteStore(url[len("sqlite:///"):], synchronous=(sqlite_sync or "NORMAL").upper())
     if url.startswith(("postgresql://", "postgres://")):
-        return PostgresStore(url)
+        try:
+            return PostgresStore(url)
+        except ConfigError as exc:  # which setting's URL it is (a session URL may be one too)
+            raise ConfigError(f"store URL: {exc}") from None
     raise ConfigError(f"unsupported store URL {masked(url)!r}: use 'memory', "
                       "'sqlite:///relative/path.db', 'sqlite:////absolute/path.db' or "
                       "'postgresql://user@host/database[?schema=name]'")

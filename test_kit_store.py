@@ -4,11 +4,15 @@ Real SQLite files and real child processes; no mocks.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -16,6 +20,7 @@ import anyio
 import pytest
 
 import kit
+import kit_pg
 import kit_store
 from kit import Claim, Event, RunStatus
 from kit_pg import SCHEMA_VERSION, PostgresStore, pg_url, store_from_url
@@ -852,6 +857,45 @@ async def test_postgres_that_cannot_be_reached_fails_the_open_without_the_passwo
     assert not store.opened and "s3cret" not in str(info.value) and "s3cret" not in repr(store)
 
 
+@contextlib.contextmanager
+def silent_server() -> Iterator[int]:
+    """A loopback port whose server accepts connections and never answers (a hung database or
+    a wrong port behind a proxy); yields the port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the listening socket was shut: done
+            while True:
+                held.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        thread.join(5)
+        for conn in held:
+            conn.close()
+
+
+async def test_postgres_that_never_answers_fails_the_open_in_bounded_time_naming_it(anyio_backend):
+    psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed")
+    with silent_server() as port:
+        for query, bound in (("", kit_pg.CONNECT_TIMEOUT), ("&connect_timeout=2", 2)):
+            store = store_from_url(f"postgresql://kit:s3cret@127.0.0.1:{port}/test?schema=s{query}")
+            started = time.monotonic()
+            with anyio.fail_after(kit_pg.CONNECT_TIMEOUT + 5), \
+                    pytest.raises(psycopg.errors.ConnectionTimeout) as info:
+                async with store:
+                    pass
+            took = time.monotonic() - started
+            assert f"127.0.0.1:{port}" in str(info.value) and "s3cret" not in str(info.value)
+            assert bound - 0.5 < took < bound + 3 and not store.opened  # the URL's own bound wins
+
+
 # ================================================================================= factory ====
 
 async def test_store_from_url_forms():
@@ -876,6 +920,54 @@ async def test_store_from_url_forms():
         assert "s3cret" not in str(info.value) and "u:***@h" in str(info.value)
     with pytest.raises(kit.ConfigError):
         SQLiteStore("x.db", poll_interval=0)
+
+
+#: URLs whose password holds an unencoded '/', '?', '#' or '@' (every piece of it is "PW..."):
+#: ``urlsplit`` sees no password in most of them, libpq cuts the last one at its first '@'.
+AMBIGUOUS = ("postgresql://bob:PW1/PW2@127.0.0.1:1/x",
+             "postgres://bob:PW1?schema=BAD&x=PW2@127.0.0.1:1/x",
+             "postgresql://bob:PW1?PW2@127.0.0.1:1/x", "postgresql://bob:PW1#PW2@127.0.0.1:1/x",
+             "postgresql://bob:PW1@PW2@127.0.0.1:1/x")
+
+
+async def kit_runs_list(url: str) -> tuple[int, str]:
+    """``kit runs list --store url`` as a user runs it: (exit code, stderr)."""
+    ran = await anyio.run_process([sys.executable, "-m", "kit_cli", "runs", "list", "--store", url],
+                                  cwd=HERE, check=False)
+    return ran.returncode, ran.stderr.decode()
+
+
+async def test_a_password_with_unencoded_url_characters_never_reaches_an_error():
+    for url in ("mysql://bob:PW1/PW2@h/x", "redis://bob:PW1?PW2@h/0", *AMBIGUOUS):
+        assert "PW" not in kit_pg.masked(url) and "bob:***@" in kit_pg.masked(url), url
+        with pytest.raises(kit.ConfigError) as info:
+            store_from_url(url)
+        assert "PW" not in str(info.value) and "bob:***@" in str(info.value), url
+    for url in AMBIGUOUS:  # kit refuses it before libpq reads it otherwise
+        with pytest.raises(kit.ConfigError, match="ambiguous user info.*percent-encode") as info:
+            pg_url(url)
+        assert "PW" not in str(info.value)
+    for url in ("mysql://bob:PW1/PW2@h/x", AMBIGUOUS[1], AMBIGUOUS[2]):  # the audit's three
+        code, err = await kit_runs_list(url)
+        assert code == 2 and "PW" not in err and len(err.splitlines()) == 1, err
+    # Percent-encoded, the same password is unambiguous and reaches libpq as it was typed.
+    encoded = "postgresql://bob:PW1%2FPW2%40@h/x"
+    assert pg_url(encoded) == (encoded, "kit")
+    assert kit_pg.masked("postgresql://bob:PW1%2FPW2@h/x") == "postgresql://bob:***@h/x"
+
+
+async def test_a_malformed_url_is_a_config_error_never_a_traceback():
+    for url in ("foo://[x", "postgresql://[::1/x", "postgresql://u:PW1@[::1", "sqlite://[x"):
+        assert "PW" not in kit_pg.masked(url)  # never raises either
+        with pytest.raises(kit.ConfigError, match="store URL") as info:
+            store_from_url(url)
+        assert "PW" not in str(info.value)
+    with pytest.raises(kit.ConfigError, match=r"'postgresql://u:\*\*\*@\[::1' is not a valid URL"):
+        pg_url("postgresql://u:PW1@[::1")
+    for url in ("foo://[x", "postgresql://[::1/x", "postgresql://u:PW1@[::1"):
+        code, err = await kit_runs_list(url)
+        assert code == 2 and "PW" not in err and "Traceback" not in err, err
+        assert len(err.splitlines()) == 1 and "store URL" in err, err
 
 
 async def test_all_names_the_public_surface():
