@@ -36,7 +36,7 @@ from typing import Any
 import kit_catalog
 import kit_core
 from kit_catalog import *  # noqa: F403  (re-exported: kit_catalog.__all__)
-from kit_catalog import MCP, Agent, Skill, Skills, Workflow, bundle_files
+from kit_catalog import MCP, Agent, Skill, Skills, Workflow
 from kit_core import *  # noqa: F403  (re-exported: kit_core.__all__)
 from kit_core import (
     ConfigError, DeckStateError, Due, Event, EventSinkPort, EventStorePort, HistoryMessage,
@@ -146,6 +146,7 @@ class Deck:
         if not root.is_dir():
             raise ConfigError(f"no kit project at {str(root)!r} (a directory with agents/ and "
                               "workflows/ bundles); set KIT_PROJECT or pass path=")
+        from kit_catalog import bundle_files  # kit's namespace is its __all__
         bundles: dict[str, tuple[Path, Any]] = {}
         for kind, attr, type_ in (("agents", "agent", Agent), ("workflows", "workflow", Workflow)):
             for file in bundle_files(root / kind, f"{attr}.py") if (root / kind).is_dir() else ():
