@@ -135,9 +135,8 @@ class Deck:
 
         Bundles load from their files, in name order, with no ``sys.path`` change (each is in
         ``sys.modules`` as ``kit_project_<kind>_<bundle>``, as its dataclasses and type hints
-        need). Without
-        ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other keyword
-        arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
+        need). Without ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other
+        keyword arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
         Raises ``ConfigError`` for a missing directory, naming the file of a bundle that fails
         to import, lacks its object, is not a regular file or shares its name with another, and
         as ``Skills`` and ``MCP`` do.
