@@ -823,8 +823,11 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     ``LifespanFailureError`` when the deck does not open (``app.open_error`` says why).
     """
     from hypercorn.config import Config
+    def bind(port: int) -> list[str]:
+        return [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.bind = bind(port)
     config.backlog = 1024  # bursts of connections, such as 1,000 streams at once (CONVENTIONS A7)
     config.accesslog = _access_log if access_log else None
     _access_log.addFilter(_PRINTABLE_ACCESS)  # once: addFilter skips a filter it holds
@@ -837,7 +840,7 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     for sock in probe.secure_sockets + probe.insecure_sockets + probe.quic_sockets:
         if port == 0:  # the port the system chose: the one served, and the one told
             port = sock.getsockname()[1]
-            config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+            config.bind = bind(port)
         sock.close()
 
     async def trigger() -> None:

@@ -597,26 +597,25 @@ class Runtime:
         """Write a run's start, with its claim. A start that something could refuse (a session
         to hold, a caller's run id that is not a ``NewRunId``) is committed now, so a refusal
         writes nothing and reaches the caller; any other rides in the run's first group commit
-        (one transaction per short turn). While the store is down the start waits (``StoreUnavailableError`` after the
-        stated bound, with the run recorded as failed once the store is back)."""
+        (one transaction per short turn). While the store is down the start waits
+        (``StoreUnavailableError`` after the stated bound, with the run recorded as failed once
+        the store is back)."""
         down = self.writer.down_since
         if down is not None and anyio.current_time() - down >= self.down_limit:
             raise StoreUnavailableError(run.run_id, anyio.current_time() - down)
-        if not fenced and self.writer.pending < BACKLOG_MAX:  # nothing to wait for: no timer
-            self._put(run, started, self._claim(run))
-            return
-        with anyio.move_on_after(self.down_limit) as waiting:
-            await self.writer.room()
-            if not fenced:
-                self._put(run, started, self._claim(run))
-                return
-            await self._write(run, [started], self._claim(run))
-            self._hold(run, started.seq)
-        if waiting.cancelled_caught:
-            error = StoreUnavailableError(run.run_id, self.down_limit)
-            if self.writer.pending_runs() & {run.run_id}:  # its start will be written: end it
-                self._put(run, Event(run.run_id, 1, run.failure(error), run.origin))
-            raise error
+        if fenced or self.writer.pending >= BACKLOG_MAX:  # something to wait for: a bounded wait
+            with anyio.move_on_after(self.down_limit) as waiting:
+                await self.writer.room()
+                if fenced:
+                    await self._write(run, [started], self._claim(run))
+                    self._hold(run, started.seq)
+                    return
+            if waiting.cancelled_caught:
+                error = StoreUnavailableError(run.run_id, self.down_limit)
+                if self.writer.pending_runs() & {run.run_id}:  # its start will be written: end it
+                    self._put(run, Event(run.run_id, 1, run.failure(error), run.origin))
+                raise error
+        self._put(run, started, self._claim(run))
 
     async def _play(self, run: _Run, job: Callable[[], Any]) -> Event:
         try:

@@ -64,9 +64,9 @@ class FailedRunLog:
 
     def redact(self, message: str) -> str:
         """``message`` on one line (control characters escaped), at most ``MAX_LOG_MESSAGE``
-        characters, with ``***`` for the
-        values of secret-looking settings (``*KEY*``, ``*SECRET*``, ``*TOKEN*``, ``*PASSWORD*``)
-        and for anything shaped like a key, a bearer token or a URL's credentials."""
+        characters, with ``***`` for the values of secret-looking settings (``*KEY*``,
+        ``*SECRET*``, ``*TOKEN*``, ``*PASSWORD*``) and for anything shaped like a key, a bearer
+        token or a URL's credentials."""
         for value in self._secrets:
             message = message.replace(value, "***")
         message = _SECRET_SHAPES.sub(lambda m: "".join(g or "" for g in m.groups()) + "***", message)
