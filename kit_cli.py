@@ -22,10 +22,14 @@ Commands:
 Values from the log reach a terminal as text: a table cell, a hint or an error shows each
 character Python's ``repr`` would escape (control characters, line separators, bidi overrides)
 as ``repr`` escapes it, so one run is one line and a value an HTTP client wrote is never a
-terminal control sequence; JSON lines escape them already (``json.dumps``, ASCII). A SQLite file
-that is there but is not kit's log (no ``events`` table, or not a database) is refused, naming
-it, after a read-only look and before kit's store opens it: kit never writes its schema into
-another database. argparse checks every argument: text is UTF-8 (a non-UTF-8 byte in argv is a
+terminal control sequence; JSON lines escape them already (``json.dumps``, ASCII).
+
+Every command reads the log through a read-only store (``store_from_url(..., read_only=True)``),
+so it works where it may only read (a read-only mount, a file or Postgres schema of the service's
+own user, a role that may only ``SELECT``), and never creates or upgrades a log: a SQLite file or
+a Postgres schema that is not kit's log (no ``events`` table, not a database, no such schema) is
+refused, naming it, and left as it is. Only ``signal`` then writes, its one request, through a
+store it opens once the read-only one found the run. argparse checks every argument: text is UTF-8 (a non-UTF-8 byte in argv is a
 usage error naming the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, ``--store`` and
 ``--before`` are not empty.
 
@@ -37,21 +41,19 @@ cannot be read (the message names it), 2 a usage error (clig.dev conventions), 1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
 import sqlite3
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import anyio
 
 from kit_core import (ConfigError, EventStorePort, RunInfo, RunStatus, UnknownRunError,
                       control_refusal, printable)
 from kit_pg import masked, store_from_url
-from kit_store import project_log_url
+from kit_store import project_log_url, read_only_log
 
 __all__ = ("main", "LIST_LIMIT", "LIST_LIMIT_MAX")
 
@@ -134,12 +136,13 @@ class _Refused(Exception):
 async def _signal(store: EventStorePort, a: argparse.Namespace) -> None:
     async with store:  # type: ignore[attr-defined]
         info = await store.run_info(a.run_id)
-        if info is None:
-            raise UnknownRunError(a.run_id)
-        refusal = control_refusal(a.signal, info.status)
-        if refusal is not None:
-            raise _Refused(f"run {a.run_id}: {refusal}")
-        request_id = await store.request(a.run_id, a.signal, a.reason, "cli")
+    if info is None:
+        raise UnknownRunError(a.run_id)
+    refusal = control_refusal(a.signal, info.status)
+    if refusal is not None:
+        raise _Refused(f"run {a.run_id}: {refusal}")
+    async with store_from_url(store.url) as log:  # type: ignore[attr-defined]
+        request_id = await log.request(a.run_id, a.signal, a.reason, "cli")
     print(f"{a.signal} requested for run {printable(a.run_id)} (request {request_id})")
 
 
@@ -206,10 +209,10 @@ class _Unreadable(Exception):
 
 
 def _store(a: argparse.Namespace) -> tuple[EventStorePort, str]:
-    """The store of the log (see the module docstring), unopened, and where it is for an error
-    (the SQLite path, or the URL with its password masked). Raises ``ConfigError`` for one the
-    command cannot read (a malformed URL, the in-memory store) and ``_Unreadable`` for a SQLite
-    file that is not there (opening it would create an empty log) or is not kit's log."""
+    """The read-only store of the log (see the module docstring), unopened, and where it is for
+    an error (the SQLite path, or the URL with its password masked). Raises ``ConfigError`` for
+    one the command cannot read (a malformed URL, the in-memory store) and ``_Unreadable`` for a
+    SQLite file that is not there or is not kit's log."""
     env = os.environ
     if a.store:
         url, source = a.store, "--store"
@@ -218,7 +221,7 @@ def _store(a: argparse.Namespace) -> tuple[EventStorePort, str]:
     else:
         project = env.get("KIT_PROJECT", ".kit")
         url, source = project_log_url(project), f"the project {project} (KIT_PROJECT)"
-    store = store_from_url(url)  # ConfigError naming a malformed URL
+    store = store_from_url(url, read_only=True)  # ConfigError naming a malformed URL
     if url == "memory":
         raise ConfigError(f"{source} names the in-memory store, whose log lives and dies with its "
                           "process: pass --store sqlite:///path/to/kit.db")
@@ -233,20 +236,17 @@ def _store(a: argparse.Namespace) -> tuple[EventStorePort, str]:
 
 
 def _check_kit_log(path: str, source: str) -> None:
-    """Raise ``_Unreadable`` naming ``path`` unless it is a SQLite database with kit's
-    ``events`` table. The look is read-only (``mode=ro``): kit's store, which would create its
-    schema in whatever database it opens, only opens a file that passed it."""
+    """Raise ``_Unreadable`` naming ``path`` and ``source`` unless it is a SQLite database with
+    kit's ``events`` table (``read_only_log``'s look, before the store's own)."""
     try:
-        uri = Path(os.path.abspath(path)).as_uri() + "?mode=ro"
-        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-            found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
-                               "AND name = 'events'").fetchone()
+        read_only_log(path).close()
     except sqlite3.Error as exc:  # not a database, a directory, unreadable
         raise _Unreadable(f"cannot read {path} (from {source}) as a kit event log: "
                           f"{type(exc).__name__}: {exc}") from None
-    if found is None:
+    except ConfigError:
         raise _Unreadable(f"{path} (from {source}) is not a kit event log (it has no events "
-                          "table); it is left as it is: pass --store sqlite:///path/to/kit.db")
+                          "table); it is left as it is: pass --store sqlite:///path/to/kit.db"
+                          ) from None
 
 
 def _say(message: str) -> None:
@@ -279,6 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except (UnknownRunError, _Refused) as exc:
         _say(str(exc))
+        return 1
+    except ConfigError as exc:  # not kit's log (a Postgres schema without it), or a newer one
+        _say(f"{where}: {exc}")
         return 1
     except Exception as exc:  # the store could not be read (or written): say which and why
         _say(f"{where}: {type(exc).__name__}: {exc}")

@@ -165,9 +165,10 @@ def _bounded(conninfo: str) -> dict[str, Any]:
     return {"connect_timeout": CONNECT_TIMEOUT}
 
 
-async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, **kwargs: Any) -> Any:
+async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, create: bool = True,
+                    **kwargs: Any) -> Any:
     """On asyncio: an open ``psycopg_pool.AsyncConnectionPool`` of autocommit connections whose
-    ``search_path`` is ``schema`` (created if missing), named ``kit:<schema>`` in
+    ``search_path`` is ``schema`` (created if missing, unless ``create`` is false), named ``kit:<schema>`` in
     ``pg_stat_activity`` (the listener is ``kit-listen:<schema>``). ``kwargs`` go to each
     connection; a connect is bounded (``CONNECT_TIMEOUT``) unless ``conninfo`` sets a bound.
     Raises ``ConfigError`` without the postgres extra; psycopg's ``OperationalError`` when the
@@ -186,10 +187,12 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, **k
         first = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, **bound)
     except psycopg.errors.ConnectionTimeout as exc:  # libpq's other errors name the host
         raise type(exc)(f"cannot connect to {masked(conninfo)!r}: {exc}") from None
-    async with first as conn, \
-            conn.transaction():  # locked: concurrent twins of CREATE SCHEMA IF NOT EXISTS collide
-        await _try_lock(conn, f"kit:schema:{schema}", "xact_")
-        await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    async with first as conn:
+        if create:
+            async with conn.transaction():  # locked: concurrent CREATE SCHEMA IF NOT EXISTS collide
+                await _try_lock(conn, f"kit:schema:{schema}", "xact_")
+                await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                    sql.Identifier(schema)))
     pool = AsyncConnectionPool(conninfo, min_size=1, max_size=max_size, open=False,
                                configure=configure, timeout=POOL_TIMEOUT,
                                kwargs={"autocommit": True, **bound, **kwargs,
@@ -393,23 +396,25 @@ class PostgresStore(StoreBase):
     ``url`` is ``postgresql://[user[:password]@]host[:port]/database[?schema=name&...]``: libpq's
     URL, plus kit's ``schema`` (default ``kit``). The schema and its tables are created on open,
     idempotently and once when replicas open together; a schema created by a newer kit is
-    refused. Other processes' commits wake this one's followers through LISTEN/NOTIFY, never a
+    refused. ``read_only=True`` opens an existing log to read it only (a role that may only
+    ``SELECT`` will do): nothing is created or upgraded, a schema without kit's tables is a
+    ``ConfigError``, and the writing methods raise ``KitError``. Other processes' commits wake this one's followers through LISTEN/NOTIFY, never a
     poll. Raises ``ConfigError`` for a malformed URL, or on open without the postgres extra or
     for a newer schema; opening raises psycopg's errors when the server cannot be reached, its
     ``ConnectionTimeout`` naming the URL (masked) when it does not answer (``CONNECT_TIMEOUT``).
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, read_only: bool = False) -> None:
         super().__init__()
         self._conninfo, self.schema = pg_url(url)
-        self.url = url
+        self.url, self.read_only = url, bool(read_only)
         self.channel = f"kit:{self.schema}"
         self._pool: Any = None
         self._bridge: Bridge | None = None
         self._stop_listening: Callable[[], Any] | None = None
 
     def __repr__(self) -> str:
-        return f"PostgresStore({masked(self.url)!r})"
+        return f"PostgresStore({masked(self.url)!r}{', read_only=True' * self.read_only})"
 
     # ---------------------------------------------------------------------- lifecycle --
     async def _opening(self) -> None:
@@ -459,18 +464,16 @@ class PostgresStore(StoreBase):
         return await self._io(fn, *args)
 
     async def _connect(self) -> Any:
-        pool = await open_pool(self._conninfo, self.schema)
+        pool = await open_pool(self._conninfo, self.schema, create=not self.read_only)
         try:
+            if self.read_only:  # an older schema reads as it is: its upgrades only add indexes
+                async with pool.connection() as conn:
+                    if await self._version(conn) is None:
+                        raise ConfigError(f"schema {self.schema!r} holds no kit event log (no "
+                                          "kit_meta table); a read-only store creates none")
+                return pool
             async with setup_lock(pool, f"kit:setup:{self.schema}") as conn:
-                row = None
-                if (await (await conn.execute(
-                        "SELECT to_regclass('kit_meta') IS NOT NULL")).fetchone())[0]:
-                    row = await (await conn.execute(
-                        "SELECT value FROM kit_meta WHERE key = 'schema_version'")).fetchone()
-                version = SCHEMA_VERSION if row is None else int(row[0])
-                if version > SCHEMA_VERSION:
-                    raise ConfigError(f"schema {self.schema!r} is at version {row[0]}, newer than "
-                                      f"this kit's {SCHEMA_VERSION}: upgrade kit")
+                version = await self._version(conn) or SCHEMA_VERSION
                 # One transaction: replicas see the old schema or the new one. CREATE INDEX on
                 # an existing runs table holds its writers for the build (~0.5 s per 100k runs).
                 async with conn.transaction():
@@ -486,6 +489,19 @@ class PostgresStore(StoreBase):
             await pool.close()
             raise
         return pool
+
+    async def _version(self, conn: Any) -> int | None:
+        """The version of the schema's tables (None: it has none); raises ``ConfigError`` for one
+        newer than this kit's."""
+        if not (await (await conn.execute(
+                "SELECT to_regclass('kit_meta') IS NOT NULL")).fetchone())[0]:
+            return None
+        row = await (await conn.execute(
+            "SELECT value FROM kit_meta WHERE key = 'schema_version'")).fetchone()
+        if row is not None and int(row[0]) > SCHEMA_VERSION:
+            raise ConfigError(f"schema {self.schema!r} is at version {row[0]}, newer than this "
+                              f"kit's {SCHEMA_VERSION}: upgrade kit")
+        return SCHEMA_VERSION if row is None else int(row[0])
 
     # ----------------------------------------------------------------------- listening --
     async def _keep_listening(self, ready: Callable[[BaseException | None], None]) -> None:
@@ -660,22 +676,25 @@ class PostgresStore(StoreBase):
 
 # ==================================================================================== factory ====
 
-def store_from_url(url: str, *, sqlite_sync: str | None = None) -> StoreBase:
+def store_from_url(url: str, *, sqlite_sync: str | None = None,
+                   read_only: bool = False) -> StoreBase:
     """Build (not open) the store a ``KIT_STORE``-style URL names.
 
     ``memory``, ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db`` or
     ``postgresql://...[?schema=name]`` (``PostgresStore``); ``sqlite_sync`` (``KIT_SQLITE_SYNC``:
-    ``NORMAL``, the default, or ``FULL``) is SQLite's ``synchronous``. Raises ``ConfigError``
-    naming the URL (its password masked) for anything else or a ``postgresql://`` URL that
-    ``pg_url`` refuses, or naming a bad ``sqlite_sync``.
+    ``NORMAL``, the default, or ``FULL``) is SQLite's ``synchronous``; ``read_only`` opens a
+    SQLite or Postgres log that exists to read it only (see their classes; a memory store is
+    always writable). Raises ``ConfigError`` naming the URL (its password masked) for anything
+    else or a ``postgresql://`` URL that ``pg_url`` refuses, or naming a bad ``sqlite_sync``.
     """
     if url == "memory":
         return MemoryStore()
     if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
-        return SQLiteStore(url[len("sqlite:///"):], synchronous=(sqlite_sync or "NORMAL").upper())
+        return SQLiteStore(url[len("sqlite:///"):], synchronous=(sqlite_sync or "NORMAL").upper(),
+                           read_only=read_only)
     if url.startswith(("postgresql://", "postgres://")):
         try:
-            return PostgresStore(url)
+            return PostgresStore(url, read_only=read_only)
         except ConfigError as exc:  # which setting's URL it is (a session URL may be one too)
             raise ConfigError(f"store URL: {exc}") from None
     raise ConfigError(f"unsupported store URL {masked(url)!r}: use 'memory', "

@@ -263,6 +263,9 @@ class Runtime:
             elif not getattr(self.store, "opened", True):
                 raise ConfigError("the store passed to Deck(store=...) is not open: open it with "
                                   "`async with store:` around the deck (the deck never closes it)")
+            elif getattr(self.store, "read_only", False):
+                raise ConfigError(f"the store passed to Deck(store=...), {self.store!r}, was "
+                                  "opened read-only: a deck writes its runs to its store")
             await self._start(env)
         except BaseException:
             await self._teardown()

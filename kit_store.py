@@ -1,8 +1,9 @@
 """kit_store: the event-store implementations of ``kit.EventStorePort`` (DESIGN 4.4, 4.5).
 
 Owns: ``StoreBase`` (what every store shares: the port's checks, wake-ups and ``follow``),
-``SQLiteStore`` (one file, shared by every process that opens it), ``MemoryStore`` (one
-process, no persistence) and ``project_log_url`` (where a project's log lives); ``kit_pg`` holds
+``SQLiteStore`` (one file, shared by every process that opens it; ``read_only_log`` opens one
+to read only), ``MemoryStore`` (one process, no persistence) and ``project_log_url`` (where a
+project's log lives); ``kit_pg`` holds
 the Postgres store and ``store_from_url``. Every store keeps the same three things: the log
 (events keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same
 transaction) and the claims (``leases``: one row per live or parked run, unique per
@@ -47,7 +48,8 @@ import orjson
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
-__all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "event_row", "event_of",
+__all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "read_only_log",
+           "event_row", "event_of",
            "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS", "RUN_INDEXES",
            "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP", "WAL_LIMIT")
 
@@ -120,6 +122,9 @@ class StoreBase:
 
     #: Seconds between re-reads while following; None when every writer is heard of.
     _poll: float | None = None
+    #: True for a store opened to read only (``read_only=True``): it never creates or writes
+    #: anything, and its writing methods raise ``KitError`` before touching the storage.
+    read_only = False
 
     def __init__(self) -> None:
         # Followers waiting, per run (None: control requests): [what they have, event].
@@ -165,6 +170,11 @@ class StoreBase:
         """Run a storage hook on the open store (see ``_retrying``)."""
         self._check()
         return await self._retrying(fn, *args)
+
+    def _check_writable(self, what: str) -> None:
+        self._check()
+        if self.read_only:
+            raise KitError(f"{self!r} was opened read-only: it cannot {what}")
 
     async def _retrying(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, retried with asynchronous backoff while the storage is busy (another
@@ -248,8 +258,10 @@ class StoreBase:
         Raises ``SessionBusyError`` when a live or parked run holds a claim's session and
         ``LogConflictError`` for the first event whose ``(run_id, seq)`` is taken (or whose
         ``run.started`` reuses a run id); either way nothing is written. Raises ``KitError`` if
-        the store is not open (so do all the methods below).
+        the store is not open (so do all the methods below), or was opened read-only (so do
+        ``renew``, ``reap`` and ``request``).
         """
+        self._check_writable("append")
         events = list(events)
         _check_unique(events)
         if events or claims:
@@ -322,6 +334,7 @@ class StoreBase:
     async def renew(self, owner: str, lease_seconds: float, run_ids: Sequence[str] | None = None) -> None:
         """Extend the leases of ``owner`` to ``now + lease_seconds``: those of ``run_ids`` only
         (the runs its process still plays), or all of them. Parked claims stay parked."""
+        self._check_writable("renew leases")
         ids = None if run_ids is None else list(run_ids)
         await self._call(lambda: self._renew(owner, time.time() + lease_seconds, ids))
 
@@ -331,6 +344,7 @@ class StoreBase:
         Each gets ``run.failed`` (error ``RunAbandoned``) at its next seq and status FAILED, and
         its claim is freed.
         """
+        self._check_writable("reap runs")
         reaped = await self._call(lambda: self._reap(time.time()))
         for run_id in reaped:
             self._woken(run_id, None)
@@ -346,6 +360,7 @@ class StoreBase:
         """
         if action not in ("pause", "cancel", "resume"):
             raise ConfigError(f"a control request is pause, cancel or resume, got {action!r}")
+        self._check_writable("record a control request")
         if await self._call(self._run_info, run_id) is None:
             raise UnknownRunError(run_id)
         request_id = await self._call(lambda: self._request(run_id, action, reason, source, time.time()))
@@ -534,27 +549,71 @@ class _Checkpointer(threading.Thread):
         self._restart_at, self._rewound = (2 * in_use, -1) if busy else (_RESTART_AT, frames)
 
 
+_HAS_EVENTS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'events'"
+
+
+def read_only_log(path: str) -> sqlite3.Connection:
+    """A connection to read the kit log in the SQLite file ``path``, which kit writes nothing
+    through (the store's writing methods refuse first), its schema least of all.
+
+    A file this process may write (and its directory) is opened as a writer opens it (SQLite's
+    ``mode=rw``, which never creates a file), so the ``-wal`` and ``-shm`` files it takes are
+    removed when the last connection closes: a ``mode=ro`` reader would leave them behind, owned
+    by whoever read, where the log's own user might not open them. Any other is opened
+    ``mode=ro``, which takes the ``-shm`` index of a WAL-mode file if it is there; where it is
+    not and cannot be created (a read-only mount, another user's directory) and no ``-wal`` file
+    is there either (no process is writing the log: every commit is in the file), the file is
+    opened ``immutable``, which needs no index. Raises ``ConfigError`` naming ``path`` when the
+    file is a database without kit's ``events`` table, ``sqlite3.Error`` when it cannot be read
+    (no such file, not a database, a ``-wal`` whose index it cannot take).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    writable = os.access(path, os.W_OK) and os.access(folder, os.W_OK)
+    uri = Path(os.path.abspath(path)).as_uri() + ("?mode=rw" if writable else "?mode=ro")
+    db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+    try:
+        try:
+            found = db.execute(_HAS_EVENTS).fetchone()
+        except sqlite3.OperationalError:  # (no index to take: raised by the first read)
+            if writable or os.path.exists(path + "-wal") or not os.path.isfile(path):
+                raise
+            db.close()
+            db = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False,
+                                 isolation_level=None)
+            found = db.execute(_HAS_EVENTS).fetchone()
+        if found is None:
+            raise ConfigError(f"{path} is not a kit event log (it has no events table)")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
 class SQLiteStore(StoreBase):
     """The log in one SQLite file (WAL), shared by every process that opens the same path.
 
     ``poll_interval`` bounds how late a follower sees events written by another process; events
-    written through this object wake followers at once. Raises ``ConfigError`` for a
-    non-positive ``poll_interval``; opening raises ``sqlite3.Error`` if the file cannot be opened.
+    written through this object wake followers at once. ``read_only=True`` opens an existing log
+    to read it only (``read_only_log``), where this process may not write (a read-only mount,
+    another user's file): its writing methods raise ``KitError``. Raises ``ConfigError`` for a
+    non-positive ``poll_interval``; opening raises ``sqlite3.Error`` if the file cannot be
+    opened, and read-only ``ConfigError`` for a database that is not a kit log.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, poll_interval: float = 0.05,
-                 synchronous: str = "NORMAL") -> None:
+                 synchronous: str = "NORMAL", read_only: bool = False) -> None:
         super().__init__()
         if not poll_interval > 0:
             raise ConfigError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
         if synchronous not in ("NORMAL", "FULL"):
             raise ConfigError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
         self.path, self._poll, self.synchronous = os.fspath(path), poll_interval, synchronous
+        self.read_only = bool(read_only)
         self._db: sqlite3.Connection | None = None
         self._checkpointer: _Checkpointer | None = None
 
     def __repr__(self) -> str:
-        return f"SQLiteStore({self.path!r})"
+        return f"SQLiteStore({self.path!r}{', read_only=True' * self.read_only})"
 
     @property
     def url(self) -> str:
@@ -567,6 +626,11 @@ class SQLiteStore(StoreBase):
         return self._db
 
     def _open(self) -> None:
+        if self.read_only:  # no schema, no pragma that writes, no checkpointer
+            db = read_only_log(self.path)
+            db.execute("PRAGMA busy_timeout=0")  # as below: _retrying backs off
+            self._db = db
+            return
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         # isolation_level=None: no implicit transactions; every write says BEGIN IMMEDIATE itself.
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)

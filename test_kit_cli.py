@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shlex
 import sqlite3
 import subprocess
@@ -320,3 +321,94 @@ async def test_an_empty_store_is_a_usage_error_not_another_log(tmp_path, monkeyp
     for args in (["runs", "list"], ["runs", "events", "r1"], ["runs", "signal", "r1", "cancel"]):
         ran = await anyio.to_thread.run_sync(kit_cli, *args, "--store", "")
         assert (ran.returncode, ran.stdout) == (2, "") and "argument --store" in ran.stderr, ran
+
+
+# ============================================================== a log it may only read ====
+
+def where_read_only(folder: Path, *command: str) -> subprocess.CompletedProcess:
+    """``command`` run where ``folder`` is a read-only mount: a bind mount in a mount namespace
+    of its own, so for this process (a live writer, say) ``folder`` stays writable."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"'
+    return subprocess.run(["unshare", "--mount", "sh", "-c", script, str(folder), *command],
+                          cwd=HERE, capture_output=True, text=True, timeout=60)
+
+
+def kit_where_read_only(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return where_read_only(folder, sys.executable, "-m", "kit_cli", *args)
+
+
+async def test_a_log_on_a_read_only_mount_is_read_closed_or_live_and_left_as_it_is(tmp_path):
+    try:
+        probe = where_read_only(tmp_path, "sh", "-c", 'touch "$0/probe"', str(tmp_path))
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here to make a read-only mount")
+    if "Read-only file system" not in probe.stderr:
+        pytest.skip(f"cannot make a read-only mount here (needs CAP_SYS_ADMIN): {probe.stderr}")
+    db = tmp_path / "kit.db"
+    run_id, url = await logged(db), f"sqlite:///{db}"
+    before = db.read_bytes()
+    listed = await anyio.to_thread.run_sync(kit_where_read_only, tmp_path, "runs", "list",
+                                            "--json", "--store", url)
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line)["run_id"] for line in listed.stdout.splitlines()] == [run_id]
+    events = await anyio.to_thread.run_sync(kit_where_read_only, tmp_path, "runs", "events",
+                                            run_id, "--store", url)
+    assert [json.loads(line)["kind"] for line in events.stdout.splitlines()] == ["run.started"]
+    signal = await anyio.to_thread.run_sync(kit_where_read_only, tmp_path, "runs", "signal",
+                                            run_id, "cancel", "--store", url)
+    assert signal.returncode == 1 and signal.stderr.startswith(f"kit: {db}: "), signal.stderr
+    assert db.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["kit.db"]
+
+    # Live: a writer here holds the log open, its last commits in the WAL only; the reader on
+    # the read-only mount takes the writer's index and sees them.
+    async with SQLiteStore(db) as writer:
+        await writer.append([kit.Event(run_id, 1, kit.RunCompleted("ok"), "a")])
+        assert (tmp_path / "kit.db-wal").stat().st_size > 0
+        events = await anyio.to_thread.run_sync(kit_where_read_only, tmp_path, "runs", "events",
+                                                run_id, "--store", url)
+        assert [json.loads(line)["kind"] for line in events.stdout.splitlines()] == [
+            "run.started", "run.completed"], events.stderr
+        listed = await anyio.to_thread.run_sync(kit_where_read_only, tmp_path, "runs", "list",
+                                                "--store", url)
+        assert listed.returncode == 0 and "COMPLETED" in listed.stdout, listed.stderr
+
+
+async def test_a_postgres_role_that_may_only_select_reads_the_log(postgres_url):
+    import psycopg
+    from kit_pg import pg_url
+    conninfo, schema = pg_url(postgres_url)
+    async with store_from_url(postgres_url) as store:
+        await store.append([kit.Event("r1", 0, kit.RunStarted("a", "agent", "s1", None, ()), "a")])
+    role = f"kit_reader_{schema[5:]}"
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+        conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {role}")
+    try:
+        url = postgres_url.replace("postgres@", f"{role}@")
+        ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--json", "--store", url)
+        assert ran.returncode == 0 and json.loads(ran.stdout)["run_id"] == "r1", ran.stderr
+        ran = await anyio.to_thread.run_sync(kit_cli, "runs", "events", "r1", "--store", url)
+        assert ran.returncode == 0 and json.loads(ran.stdout)["kind"] == "run.started"
+        ran = await anyio.to_thread.run_sync(kit_cli, "runs", "signal", "r1", "pause",
+                                             "--store", url)
+        assert ran.returncode == 1 and "permission denied" in ran.stderr, ran.stderr
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+    async with store_from_url(postgres_url) as store:
+        assert await store.requests() == []
+
+
+async def test_a_postgres_schema_without_a_log_is_refused_and_not_created(postgres_url):
+    import psycopg
+    from kit_pg import pg_url
+    conninfo, schema = pg_url(postgres_url)
+    for args in (["runs", "list"], ["runs", "events", "r1"], ["runs", "signal", "r1", "cancel"]):
+        ran = await anyio.to_thread.run_sync(kit_cli, *args, "--store", postgres_url)
+        assert (ran.returncode, ran.stdout) == (1, ""), ran
+        assert f"schema '{schema}' holds no kit event log" in ran.stderr
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        assert conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s",
+                            (schema,)).fetchone() is None

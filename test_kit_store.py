@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -894,6 +895,97 @@ async def test_postgres_that_never_answers_fails_the_open_in_bounded_time_naming
             took = time.monotonic() - started
             assert f"127.0.0.1:{port}" in str(info.value) and "s3cret" not in str(info.value)
             assert bound - 0.5 < took < bound + 3 and not store.opened  # the URL's own bound wins
+
+
+# ============================================================================== read-only ====
+
+async def test_a_read_only_store_reads_a_live_log_and_writes_nothing(shared_url):
+    async with store_from_url(shared_url) as writer:
+        await writer.append([started("r1", session_id="s1")],
+                            claims=[Claim("r1", "w", 30, session_id="s1")])
+        async with store_from_url(shared_url, read_only=True) as reader:
+            assert reader.read_only and repr(reader).endswith(", read_only=True)")
+            assert [r.run_id for r in await reader.runs()] == ["r1"]
+            assert await reader.session_holder("s1") == "r1"
+            got: list[str] = []
+
+            async def follow() -> None:
+                async for e in reader.follow("r1"):
+                    got.append(e.kind)
+
+            with anyio.fail_after(10):  # live: what the writer commits later reaches the reader
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(follow)
+                    await anyio.sleep(0.05)
+                    await writer.append([ev("r1", 1, kit.RunCompleted("ok"))])
+            assert got == ["run.started", "run.completed"]
+            for write in (lambda: reader.append([ev("r1", 2, kit.RunCompleted("again"))]),
+                          lambda: reader.renew("w", 30), reader.reap,
+                          lambda: reader.request("r1", "cancel")):
+                with pytest.raises(kit.KitError, match="opened read-only: it cannot"):
+                    await write()
+            deck = kit.Deck([kit.Agent("a", model=kit.ScriptedModel(["x"]))], store=reader)
+            with pytest.raises(kit.ConfigError, match="opened read-only: a deck writes"):
+                async with deck:
+                    pass
+        assert kinds(await writer.read("r1")) == ["run.started", "run.completed"]
+        assert await writer.requests() == [] and await writer.session_holder("s1") is None
+
+
+async def test_a_read_only_sqlite_store_creates_nothing(tmp_path):
+    missing = tmp_path / "none" / "kit.db"
+    with pytest.raises(Exception, match="unable to open"):
+        async with SQLiteStore(missing, read_only=True):
+            pass
+    assert not missing.parent.exists()  # no file, no folder
+    other = tmp_path / "other.db"  # someone else's database
+    with contextlib.closing(sqlite3.connect(other)) as db:
+        db.execute("CREATE TABLE users(name TEXT)")
+        db.commit()
+    before = other.read_bytes()
+    with pytest.raises(kit.ConfigError, match=f"{other} is not a kit event log"):
+        async with SQLiteStore(other, read_only=True):
+            pass
+    assert other.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["other.db"]
+    log = tmp_path / "kit.db"
+    async with SQLiteStore(log) as store:
+        await store.append([started("r1")])
+    async with SQLiteStore(log, read_only=True) as reader:
+        assert [r.run_id for r in await reader.runs()] == ["r1"]
+    # A reader in a directory it may write leaves no -wal or -shm behind, owned by it, which
+    # the log's own user might not be able to open.
+    assert sorted(os.listdir(tmp_path)) == ["kit.db", "other.db"]
+
+
+async def test_a_read_only_postgres_store_creates_nothing_and_reads_an_older_schema(postgres_url):
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+
+    def schemas() -> set[str]:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            return {n for (n,) in conn.execute("SELECT nspname FROM pg_namespace")}
+
+    with pytest.raises(kit.ConfigError, match=f"schema '{schema}' holds no kit event log"):
+        async with store_from_url(postgres_url, read_only=True):
+            pass
+    assert schema not in schemas()
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")  # an empty schema stays empty
+    with pytest.raises(kit.ConfigError, match="holds no kit event log"):
+        async with store_from_url(postgres_url, read_only=True):
+            pass
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1")])
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f"UPDATE {schema}.kit_meta SET value = '1'")  # as an older kit left it
+    async with store_from_url(postgres_url, read_only=True) as reader:
+        assert [r.run_id for r in await reader.runs(limit=5)] == ["r1"]
+    with psycopg.connect(conninfo, autocommit=True) as conn:  # not upgraded: read as it is
+        assert conn.execute(f"SELECT value FROM {schema}.kit_meta").fetchall() == [("1",)]
+        conn.execute(f"UPDATE {schema}.kit_meta SET value = '99'")
+    with pytest.raises(kit.ConfigError, match="version 99, newer"):
+        async with store_from_url(postgres_url, read_only=True):
+            pass
 
 
 # ================================================================================= factory ====
