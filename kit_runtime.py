@@ -166,6 +166,12 @@ class _Run(RunHandle):
                     return
 
 
+def _check_id(what: str, value: Any) -> None:
+    """Raise ``ConfigError`` naming ``what`` unless ``value`` is a non-empty str (an id)."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
+
+
 def _seconds(env: Any, name: str, default: float) -> float:
     """A positive number of seconds from setting ``name``; ``ConfigError`` naming it otherwise."""
     raw = env.get(name)
@@ -562,8 +568,8 @@ class Runtime:
         """Check a new run's arguments, write its start (with its claim) and return the run,
         the engine-side job that plays it and its ``run.started``. Refused runs write nothing."""
         for what, value in (("session_id", session_id), ("run_id", run_id)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
+            if value is not None:
+                _check_id(what, value)
         history = as_history(history)
         if history and (spec.kind != "agent" or session_id is not None):
             raise ConfigError("history= is for a one-off agent turn: a session or a workflow's "
@@ -950,4 +956,7 @@ class Runtime:
         if self.sessions is None:
             raise ConfigError("this deck has no agent: sessions hold agents' conversations "
                               "(a workflow's thread is its session_id)")
+        _check_id("session_id", session_id)  # (an int would be another session than its str)
+        if namespace is not None:
+            check_name("namespace", namespace)
         return self.sessions.get(session_id, namespace)

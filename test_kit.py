@@ -422,6 +422,11 @@ async def test_session_keeps_history_across_turns(store):
         items = await deck.session_for("s1").get_items()
         assert [i.get("role") for i in items] == ["user", "assistant", "user", "assistant"]
         assert (await deck.session_for("s1").get_items(limit=1))[0]["role"] == "assistant"
+        for bad in (1, "", None, b"s1"):  # an int would be a session apart from its str
+            with pytest.raises(kit.ConfigError, match="session_id must be a non-empty str"):
+                deck.session_for(bad)
+        with pytest.raises(kit.ConfigError, match="namespace name"):
+            deck.session_for("s1", namespace="a b")
 
 
 async def test_a_one_off_turn_gets_its_history_recorded_and_sent_in_roles(store):
