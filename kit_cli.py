@@ -29,9 +29,11 @@ so it works where it may only read (a read-only mount, a file or Postgres schema
 own user, a role that may only ``SELECT``), and never creates or upgrades a log: a SQLite file or
 a Postgres schema that is not kit's log (no ``events`` table, not a database, no such schema) is
 refused, naming it, and left as it is. Only ``signal`` then writes, its one request, through a
-store it opens once the read-only one found the run. argparse checks every argument: text is UTF-8 (a non-UTF-8 byte in argv is a
-usage error naming the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, ``--store`` and
-``--before`` are not empty.
+store it opens once the read-only one found the run.
+
+argparse checks every argument: text is UTF-8 (a non-UTF-8 byte in argv is a usage error naming
+the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, ``--store`` and ``--before`` are not
+empty.
 
 Output that meets a closed pipe (``kit runs list | head``) ends quietly. Exit codes: 0 done (or
 recorded), 1 an unknown run, a request that cannot act on the run (a finished run; pause of a

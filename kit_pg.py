@@ -168,9 +168,10 @@ def _bounded(conninfo: str) -> dict[str, Any]:
 async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, create: bool = True,
                     **kwargs: Any) -> Any:
     """On asyncio: an open ``psycopg_pool.AsyncConnectionPool`` of autocommit connections whose
-    ``search_path`` is ``schema`` (created if missing, unless ``create`` is false), named ``kit:<schema>`` in
-    ``pg_stat_activity`` (the listener is ``kit-listen:<schema>``). ``kwargs`` go to each
-    connection; a connect is bounded (``CONNECT_TIMEOUT``) unless ``conninfo`` sets a bound.
+    ``search_path`` is ``schema`` (created if missing, unless ``create`` is false), named
+    ``kit:<schema>`` in ``pg_stat_activity`` (the listener is ``kit-listen:<schema>``).
+    ``kwargs`` go to each connection; a connect is bounded (``CONNECT_TIMEOUT``) unless
+    ``conninfo`` sets a bound.
     Raises ``ConfigError`` without the postgres extra; psycopg's ``OperationalError`` when the
     server cannot be reached (libpq's messages name the host, never the password), its
     ``ConnectionTimeout`` naming ``conninfo`` (masked) when the server does not answer in time."""
@@ -398,8 +399,8 @@ class PostgresStore(StoreBase):
     idempotently and once when replicas open together; a schema created by a newer kit is
     refused. ``read_only=True`` opens an existing log to read it only (a role that may only
     ``SELECT`` will do): nothing is created or upgraded, a schema without kit's tables is a
-    ``ConfigError``, and the writing methods raise ``KitError``. Other processes' commits wake this one's followers through LISTEN/NOTIFY, never a
-    poll. Raises ``ConfigError`` for a malformed URL, or on open without the postgres extra or
+    ``ConfigError``, and the writing methods raise ``KitError``. Other processes' commits wake
+    this one's followers through LISTEN/NOTIFY, never a poll. Raises ``ConfigError`` for a malformed URL, or on open without the postgres extra or
     for a newer schema; opening raises psycopg's errors when the server cannot be reached, its
     ``ConnectionTimeout`` naming the URL (masked) when it does not answer (``CONNECT_TIMEOUT``).
     """

@@ -3,11 +3,10 @@
 Owns: ``StoreBase`` (what every store shares: the port's checks, wake-ups and ``follow``),
 ``SQLiteStore`` (one file, shared by every process that opens it; ``read_only_log`` opens one
 to read only), ``MemoryStore`` (one process, no persistence) and ``project_log_url`` (where a
-project's log lives); ``kit_pg`` holds
-the Postgres store and ``store_from_url``. Every store keeps the same three things: the log
-(events keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same
-transaction) and the claims (``leases``: one row per live or parked run, unique per
-``(namespace, session_id)``).
+project's log lives); ``kit_pg`` holds the Postgres store and ``store_from_url``. Every store
+keeps the same three things: the log (events keyed by ``(run_id, seq)``), the run index
+(``runs``, folded from the log in the same transaction) and the claims (``leases``: one row per
+live or parked run, unique per ``(namespace, session_id)``).
 
 Must never: run engine code, read the environment at import, or do I/O at import. Files are opened
 by ``async with store:`` only.
@@ -49,8 +48,7 @@ from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogCo
                  RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
 
 __all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "read_only_log",
-           "event_row", "event_of",
-           "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS", "RUN_INDEXES",
+           "event_row", "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS", "RUN_INDEXES",
            "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP", "WAL_LIMIT")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
