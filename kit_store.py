@@ -572,9 +572,14 @@ def read_only_log(path: str) -> sqlite3.Connection:
     try:
         try:
             found = db.execute(_HAS_EVENTS).fetchone()
-        except sqlite3.OperationalError:  # (no index to take: raised by the first read)
-            if writable or os.path.exists(path + "-wal") or not os.path.isfile(path):
+        except sqlite3.OperationalError as exc:  # (no index to take: raised by the first read)
+            if writable or not os.path.isfile(path):
                 raise
+            if os.path.exists(path + "-wal"):  # a writer's, or one that crashed
+                raise sqlite3.OperationalError(
+                    f"{exc}: {path}-wal holds commits not yet in {path}, and reading them takes a "
+                    f"{path}-shm index this process cannot create or open; read the log where it "
+                    "may be written (or a copy of the files somewhere writable)") from None
             db.close()
             db = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False,
                                  isolation_level=None)

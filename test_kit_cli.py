@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shlex
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -371,6 +372,13 @@ async def test_a_log_on_a_read_only_mount_is_read_closed_or_live_and_left_as_it_
         listed = await anyio.to_thread.run_sync(kit_where_read_only, tmp_path, "runs", "list",
                                                 "--store", url)
         assert listed.returncode == 0 and "COMPLETED" in listed.stdout, listed.stderr
+        # What a crash leaves (a -wal, no -shm) cannot be read there: said, not a wrong page.
+        for suffix in ("", "-wal"):
+            shutil.copy(f"{db}{suffix}", tmp_path / f"crashed.db{suffix}")
+    listed = await anyio.to_thread.run_sync(kit_where_read_only, tmp_path, "runs", "list",
+                                            "--store", f"sqlite:///{tmp_path / 'crashed.db'}")
+    assert listed.returncode == 1 and listed.stdout == "", listed
+    assert f"{tmp_path}/crashed.db-wal holds commits not yet in" in listed.stderr
 
 
 async def test_a_postgres_role_that_may_only_select_reads_the_log(postgres_url):
