@@ -111,8 +111,13 @@ def _blocks(content: Any) -> tuple[ContentBlock, ...]:
 
 
 def _block(part: Any) -> ContentBlock:
-    kind = part.get("type") if isinstance(part, Mapping) else None
-    if kind == "text" and isinstance(part.get("text"), str):
+    if not isinstance(part, Mapping):
+        raise ChatRequestError(f"a content part must be an object with a 'type', got "
+                               f"{type(part).__name__}")
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ChatRequestError("a text part needs a string 'text'")
         return TextBlock(part["text"])
     if kind == "image_url":
         image = part.get("image_url")

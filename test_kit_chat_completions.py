@@ -209,7 +209,11 @@ async def test_a_busy_session_is_409_and_an_unknown_model_404_in_openais_shape()
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "last message"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "data:image/png;base64,!!"}}]}], "base64"),
-], ids=["tool-role", "image-by-url", "assistant-last", "bad-base64"])
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "a text part needs a string"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "a text part needs a string 'text'"),
+    ([{"role": "user", "content": ["hi"]}], "a content part must be an object with a 'type', got str"),
+], ids=["tool-role", "image-by-url", "assistant-last", "bad-base64", "text-not-str", "text-missing",
+        "part-not-object"])
 async def test_what_kit_cannot_carry_is_a_400_and_writes_nothing(messages, why):
     async with served(catalog(), surfaces=("openai",)) as (client, app):
         _, aio = clients(client)
