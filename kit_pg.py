@@ -59,8 +59,9 @@ import sniffio
 from kit_bridge import Bridge, spawn
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunInfo,
                       RunStarted, RunStatus, SessionBusyError, fold_status)
-from kit_store import (RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, StoreBase, abandoned,
-                       by_run, event_of, event_row, run_row, runs_query)
+from kit_store import (RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, abandoned, by_run,
+                       event_of, event_row, run_row, runs_query)
+from kit_storebase import StoreBase
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
            "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "CONNECT_TIMEOUT",

@@ -1,12 +1,13 @@
-"""kit_store: the event-store implementations of ``kit.EventStorePort`` (DESIGN 4.4, 4.5).
+"""kit_store: the SQLite and in-memory event stores, on ``kit_storebase`` (DESIGN 4.4, 4.5).
 
-Owns: ``StoreBase`` (what every store shares: the port's checks, wake-ups and ``follow``),
-``SQLiteStore`` (one file, shared by every process that opens it; ``read_only_log`` opens one
-to read only), ``MemoryStore`` (one process, no persistence) and ``project_log_url`` (where a
-project's log lives); ``kit_pg`` holds the Postgres store and ``store_from_url``. Every store
-keeps the same three things: the log (events keyed by ``(run_id, seq)``), the run index
-(``runs``, folded from the log in the same transaction) and the claims (``leases``: one row per
-live or parked run, unique per ``(namespace, session_id)``).
+Owns: ``SQLiteStore`` (one file, shared by every process that opens it; ``read_only_log`` opens
+one to read only), ``MemoryStore`` (one process, no persistence), the rows and run-index queries
+the SQL stores share with ``kit_pg`` (``event_row``, ``event_of``, ``runs_query``, ``run_row``,
+``RUN_INDEXES``) and ``project_log_url`` (where a project's log lives); ``kit_pg`` holds the
+Postgres store and ``store_from_url``. Every store keeps the same three things: the log (events
+keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same
+transaction) and the claims (``leases``: one row per live or parked run, unique per
+``(namespace, session_id)``).
 
 Must never: run engine code, read the environment at import, or do I/O at import. Files are opened
 by ``async with store:`` only.
@@ -14,11 +15,10 @@ by ``async with store:`` only.
 Theory of operation: ``append`` is the only writer of events and does everything a batch implies in
 one transaction (claim, events, run index, leases), so a reader never sees a half-applied batch.
 SQLite calls run inline on the event loop thread: an inline commit costs ~30 us where a thread hop
-costs 80-190 us, and the Runtime group-commits, so ``append`` receives batches. ``follow`` (and
-``follow_requests``) wait on an ``anyio.Event`` per follower that a local write to its run sets;
-writers in other processes cannot set it, so the SQLite store also re-reads every
-``poll_interval`` seconds (the one poll kit allows; ``kit_pg``'s store hears them instead). A
-thread of its own checkpoints the SQLite WAL, and rewinds it to keep it under ``WAL_LIMIT``.
+costs 80-190 us, and the Runtime group-commits, so ``append`` receives batches. Writers in other
+processes cannot wake this one's followers (``StoreBase``), so the SQLite store also re-reads
+every ``poll_interval`` seconds (the one poll kit allows; ``kit_pg``'s store hears them instead).
+A thread of its own checkpoints the SQLite WAL, and rewinds it to keep it under ``WAL_LIMIT``.
 ``runs`` reads the run index a page at a time, each page one range of an index ordered as the
 listing is (``RUN_INDEXES``, shared with ``kit_pg``), so a page costs the same in any log
 (save COMPLETED pages after many runs of other statuses: see there).
@@ -26,42 +26,28 @@ listing is (``RUN_INDEXES``, shared with ``kit_pg``), so a page costs the same i
 from __future__ import annotations
 
 import bisect
-import functools
 import json
 import operator
 import os
 import sqlite3
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
-import anyio
-import anyio.lowlevel
 import orjson
 
-from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError, RunFailed,
-                 RunInfo, RunStarted, RunStatus, SessionBusyError, UnknownRunError, fold_status)
+from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunFailed,
+                      RunInfo, RunStarted, RunStatus, SessionBusyError, fold_status)
+from kit_storebase import StoreBase
 
-__all__ = ("StoreBase", "SQLiteStore", "MemoryStore", "project_log_url", "read_only_log",
-           "event_row", "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS", "RUN_INDEXES",
-           "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP", "WAL_LIMIT")
+__all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
+           "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS",
+           "RUN_INDEXES", "WAL_LIMIT")
 
-_NOT_OPEN = "event store is not open: use `async with store:`"
-#: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
-#: for it rides out any burst, while a genuinely stuck file still fails instead of hanging (the
-#: Runtime's writer then retries the batch on its own, longer schedule). The wait is
-#: asynchronous: SQLite's own busy handler would sleep on the event loop, freezing every
-#: stream and request of the process while another process holds the lock.
-BUSY_WAIT = 5.0
-#: The first back-off while the file is locked, doubled up to BUSY_MAX_SLEEP (seconds): a short
-#: transaction elsewhere costs a millisecond or two, a long one a poll every 50 ms.
-BUSY_FIRST_SLEEP = 0.001
-BUSY_MAX_SLEEP = 0.05
 #: WAL checkpoints run on a thread of their own, after this many commits: on the event loop, a
 #: checkpoint (page copies and an fsync) stalls every stream for milliseconds, and costs ~12 us
 #: per turn amortised (measured).
@@ -86,309 +72,12 @@ def abandoned(run_id: str, seq: int, name: str) -> Event:
     return Event(run_id, seq, RunFailed(error="RunAbandoned", message=_ABANDONED), origin=name)
 
 
-def _check_unique(events: Sequence[Event]) -> None:
-    """Raise ``LogConflictError`` at the first ``(run_id, seq)`` or ``run.started`` a batch repeats."""
-    seen: set[tuple[str, int]] = set()
-    for e in events:
-        # -1 is no seq: it stands for the run's run.started, which a run has at most once.
-        keys = ((e.run_id, e.seq), (e.run_id, -1)) if e.kind == "run.started" else ((e.run_id, e.seq),)
-        if not seen.isdisjoint(keys):
-            raise LogConflictError(e.run_id, e.seq)
-        seen.update(keys)
-
-
 def by_run(events: Sequence[Event]) -> dict[str, list[Event]]:
     """A batch's events grouped by run, each group in batch order."""
     out: dict[str, list[Event]] = {}
     for e in events:
         out.setdefault(e.run_id, []).append(e)
     return out
-
-
-class StoreBase:
-    """The shared surface of kit's stores: lifecycle, checks, wake-ups, ``follow`` and
-    ``follow_requests``. Subclasses (``SQLiteStore``, ``MemoryStore`` here, ``kit_pg``'s
-    ``PostgresStore``) implement the storage hooks at the end of the class.
-
-    The hooks run through ``_call``: here they are synchronous and run inline (``_retrying``);
-    a store whose I/O is asynchronous overrides ``_call`` (and ``_opening``/``_closing``) and
-    makes them coroutine functions. Followers wait per run: ``_woken(run_id, seq)`` wakes the
-    followers of ``run_id`` that have not seen ``seq``; a store whose other writers can tell it
-    of their commits (Postgres: LISTEN/NOTIFY) calls it for them, one that cannot re-reads every
-    ``_poll`` seconds.
-    """
-
-    #: Seconds between re-reads while following; None when every writer is heard of.
-    _poll: float | None = None
-    #: True for a store opened to read only (``read_only=True``): it never creates or writes
-    #: anything, and its writing methods raise ``KitError`` before touching the storage.
-    read_only = False
-
-    def __init__(self) -> None:
-        # Followers waiting, per run (None: control requests): [what they have, event].
-        # Created by ``__aenter__`` (the events need the running backend), so one store object
-        # can be opened under asyncio and later under trio; None while closed.
-        self._followers: dict[str | None, list[tuple[int, anyio.Event]]] | None = None
-
-    @property
-    def opened(self) -> bool:
-        """True between ``async with store:`` (or ``__aenter__``) and ``aclose``."""
-        return self._followers is not None
-
-    async def __aenter__(self) -> Self:
-        """Open the store; raises ``KitError`` if it is open already."""
-        if self._followers is not None:
-            raise KitError("event store is already open")
-        await self._opening()
-        self._followers = {}
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the store (idempotent). Followers waiting on it wake and raise ``KitError``."""
-        if self._followers is None:
-            return
-        self._wake_all()
-        self._followers = None
-        await self._closing()
-
-    async def _opening(self) -> None:
-        await self._retrying(self._open)
-
-    async def _closing(self) -> None:
-        self._close()
-
-    def _check(self) -> None:
-        if self._followers is None:
-            raise KitError(_NOT_OPEN)
-
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a storage hook on the open store (see ``_retrying``)."""
-        self._check()
-        return await self._retrying(fn, *args)
-
-    def _check_writable(self, what: str) -> None:
-        self._check()
-        if self.read_only:
-            raise KitError(f"{self!r} was opened read-only: it cannot {what}")
-
-    async def _retrying(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, retried with asynchronous backoff while the storage is busy (another
-        process holds SQLite's write lock), for up to ``BUSY_WAIT``; then the busy error
-        propagates. The hook itself never waits for a lock: the event loop stays free.
-
-        A cancellation lands between attempts, never inside a write. Only a pending cancellation
-        is delivered: yielding to the loop on every call would cost a loop pass per commit.
-        """
-        delay, deadline = BUSY_FIRST_SLEEP, None
-        while True:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            try:
-                return fn(*args)
-            except Exception as exc:
-                if not self._busy(exc):
-                    raise
-                now = anyio.current_time()
-                deadline = now + BUSY_WAIT if deadline is None else deadline
-                if now >= deadline:
-                    raise
-            await anyio.sleep(delay)
-            delay = min(delay * 2, BUSY_MAX_SLEEP)
-
-    def _busy(self, exc: Exception) -> bool:
-        """Whether ``exc`` means "locked by someone else, try again" (storage-specific)."""
-        return False
-
-    # ---------------------------------------------------------------------- wake-ups --
-    def _woken(self, run_id: str | None, seq: int | None) -> None:
-        """Wake the followers of ``run_id`` (None: of control requests) that have not seen
-        ``seq`` (None: all of them)."""
-        waiting = self._followers.get(run_id) if self._followers is not None else None
-        if waiting:
-            for after, event in waiting:
-                if seq is None or after < seq:
-                    event.set()
-
-    def _wake_all(self) -> None:
-        """Wake every follower: each re-reads (or finds the store closed)."""
-        for waiting in (self._followers or {}).values():
-            for _, event in waiting:
-                event.set()
-
-    def _committed(self, events: Sequence[Event]) -> None:
-        last: dict[str, int] = {}
-        for e in events:
-            last[e.run_id] = max(e.seq, last.get(e.run_id, -1))
-        for run_id, seq in last.items():
-            self._woken(run_id, seq)
-
-    async def _read_or_wait(self, key: str | None, after: int,
-                            read: Callable[[int], Awaitable[list[Any]]]) -> list[Any]:
-        """``read(after)``; when that finds nothing, wait for a wake-up of ``key`` (or
-        ``_poll`` seconds) and return []. The waiter is registered before reading, so no commit
-        can slip between the read and the wait. Raises ``KitError`` if the store is closed."""
-        self._check()
-        entry = (after, anyio.Event())
-        waiting = self._followers.setdefault(key, [])  # type: ignore[union-attr]
-        waiting.append(entry)
-        try:
-            found = await read(after)
-            if not found:
-                with anyio.move_on_after(self._poll):
-                    await entry[1].wait()
-            return found
-        finally:
-            waiting.remove(entry)
-            if not waiting and self._followers is not None and self._followers.get(key) is waiting:
-                del self._followers[key]
-
-    # ------------------------------------------------------------------------- the port --
-    async def append(self, events: Sequence[Event], *, claims: Sequence[Claim] = ()) -> None:
-        """Append a batch atomically; durable when this returns.
-
-        With ``claims``, also take each run's lease in the same transaction: re-taking a run's own
-        lease renews it; a session held by another run whose lease has lapsed is taken over (that
-        run gets ``run.failed`` RunAbandoned). A ``run.started`` event indexes the run; a terminal
-        event frees the claim; a parking event keeps it with no lease to lapse.
-
-        Raises ``SessionBusyError`` when a live or parked run holds a claim's session and
-        ``LogConflictError`` for the first event whose ``(run_id, seq)`` is taken (or whose
-        ``run.started`` reuses a run id); either way nothing is written. Raises ``KitError`` if
-        the store is not open (so do all the methods below), or was opened read-only (so do
-        ``renew``, ``reap`` and ``request``).
-        """
-        self._check_writable("append")
-        events = list(events)
-        _check_unique(events)
-        if events or claims:
-            await self._call(lambda: self._append(events, claims, time.time()))
-            self._committed(events)
-
-    async def read(self, run_id: str, after: int = -1) -> list[Event]:
-        """The run's committed events with ``seq > after``, in seq order ([] for an unknown run)."""
-        return await self._call(self._read, run_id, after)
-
-    async def follow(self, run_id: str, after: int = -1) -> AsyncIterator[Event]:
-        """Yield the run's events with ``seq > after``: replay, then live, in seq order.
-
-        Returns right after yielding a terminal event, or a parking event while the run is still
-        parked (a run that parked and went on replays past it, to its end). An unknown run is
-        waited for like a live one (a follower may start before the run). Raises ``KitError`` if
-        the store is not open or is closed while following.
-        """
-        while True:
-            batch = await self._read_or_wait(run_id, after, functools.partial(self.read, run_id))
-            for i, event in enumerate(batch):
-                yield event
-                after = event.seq
-                if event.payload.ends == "terminal":
-                    return
-                if event.payload.ends == "parking" and i == len(batch) - 1 \
-                        and not await self.read(run_id, after):
-                    return  # parked now: a stream ends here, the run does not
-
-    async def follow_requests(self, after: int = 0) -> AsyncIterator[ControlRequest]:
-        """Yield the control requests with an id above ``after``, oldest first: those recorded
-        already, then each new one (from this process or another) as it is recorded, forever.
-        Raises ``KitError`` if the store is not open or is closed while following."""
-        while True:
-            for req in await self._read_or_wait(None, after, self.requests):
-                yield req
-                after = req.id
-
-    async def runs(self, *, status: RunStatus | None = None, name: str | None = None,
-                   session_id: str | None = None, limit: int | None = None,
-                   before: str | None = None) -> list[RunInfo]:
-        """The run index, filtered (filters combine with AND), oldest first: by ``started_at``,
-        then run id (caller-chosen run ids need not sort by time, so the id alone cannot order).
-
-        ``limit=N``: the N most recent matches. ``before=<run id>``: the runs that sort before
-        that run (which need not match), so the next older page is ``before=page[0].run_id``.
-        Runs never leave the log: a cursor stays valid. Raises ``ConfigError`` naming a bad
-        ``limit`` (not a positive int), ``before`` (not a non-empty str), ``name`` or
-        ``session_id`` (not a str); ``ValueError`` for an unknown ``status``;
-        ``UnknownRunError`` when the log has no run ``before``.
-        """
-        if limit is not None and (type(limit) is not int or limit < 1):  # (True is an int)
-            raise ConfigError(f"limit must be a positive int, got {limit!r}")
-        if before is not None and (not isinstance(before, str) or not before):
-            raise ConfigError(f"before must be a non-empty str (a run id), got {before!r}")
-        for what, value in (("name", name), ("session_id", session_id)):
-            if value is not None and not isinstance(value, str):
-                raise ConfigError(f"{what} must be a str, got {value!r}")
-        found = await self._call(self._runs, None if status is None else RunStatus(status), name,
-                                 session_id, limit, before)
-        # An empty page is also what an unknown cursor gives: only then is it looked up.
-        if before is not None and not found and await self._call(self._run_info, before) is None:
-            raise UnknownRunError(before)
-        return found
-
-    async def run_info(self, run_id: str) -> RunInfo | None:
-        """The run's index row, or None for an unknown run."""
-        return await self._call(self._run_info, run_id)
-
-    async def renew(self, owner: str, lease_seconds: float, run_ids: Sequence[str] | None = None) -> None:
-        """Extend the leases of ``owner`` to ``now + lease_seconds``: those of ``run_ids`` only
-        (the runs its process still plays), or all of them. Parked claims stay parked."""
-        self._check_writable("renew leases")
-        ids = None if run_ids is None else list(run_ids)
-        await self._call(lambda: self._renew(owner, time.time() + lease_seconds, ids))
-
-    async def reap(self) -> list[str]:
-        """Abandon every run whose lease has lapsed; return their run ids (each reaped once).
-
-        Each gets ``run.failed`` (error ``RunAbandoned``) at its next seq and status FAILED, and
-        its claim is freed.
-        """
-        self._check_writable("reap runs")
-        reaped = await self._call(lambda: self._reap(time.time()))
-        for run_id in reaped:
-            self._woken(run_id, None)
-        return reaped
-
-    async def request(self, run_id: str, action: str, reason: str | None = None,
-                      source: str | None = None) -> int:
-        """Record a control request (pause, cancel, resume) for a run; returns its id.
-
-        A request is not a status change: the run's writer acts on it at its next safe point.
-        Raises ``UnknownRunError`` when the log has no such run, ``ConfigError`` for another
-        action.
-        """
-        if action not in ("pause", "cancel", "resume"):
-            raise ConfigError(f"a control request is pause, cancel or resume, got {action!r}")
-        self._check_writable("record a control request")
-        if await self._call(self._run_info, run_id) is None:
-            raise UnknownRunError(run_id)
-        request_id = await self._call(lambda: self._request(run_id, action, reason, source, time.time()))
-        self._woken(None, request_id)
-        return request_id
-
-    async def requests(self, after: int = 0) -> list[ControlRequest]:
-        """Control requests with an id above ``after``, oldest first."""
-        return await self._call(self._requests, after)
-
-    async def session_holder(self, session_id: str, namespace: str | None = None) -> str | None:
-        """The run id holding ``(namespace, session_id)``, or None.
-
-        A lapsed lease still holds until it is reaped or overtaken.
-        """
-        return await self._call(self._holder, session_id, namespace or "")
-
-    # Storage hooks: synchronous, so nothing can interleave with a transaction.
-    def _open(self) -> None: ...
-    def _close(self) -> None: ...
-    def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None: ...
-    def _read(self, run_id: str, after: int) -> list[Event]: ...
-    def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
-              limit: int | None, before: str | None) -> list[RunInfo]: ...
-    def _run_info(self, run_id: str) -> RunInfo | None: ...
-    def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None: ...
-    def _reap(self, now: float) -> list[str]: ...
-    def _holder(self, session_id: str, namespace: str) -> str | None: ...
-    def _request(self, run_id: str, action: str, reason: str | None, source: str | None, at: float) -> int: ...
-    def _requests(self, after: int) -> list[ControlRequest]: ...
 
 
 # ===================================================================================== SQLite ====

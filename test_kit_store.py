@@ -23,6 +23,7 @@ import pytest
 import kit
 import kit_pg
 import kit_store
+import kit_storebase
 from kit import Claim, Event, RunStatus
 from kit_pg import SCHEMA_VERSION, PostgresStore, pg_url, store_from_url
 from kit_store import MemoryStore, SQLiteStore
@@ -47,7 +48,7 @@ def kinds(events: list[Event]) -> list[str]:
     return [e.kind for e in events]
 
 
-def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> kit_store.StoreBase:
+def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> kit_storebase.StoreBase:
     if kind == "postgres":
         return PostgresStore(request.getfixturevalue("postgres_url"))
     return MemoryStore() if kind == "memory" else SQLiteStore(tmp_path / "kit.db")
