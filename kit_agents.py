@@ -41,6 +41,7 @@ import agents as sdk
 import anyio
 from agents.function_schema import function_schema
 from agents.memory import SessionSettings
+from agents.models import get_default_model
 
 from kit_bridge import on_asyncio
 from kit_context import HOOK_METHODS, is_context
@@ -50,6 +51,7 @@ from kit_core import (
     RunCancelled, RunCompleted, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta,
     ToolCompleted, ToolStarted, as_blocks, jsonable,
 )
+from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME
 
 if TYPE_CHECKING:
     from kit_catalog import MCP, Agent, Skill
@@ -67,7 +69,7 @@ SDK_TOOLS = tuple(typing.get_origin(t) or t for t in typing.get_args(sdk.Tool))
 
 #: The run a model call belongs to (set around Runner.run; the SDK's tasks inherit it).
 _CURRENT_RUN: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_run", default=None)
-_UNPRICED: set[str] = set()
+_UNPRICED: set[str] = {SCRIPTED_NAME}  # known without genai-prices' table (0.1 s to load)
 #: model -> USD (per call, per input token, per output token), for a model whose price is one
 #: flat rate (no tiers, no dated or timed prices): genai-prices' general calculation costs
 #: 0.1-0.3 ms, on every model call; a flat rate is linear in the tokens, so three of its own
@@ -135,6 +137,16 @@ class _TapModel(sdk.Model):
     def model_name(self) -> str:
         inner = self.inner()
         return str(getattr(inner, "model", None) or self._model or type(inner).__name__)
+
+    def known_name(self) -> str:
+        """The model's name as far as it is known without building a client (which needs
+        settings, an API key): the name it was given, its model object's own, or the SDK's
+        default model."""
+        if isinstance(self._model, str):
+            return self._model
+        if self._inner is not None:
+            return str(getattr(self._inner, "model", None) or type(self._inner).__name__)
+        return get_default_model()
 
     async def get_response(self, system_instructions, input, model_settings, tools, output_schema,
                            handoffs, tracing, *, previous_response_id=None, conversation_id=None,
@@ -652,17 +664,21 @@ def no_default_exporter() -> None:
         sdk.set_trace_provider(DefaultTraceProvider())
 
 
-async def warm_up() -> None:
-    """Engine side: pay at open what a deck's first agent turn would (~0.3 s here: the SDK
-    builds its trace provider, with an HTTP client, on its first run; schemas and genai-prices'
-    data load on first use): one throwaway SDK run of a scripted agent calling a function tool.
+async def warm_up(specs: Sequence[InvocableSpec]) -> None:
+    """Engine side: pay at open what the first turn of the deck's agents (``specs``) would: one
+    throwaway SDK run of a scripted agent calling a function tool (on its first run the SDK
+    builds its trace provider, ~0.2 s with its default exporter, and schemas), then a price of
+    each agent's model, which loads genai-prices' table (~0.1 s) unless every model is one no
+    table holds (a ScriptedModel's default name).
     Nothing reaches the log, a session or an observer."""
     from kit_scripted import ScriptedModel
     model = ScriptedModel([{"tool": "ready", "args": {}}, "ok"])
     agent = sdk.Agent(name="kit_warm_up", model=model,
                       tools=[sdk.function_tool(lambda: "ok", name_override="ready")])
     await sdk.Runner.run(agent, "hi", run_config=_UNTRACED)
-    _price("gpt-4o-mini", 1, 1)
+    for spec in specs:
+        if spec.kind == "agent":
+            _price(spec.engine.sdk_agent.model.known_name(), 1, 1)
 
 
 def model_clients(specs: Sequence[InvocableSpec]) -> list[Any]:

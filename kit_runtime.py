@@ -305,7 +305,7 @@ class Runtime:
             kit_workflows.open_graphs, list(self.specs.values()), getattr(self.store, "url", None))
         await self._start_mcp()
         if any(spec.kind == "agent" for spec in self.specs.values()):
-            await self._on_engine(self._agents.warm_up)
+            await self._on_engine(self._agents.warm_up, list(self.specs.values()))
 
     async def close(self) -> None:
         """Cancel the runs still playing (they record ``run.cancelled``), flush, release all."""

@@ -34,7 +34,11 @@ from openai.types.responses.response_usage import (
 
 from kit_core import ConfigError
 
-__all__ = ("ScriptedModel",)
+__all__ = ("ScriptedModel", "DEFAULT_NAME")
+
+#: The model name a ScriptedModel reports unless it is given one: no price table holds it, so
+#: kit prices it at None without loading one.
+DEFAULT_NAME = "scripted"
 
 
 def _tokens(text: str) -> list[str]:
@@ -54,7 +58,7 @@ class ScriptedModel(_sdk.Model):
     Raises ``ConfigError`` when the script is exhausted.
     """
 
-    def __init__(self, script: Sequence[Any], *, name: str = "scripted", cycle: bool = False) -> None:
+    def __init__(self, script: Sequence[Any], *, name: str = DEFAULT_NAME, cycle: bool = False) -> None:
         self.script, self.model, self.cycle = list(script), name, cycle
         self._next = 0
         self._ids = itertools.count(1)

@@ -756,6 +756,34 @@ async def test_the_warm_up_at_open_leaves_nothing_in_the_log_or_with_observers(t
     assert store.batches == [] and seen.seen == []
 
 
+_PRICES_AT_OPEN = """
+import sys, anyio, kit
+async def main():
+    async with kit.Deck([kit.Agent("a", model={model})]) as deck:
+        loaded = "genai_prices.data" in sys.modules
+        priced = (await deck.run("a", "hi")).usage.usd is not None if {plays} else "-"
+    print(loaded, priced)
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("model, plays, expected", [
+    ("kit.ScriptedModel(['hi'])", True, "False False"),  # no table holds 'scripted'
+    ("kit.ScriptedModel(['hi'], name='gpt-4o-mini')", True, "True True"),
+    ("'gpt-4o-mini'", False, "True -"),  # a name: priced at open without building a client
+], ids=["scripted-default", "scripted-named", "named-model-no-key"])
+def test_the_warm_up_loads_the_price_table_only_for_a_model_it_may_hold(model, plays, expected):
+    """genai-prices' table takes ~0.1 s to load: a deck whose models no table holds (a
+    ScriptedModel's default name) never loads it; one with a priced model loads it at open,
+    not on its first turn."""
+    code = _PRICES_AT_OPEN.format(model=model, plays=plays)
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "KIT_MODEL")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                         timeout=120, env={**env, "KIT_STORE": "memory"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == expected.split()
+
+
 async def test_settings_store_is_built_and_closed_by_the_deck(tmp_path, monkeypatch):
     db = tmp_path / "from-settings.db"
     monkeypatch.setenv("KIT_STORE", f"sqlite:///{db}")
