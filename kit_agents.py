@@ -51,7 +51,7 @@ from kit_core import (
     RunCancelled, RunCompleted, RunHandle, RunPaused, SkillLoaded, TextBlock, TextDelta,
     ToolCompleted, ToolStarted, as_blocks, jsonable,
 )
-from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME
+from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
 
 if TYPE_CHECKING:
     from kit_catalog import MCP, Agent, Skill
@@ -669,9 +669,8 @@ async def warm_up(specs: Sequence[InvocableSpec]) -> None:
     throwaway SDK run of a scripted agent calling a function tool (on its first run the SDK
     builds its trace provider, ~0.2 s with its default exporter, and schemas), then a price of
     each agent's model, which loads genai-prices' table (~0.1 s) unless every model is one no
-    table holds (a ScriptedModel's default name).
-    Nothing reaches the log, a session or an observer."""
-    from kit_scripted import ScriptedModel
+    table holds (a ScriptedModel's default name). Nothing reaches the log, a session or an
+    observer."""
     model = ScriptedModel([{"tool": "ready", "args": {}}, "ok"])
     agent = sdk.Agent(name="kit_warm_up", model=model,
                       tools=[sdk.function_tool(lambda: "ok", name_override="ready")])
