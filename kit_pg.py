@@ -401,9 +401,10 @@ class PostgresStore(StoreBase):
     refused. ``read_only=True`` opens an existing log to read it only (a role that may only
     ``SELECT`` will do): nothing is created or upgraded, a schema without kit's tables is a
     ``ConfigError``, and the writing methods raise ``KitError``. Other processes' commits wake
-    this one's followers through LISTEN/NOTIFY, never a poll. Raises ``ConfigError`` for a malformed URL, or on open without the postgres extra or
-    for a newer schema; opening raises psycopg's errors when the server cannot be reached, its
-    ``ConnectionTimeout`` naming the URL (masked) when it does not answer (``CONNECT_TIMEOUT``).
+    this one's followers through LISTEN/NOTIFY, never a poll. Raises ``ConfigError`` for a
+    malformed URL, or on open without the postgres extra or for a newer schema; opening raises
+    psycopg's errors when the server cannot be reached, its ``ConnectionTimeout`` naming the URL
+    (masked) when it does not answer (``CONNECT_TIMEOUT``).
     """
 
     def __init__(self, url: str, *, read_only: bool = False) -> None:
