@@ -31,9 +31,11 @@ more on trio) and ``Deck.run`` under trio against raw (target <= 1.5x); (m) each
 spread across repeats, (max - min) / median (target <= 15%); HTTP SSE tokens/s on the asyncio
 worker (target >= 40,000); (n) RSS of a fresh process after 1,000 and after ``--growth``
 stateless workflow runs and one-turn fresh sessions (target within 10%); (o) ``store.runs()``
-pages at 100,000 runs in a SQLite log (target < 5 ms); (p) ``kit-serve`` on a copy of the
-example project: seconds from spawn to a 200 from ``/health`` (target <= 1.5), its RSS then
-(target <= 90 MiB) and its first chat request (target <= 50 ms).
+pages at 100,000 runs in a SQLite log (target < 5 ms); (p) one session's ``Deck.run`` turn near
+turn 1,000 against near turn 10, the agent's ``history_limit=20`` (target <= 2x; without a
+limit to turn 200, for scale); (q) ``kit-serve`` on a copy of the example project: seconds from
+spawn to a 200 from ``/health`` (target <= 1.5), its RSS then (target <= 90 MiB) and its first
+chat request (target <= 50 ms).
 
 ``--http`` adds the HTTP surface (kit_http under a real Hypercorn on loopback, asyncio worker,
 and the trio worker, reported): (f) SSE tokens/s end to end for the same 500-token
@@ -724,6 +726,9 @@ SSE_TARGET = 40_000  # HTTP SSE tokens/s on the asyncio worker
 RSS_GROWTH_TARGET, IDLE_RSS_TARGET = 1.10, 90  # RSS after 20,000 vs after 1,000; MiB when idle
 LIST_TARGET, LIST_RUNS = 5e-3, 100_000  # store.runs() pages at this many runs in the log
 READY_TARGET, FIRST_TARGET = 1.5, 0.05  # kit-serve ready (s), its first request (s)
+#: One session's turn near turn HISTORY_TURNS against near turn 10, the agent's history limit
+#: HISTORY_LIMIT (items); the same without a limit to HISTORY_UNLIMITED turns, for scale.
+HISTORY_TARGET, HISTORY_TURNS, HISTORY_LIMIT, HISTORY_UNLIMITED = 2.0, 1_000, 20, 200
 SHORT_TOKENS = 20  # the streamed turn of the share: a 20-token reply
 #: name -> (path, body, what the answer must hold) on the share's servers.
 SHARE_ROUTES = {
@@ -983,6 +988,21 @@ async def listing(db: Path, n: int, calls: int = 20) -> dict[str, float]:
         return out
 
 
+async def history_cost(db: Path, turns: int, limit: int | None) -> tuple[float, float]:
+    """Median seconds of one session's turns 10-29 and of its last 20 of ``turns``, played one
+    after another through ``Deck.run`` on a SQLite log, the agent's ``history_limit`` ``limit``
+    (each turn adds two items to the session: the message and the reply)."""
+    agent = kit.Agent("a", "Be brief.", model=kit.ScriptedModel([SHORT_REPLY], cycle=True),
+                      history_limit=limit)
+    times = []
+    async with SQLiteStore(db) as store, kit.Deck([agent], store=store) as deck:
+        for _ in range(turns):
+            t = time.perf_counter()
+            await deck.run("a", "hi", session_id="long")
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[9:29]), statistics.median(times[-20:])
+
+
 def cold_start(tries: int = 3) -> tuple[float, float, float]:
     """kit-serve on a copy of the example project (``.kit``): median seconds from spawn to a
     200 from ``/health``, idle RSS (MiB) then, and seconds of the first chat request."""
@@ -1088,6 +1108,13 @@ def share_report(a: argparse.Namespace, rows: dict[str, list[float]],
     for label, seconds in pages.items():
         print(f"  store.runs() at {LIST_RUNS:,} runs, {label:22} {seconds * 1e3:6.2f} ms "
               f"(target < {LIST_TARGET * 1e3:.0f}) {gate(seconds < LIST_TARGET)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        early, late = anyio.run(history_cost, Path(tmp) / "limited.db", HISTORY_TURNS, HISTORY_LIMIT)
+        whole = anyio.run(history_cost, Path(tmp) / "whole.db", HISTORY_UNLIMITED, None)
+    print(f"  one session's turn with history_limit={HISTORY_LIMIT}: {early * 1e3:.2f} ms at turn 10, "
+          f"{late * 1e3:.2f} ms at turn {HISTORY_TURNS:,} (target <= {HISTORY_TARGET}x) "
+          f"{gate(late <= early * HISTORY_TARGET)}; with none: {whole[0] * 1e3:.2f} ms at turn 10, "
+          f"{whole[1] * 1e3:.2f} ms at turn {HISTORY_UNLIMITED}")
     ready, rss, first = cold_start()
     print(f"  kit-serve on the example project: ready in {ready:.2f} s (target <= {READY_TARGET}) "
           f"{gate(ready <= READY_TARGET)}; idle RSS {rss:.1f} MiB (target <= {IDLE_RSS_TARGET}) "
