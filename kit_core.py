@@ -15,8 +15,9 @@ Theory of operation: everything here is a value. Events are frozen dataclasses; 
 carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (``ends``: terminal,
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
-(``jsonable``, ``check_name``, ``check_limit``, ``check_inline_json``, ``count_setting``,
-``printable``, ``RunHandle``, ...) are kit's internal API between its modules.
+(``jsonable``, ``check_name``, ``check_id``, ``check_text``, ``check_limit``,
+``check_inline_json``, ``count_setting``, ``printable``, ``RunHandle``, ...) are kit's internal
+API between its modules.
 """
 from __future__ import annotations
 
@@ -839,6 +840,44 @@ def check_name(what: str, name: object) -> str:
         raise ConfigError(f"{what} name must be 1-128 characters of letters, digits, '_', '.' or '-' "
                           f"starting with a letter or digit (it appears in URLs), got {name!r}")
     return name
+
+
+#: The longest id (a session, thread or run id) kit takes. Ids are indexed, and Postgres cannot
+#: index a value past ~2.7 kB: 256 characters are at most 1 kB of UTF-8, two of them in one row.
+MAX_ID_CHARS = 256
+#: What no store can hold: NUL (Postgres text) and lone surrogates (not UTF-8).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+#: What no id may hold: those, and control characters (a newline, an escape sequence).
+_NOT_IN_ID = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def check_id(what: str, value: object) -> str:
+    """``value`` if it is an id kit can store, index and show (a session, thread or run id): a
+    non-empty str of at most ``MAX_ID_CHARS`` characters with no control character and no lone
+    surrogate. Raises ``ConfigError`` naming ``what`` otherwise, before anything is written."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
+    if len(value) > MAX_ID_CHARS:
+        raise ConfigError(f"{what} must be at most {MAX_ID_CHARS} characters, got {len(value)}")
+    bad = _NOT_IN_ID.search(value)
+    if bad is not None:
+        raise ConfigError(f"{what} must not hold a control character or a lone surrogate, got "
+                          f"{bad.group()!r} at character {bad.start()}")
+    return value
+
+
+def check_text(what: str, value: object) -> str | None:
+    """``value`` if it is None or a str every store can hold (no NUL, no lone surrogate), such
+    as a control request's reason. Raises ``ConfigError`` naming ``what`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a str or None, got {type(value).__name__}")
+    bad = _UNSTORABLE.search(value)
+    if bad is not None:
+        raise ConfigError(f"{what} must not hold a NUL or a lone surrogate, got {bad.group()!r} "
+                          f"at character {bad.start()}")
+    return value
 
 
 def printable(text: str) -> str:

@@ -60,7 +60,8 @@ import kit_openai
 from kit_core import (
     ConfigError, ContentError, DeckStateError, Event, InterruptResult, KitError, LogConflictError,
     RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError,
-    UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id, printable,
+    UnknownNameError, UnknownRunError, block_from_json, check_id, control_refusal, new_run_id,
+    printable,
 )
 from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
@@ -242,11 +243,19 @@ def _field(body: dict[str, Any], key: str, kind: type, *, required: bool = False
 
 
 def _id(body: dict[str, Any], key: str) -> str | None:
-    """An optional id of the body (``session_id``, ``thread_id``): absent, or a non-empty string."""
+    """An optional id of the body (``session_id``, ``thread_id``): absent, or an id."""
     value = _field(body, key, str)
     if value == "":
         raise MalformedRequestError(f"{key!r} must not be empty")
-    return value
+    return value if value is None else _checked_id(repr(key), value)
+
+
+def _checked_id(what: str, value: str) -> str:
+    """``value`` if it is an id kit can store (``check_id``); ``MalformedRequestError`` if not."""
+    try:
+        return check_id(what, value)
+    except ConfigError as exc:
+        raise MalformedRequestError(str(exc)) from None
 
 
 def _workflow_body(result: Any, run_id: str, thread_id: str) -> dict[str, Any]:
@@ -354,6 +363,8 @@ _ROUTES = [(method, path, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path
     ("POST", "/mcp", "_mcp", "mcp"),
     ("GET", "/mcp", "_mcp", "mcp"),  # stateless: no session for DELETE to end (405)
 )]
+#: The path parameters that are ids, checked (``check_id``) before any route sees them.
+_PATH_IDS = frozenset({"run_id", "thread_id"})
 #: The optional surfaces ``kit-serve`` turns on when ``KIT_SURFACES`` (or ``--surfaces``) names
 #: them: the Chat Completions wire (kit_openai) and the MCP server (kit_mcp).
 SURFACES = ("openai", "mcp")
@@ -534,7 +545,10 @@ class App:
             concrete = "{" not in template
             req.surface = mount if mount in SURFACES else None
             if route_method == method:
-                return await getattr(self, handler)(req, **match.groupdict())
+                params = match.groupdict()
+                for key in params.keys() & _PATH_IDS:
+                    _checked_id(key, params[key])
+                return await getattr(self, handler)(req, **params)
             allowed.append(route_method)
         if allowed:
             raise MethodNotAllowedError(method, allowed)

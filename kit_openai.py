@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kit_core import (
-    HISTORY_ROLES, AudioBlock, ContentBlock, Event, HistoryMessage, ImageBlock, KitError, RunCancelled,
-    RunCompleted, RunFailed, RunPaused, RunStarted, RunStoppedError, TextBlock, TextDelta, Usage,
-    jsonable,
+    HISTORY_ROLES, AudioBlock, ConfigError, ContentBlock, Event, HistoryMessage, ImageBlock, KitError,
+    RunCancelled, RunCompleted, RunFailed, RunPaused, RunStarted, RunStoppedError, TextBlock,
+    TextDelta, Usage, check_id, jsonable,
 )
 
 __all__ = ("ChatTurn", "ChatRequestError", "Chunks", "DONE", "SESSION_HEADER", "read_request",
@@ -86,9 +86,11 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
     metadata = body.get("metadata")
     session_id = session_header or (metadata.get("session_id") if isinstance(metadata, Mapping)
                                     else None) or body.get("user")
-    if session_id is not None and (not isinstance(session_id, str) or not session_id):
-        raise ChatRequestError("a session id (x-kit-session-id, metadata.session_id or user) "
-                               "must be a non-empty string")
+    if session_id is not None:
+        try:
+            check_id("a session id (x-kit-session-id, metadata.session_id or user)", session_id)
+        except ConfigError as exc:
+            raise ChatRequestError(str(exc)) from None
     history = () if session_id else tuple(_history_message(m) for m in earlier)
     return ChatTurn(model, _blocks(last.get("content")), session_id, history, stream)
 

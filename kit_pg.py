@@ -61,7 +61,7 @@ from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictErro
                       RunStarted, RunStatus, SessionBusyError, fold_status)
 from kit_store import (RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, abandoned, by_run,
                        event_of, event_row, run_row, runs_query)
-from kit_storebase import StoreBase
+from kit_storebase import StoreBase, unstorable
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
            "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "CONNECT_TIMEOUT",
@@ -464,7 +464,18 @@ class PostgresStore(StoreBase):
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._check()
-        return await self._io(fn, *args)
+        try:
+            return await self._io(fn, *args)
+        except Exception as exc:
+            if self._unstorable(exc):
+                raise unstorable(exc) from None
+            raise
+
+    def _unstorable(self, exc: Exception) -> bool:
+        """Text that is not UTF-8, a NUL or another value out of a type's range (class 22), or
+        one too big to index (past ~2.7 kB: "index row size exceeds btree maximum")."""
+        errors = _psycopg().errors
+        return isinstance(exc, (UnicodeEncodeError, errors.DataError, errors.ProgramLimitExceeded))
 
     async def _connect(self) -> Any:
         pool = await open_pool(self._conninfo, self.schema, create=not self.read_only)

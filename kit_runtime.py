@@ -52,8 +52,8 @@ from kit_core import (
     InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled, RunCompleted,
     RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed, RunSleeping, RunStarted,
     NewRunId, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked,
-    TurnResult, UnknownNameError, UnknownRunError, as_blocks, as_history, check_name, count_setting,
-    new_run_id,
+    TurnResult, UnknownNameError, UnknownRunError, as_blocks, as_history, check_id, check_name,
+    check_text, count_setting, new_run_id,
 )
 from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
@@ -164,12 +164,6 @@ class _Run(RunHandle):
                 yield ev
                 if ev.payload.ends:
                     return
-
-
-def _check_id(what: str, value: Any) -> None:
-    """Raise ``ConfigError`` naming ``what`` unless ``value`` is a non-empty str (an id)."""
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
 
 
 def _seconds(env: Any, name: str, default: float) -> float:
@@ -569,7 +563,7 @@ class Runtime:
         the engine-side job that plays it and its ``run.started``. Refused runs write nothing."""
         for what, value in (("session_id", session_id), ("run_id", run_id)):
             if value is not None:
-                _check_id(what, value)
+                check_id(what, value)
         history = as_history(history)
         if history and (spec.kind != "agent" or session_id is not None):
             raise ConfigError("history= is for a one-off agent turn: a session or a workflow's "
@@ -687,6 +681,7 @@ class Runtime:
             pass
 
     async def status(self, run_id: str) -> RunStatus | None:
+        check_id("run_id", run_id)
         if run_id in self.active:
             await self.writer.flush()  # its start may still wait for the group commit
         info = await self.store.run_info(run_id)
@@ -713,6 +708,8 @@ class Runtime:
         """Record a pause/cancel request and return: a run played here is told at once (from
         the moment its id exists, child runs included), one played elsewhere sees it through its
         process's poll; a parked run is cancelled here."""
+        check_id("run_id", run_id)
+        check_text("reason", reason)
         run = self.active.get(run_id)
         if run is not None:
             run.request(action, reason, source)
@@ -771,6 +768,7 @@ class Runtime:
         """Become the writer of a paused run: the run, its job and the seq it paused at, or None
         when there is nothing to resume here (unknown, not paused, playing, another caller
         resumed it first, or this deck lacks its invocable: SPEC 3.2)."""
+        check_id("run_id", run_id)
         info = await self.store.run_info(run_id)
         spec = self.specs.get(info.name) if info is not None else None
         if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
@@ -850,6 +848,7 @@ class Runtime:
                       streaming: bool = False) -> tuple[_Run, Callable[[], Any], int]:
         """Become the writer of a parked workflow run (``wanted``: the parking kind it must end
         with): the run, the job that resumes it with ``value`` and the seq it parked at."""
+        check_id("run_id", run_id)
         status = {"run.interrupted": "WAITING_HUMAN", "run.sleeping": "SLEEPING"}[wanted]
         info = await self.store.run_info(run_id)
         if info is None:
@@ -956,7 +955,7 @@ class Runtime:
         if self.sessions is None:
             raise ConfigError("this deck has no agent: sessions hold agents' conversations "
                               "(a workflow's thread is its session_id)")
-        _check_id("session_id", session_id)  # (an int would be another session than its str)
+        check_id("session_id", session_id)  # (an int would be another session than its str)
         if namespace is not None:
             check_name("namespace", namespace)
         return self.sessions.get(session_id, namespace)

@@ -463,6 +463,9 @@ class SQLiteStore(StoreBase):
         return isinstance(exc, sqlite3.OperationalError) and (
             "locked" in str(exc) or "busy" in str(exc))
 
+    def _unstorable(self, exc: Exception) -> bool:
+        return isinstance(exc, (UnicodeEncodeError, sqlite3.DataError))  # (too big, too)
+
     def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None:
         sql = "UPDATE leases SET lease_until = ? WHERE owner = ? AND lease_until IS NOT NULL"
         with self._tx() as db:

@@ -3,8 +3,9 @@
 Owns: ``StoreBase``, the shared surface of ``kit.EventStorePort``'s implementations
 (``kit_store``'s SQLite and memory stores, ``kit_pg``'s Postgres store): the lifecycle
 (``async with store:``), the port's argument checks, the back-off while the storage is busy
-(``BUSY_WAIT``), the wake-ups of followers and ``follow``/``follow_requests``. The storage
-itself is each store's hooks, at the end of the class.
+(``BUSY_WAIT``), the refusal of a value the storage cannot hold (``unstorable``), the wake-ups
+of followers and ``follow``/``follow_requests``. The storage itself is each store's hooks, at
+the end of the class.
 
 Must never: run engine code, read the environment at import, do I/O (a store's hooks do, when
 it is open), or know which storage a store has.
@@ -29,7 +30,7 @@ import anyio.lowlevel
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError,
                       RunInfo, RunStatus, UnknownRunError)
 
-__all__ = ("StoreBase", "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
+__all__ = ("StoreBase", "unstorable", "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
 #: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
@@ -53,6 +54,15 @@ def _check_unique(events: Sequence[Event]) -> None:
         if not seen.isdisjoint(keys):
             raise LogConflictError(e.run_id, e.seq)
         seen.update(keys)
+
+
+def unstorable(exc: Exception) -> ConfigError:
+    """The error for a value the storage cannot hold (``exc``, the storage's own): a refusal of
+    the call, never an outage. The writer retries a batch the store fails to take for as long
+    as the store is down; a value no retry can store would hold every run's events behind it.
+    (kit checks the ids it is given, ``check_id``, before they reach a store.)"""
+    return ConfigError(f"the event store cannot hold a value it was given ({type(exc).__name__}: "
+                       f"{exc})")
 
 
 class StoreBase:
@@ -138,6 +148,8 @@ class StoreBase:
             try:
                 return fn(*args)
             except Exception as exc:
+                if self._unstorable(exc):
+                    raise unstorable(exc) from None
                 if not self._busy(exc):
                     raise
                 now = anyio.current_time()
@@ -150,6 +162,11 @@ class StoreBase:
     def _busy(self, exc: Exception) -> bool:
         """Whether ``exc`` means "locked by someone else, try again" (storage-specific)."""
         return False
+
+    def _unstorable(self, exc: Exception) -> bool:
+        """Whether ``exc`` means "the storage cannot hold a value it was given" (storage-specific;
+        text that is not UTF-8, a lone surrogate, for every store): ``unstorable``."""
+        return isinstance(exc, UnicodeEncodeError)
 
     # ---------------------------------------------------------------------- wake-ups --
     def _woken(self, run_id: str | None, seq: int | None) -> None:

@@ -224,6 +224,18 @@ async def test_what_kit_cannot_carry_is_a_400_and_writes_nothing(messages, why):
         await aio.close()
 
 
+async def test_a_session_id_no_store_can_hold_is_a_400_and_writes_nothing():
+    async with served(catalog(), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        for user, why in (("ana\x00", "must not hold a control character or a lone surrogate"),
+                          ("a" * 257, "must be at most 256 characters")):
+            with pytest.raises(openai.BadRequestError) as bad:
+                await aio.chat.completions.create(model="echo", messages=hi(), user=user)
+            assert f"a session id (x-kit-session-id, metadata.session_id or user) {why}" in bad.value.message
+        assert await app.deck.store.runs() == []
+        await aio.close()
+
+
 async def test_a_failed_run_is_a_500_or_an_error_chunk():
     boom = Agent("boom", model=ScriptedModel([RuntimeError("sk-secret"), RuntimeError("sk-secret")]))
     async with served(catalog(boom), surfaces=("openai",)) as (client, app):

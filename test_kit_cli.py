@@ -221,14 +221,16 @@ async def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
         proc.stderr.close()
 
 
-EVIL = "x\u001b[2J\u001b]0;PWNED\u0007\nfake-row"  # as an unauthenticated HTTP client may send it
+#: As an HTTP client could send it before kit refused control characters in ids (``check_id``):
+#: a log written then still holds it.
+EVIL = "x\u001b[2J\u001b]0;PWNED\u0007\nfake-row"
 
 
 async def test_values_from_the_log_reach_the_terminal_as_text_one_run_one_line(shared_url):
+    evil = kit.new_run_id()
     async with store_from_url(shared_url) as store:
-        async with kit.Deck([kit.Agent("greeter", model=kit.ScriptedModel(["hi"]))],
-                            store=store) as deck:
-            evil = (await deck.run("greeter", "hello", session_id=EVIL)).run_id
+        await store.append([kit.Event(evil, 0, kit.RunStarted("greeter", "agent", EVIL), "greeter"),
+                            kit.Event(evil, 1, kit.RunCompleted("hi"), "greeter")])
         await store.append([kit.Event("run-\u009b31m\u202e", 0, kit.RunStarted(  # C1 CSI, bidi
             "na\\me\r", "agent", "s\u2028t", None, ()), "a")])
     ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url)

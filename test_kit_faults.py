@@ -8,9 +8,9 @@ network would. Everything else is kit's real code.
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from langgraph.graph import END, START, StateGraph
 import kit
 import kit_writer
 from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableError, TextDelta, Workflow
+from kit_pg import store_from_url
 from kit_store import SQLiteStore
 from test_kit import CountingStore
 from test_kit_control import Gate
@@ -198,6 +199,76 @@ async def test_input_that_cannot_be_stored_is_refused_before_anything_is_written
                                   headers={"content-type": "application/json"})
             assert r.status_code == 400 and "surrogate" in r.json()["message"]
         assert await app.deck.store.runs() == []
+
+
+#: Ids no store can hold or index, each with what its refusal says.
+BAD_IDS = {"a\x00b": "must not hold a control character or a lone surrogate",
+           "a\nb": "must not hold a control character or a lone surrogate",
+           "a\ud800": "must not hold a control character or a lone surrogate",
+           "x" * 257: "must be at most 256 characters"}
+
+
+async def test_ids_a_store_cannot_hold_or_index_are_refused_before_anything_is_written(shared_url):
+    """Postgres holds no NUL and indexes no value past ~2.7 kB, and no store holds a lone
+    surrogate: such an id used to reach the writer, which took the store for down and retried
+    that batch forever, every run's events behind it (the deck's next runs hung)."""
+    async with store_from_url(shared_url) as store:
+        async with Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))], store=store) as deck:
+            for bad, says in BAD_IDS.items():
+                for what, call in (
+                        ("session_id", lambda: deck.run("a", "hi", session_id=bad)),
+                        ("session_id", lambda: deck.stream("a", "hi", session_id=bad).__anext__()),
+                        ("run_id", lambda: deck.run("a", "hi", run_id=bad)),
+                        ("run_id", lambda: deck.status(bad)),
+                        ("run_id", lambda: deck.cancel(bad)),
+                        ("run_id", lambda: deck.answer(bad, "yes")),
+                        ("run_id", lambda: deck.resume(bad))):
+                    with anyio.fail_after(10), pytest.raises(kit.ConfigError, match=f"^{what} {says}"):
+                        await call()
+            with anyio.fail_after(10):
+                ok = await deck.run("a", "hi", session_id="s")
+            with pytest.raises(kit.ConfigError, match="^reason must not hold a NUL or a lone surrogate"):
+                await deck.cancel(ok.run_id, reason="done\x00")
+            assert [(r.run_id, r.status) for r in await store.runs()] == [(ok.run_id, RunStatus.COMPLETED)]
+            assert await store.requests() == []
+    async with served(deck_for_http()) as (client, app):
+        r = await client.post("/agents/a/chat", json={"message": "hi", "session_id": "a\x00b"})
+        assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError")
+        assert r.json()["message"].startswith("'session_id' must not hold a control character")
+        for method, path, says in (("GET", "/runs/a%00b/events", "run_id must not hold a control"),
+                                   ("POST", f"/runs/{'x' * 257}/cancel", "run_id must be at most 256"),
+                                   ("POST", "/workflows/w/a%0Ab/resume", "thread_id must not hold")):
+            r = await client.request(method, path, json={"value": 1} if "resume" in path else None)
+            assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError"), path
+            assert r.json()["message"].startswith(says), r.json()
+        assert (await client.post("/agents/a/chat", json={"message": "hi", "session_id": "s"})).status_code == 200
+        assert [r.session_id for r in await app.deck.store.runs()] == ["s"]
+
+
+async def test_a_value_the_store_cannot_hold_costs_only_its_own_run(shared_url):
+    """Were such a value to get past kit's checks, the store refuses it (``ConfigError``) rather
+    than reporting an outage: the writer commits the batch's other runs and hands the refusal to
+    the run it belongs to, where a retry, forever, would have held every run behind it."""
+    unstorable = {"a lone surrogate": "s\ud800"}
+    if shared_url.startswith("postgresql"):
+        unstorable |= {"a NUL": "s\x00", "an unindexable id": secrets.token_urlsafe(3000)}
+    async with store_from_url(shared_url) as store:
+        for label, session_id in unstorable.items():
+            committed: list[Event] = []
+            writer = kit_writer.Writer(store, committed.extend, lambda *args: None)
+            good, bad = kit.new_run_id(), kit.new_run_id()
+            writer.put(Event(good, 0, kit.RunStarted("a", "agent", "fine"), "a"))
+            writer.put(Event(bad, 0, kit.RunStarted("a", "agent", session_id), "a"))
+            with anyio.fail_after(10):
+                await writer.flush()
+            assert writer.pending == 0 and writer.down_since is None, label
+            assert isinstance(writer.failed[bad], kit.ConfigError), label
+            assert str(writer.failed[bad]).startswith("the event store cannot hold a value it was given")
+            assert [e.run_id for e in committed] == [good], label
+            assert await store.read(bad) == [] and len(await store.read(good)) == 1, label
+            if label != "an unindexable id":  # (a long value is only too long to index)
+                with pytest.raises(kit.ConfigError, match="cannot hold a value"):
+                    await store.runs(session_id=session_id)  # a read is refused alike
 
 
 def deck_for_http() -> Deck:

@@ -114,14 +114,14 @@ def test_kit_serve_logs_a_line_per_failed_run_without_secrets_and_per_request(tm
             assert b"event: error" in s.read()
             failed.append(s.headers["x-kit-run-id"])
         forged = "/runs/x%0D%0Akit-serve:%20run%20forged%20(broken)%20failed/events"  # decoded: CR LF
-        assert httpx.get(f"{base}{forged}", timeout=10).status_code == 404
+        assert httpx.get(f"{base}{forged}", timeout=10).status_code == 400  # not an id (check_id)
     finally:
         stderr = stop(proc)
     assert token not in stderr and "abcdef123456" not in stderr
     lines = stderr.splitlines()
     assert all(line.startswith("kit-serve: ") for line in lines), stderr
     assert not any(line.startswith("kit-serve: run forged") for line in lines)
-    assert any('"GET /runs/x\\r\\nkit-serve: run forged (broken) failed/events" 404' in line
+    assert any('"GET /runs/x\\r\\nkit-serve: run forged (broken) failed/events" 400' in line
                for line in lines), stderr
     runs = [line for line in lines if " failed: " in line]
     assert runs == [f"kit-serve: run {run_id} (broken) failed: RuntimeError: Incorrect API key "
