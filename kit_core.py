@@ -302,6 +302,8 @@ def check_inline_json(what: str, data: Any, reference: str) -> None:
         text = json.dumps(data, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise ContentError(f"{what} must be JSON data: {exc}") from None
+    except RecursionError:
+        raise ContentError(f"{what} is nested too deep to be JSON data") from None
     _check_unicode(what, text)
     if len(text) > MAX_INLINE_BYTES:
         raise ContentError(f"{what} is {len(text)} bytes of JSON, more than {MAX_INLINE_BYTES} "

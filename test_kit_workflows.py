@@ -120,6 +120,11 @@ async def test_refused_workflow_runs_write_nothing(store):
             await deck.run("approval", ["not", "a", "mapping"], session_id="t")
         with pytest.raises(kit.ContentError, match="^the input of workflow 'approval' must be JSON"):
             await deck.run("approval", {"log": {1, 2}}, session_id="t")
+        deep: list = []
+        for _ in range(5_000):  # past the interpreter's recursion limit
+            deep = [deep]
+        with pytest.raises(kit.ContentError, match="^the input of workflow 'approval' is nested too deep"):
+            await deck.run("approval", {"log": deep}, session_id="t")
         with pytest.raises(ConfigError, match="timezone-aware"):
             await deck.due_resumes(datetime(2030, 1, 1))
         assert await store.runs() == []
