@@ -166,6 +166,14 @@ class _Run(RunHandle):
                     return
 
 
+def _check_ids(session_id: Any, run_id: Any) -> None:
+    """A new run's ids, as its caller gave them (``check_id``): refused before anything is
+    written."""
+    for what, value in (("session_id", session_id), ("run_id", run_id)):
+        if value is not None:
+            check_id(what, value)
+
+
 def _seconds(env: Any, name: str, default: float) -> float:
     """A positive number of seconds from setting ``name``; ``ConfigError`` naming it otherwise."""
     raw = env.get(name)
@@ -560,10 +568,9 @@ class Runtime:
                      command: Any = None, history: Any = None
                      ) -> tuple[_Run, Callable[[], Any], Event]:
         """Check a new run's arguments, write its start (with its claim) and return the run,
-        the engine-side job that plays it and its ``run.started``. Refused runs write nothing."""
-        for what, value in (("session_id", session_id), ("run_id", run_id)):
-            if value is not None:
-                check_id(what, value)
+        the engine-side job that plays it and its ``run.started``. Refused runs write nothing.
+        The caller's ids are checked by ``run``/``stream`` (``_check_ids``); a tick's thread id
+        comes from the checkpointer, where an id from before ``check_id`` may still be."""
         history = as_history(history)
         if history and (spec.kind != "agent" or session_id is not None):
             raise ConfigError("history= is for a one-off agent turn: a session or a workflow's "
@@ -658,6 +665,7 @@ class Runtime:
     async def run(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                   session_id: str | None = None, namespace: str | None = None,
                   run_id: str | None = None, history: Any = None) -> Any:
+        _check_ids(session_id, run_id)
         run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False,
                                         history=history)
         return _result(run, await self._play(run, job))
@@ -667,6 +675,7 @@ class Runtime:
                      run_id: str | None = None, committed: bool = False,
                      history: Any = None) -> AsyncIterator[Event]:
         async def begin() -> tuple[_Run, Callable[[], Any], int]:
+            _check_ids(session_id, run_id)
             run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id,
                                             True, history=history)
             return run, job, -1  # from its run.started on
@@ -768,7 +777,6 @@ class Runtime:
         """Become the writer of a paused run: the run, its job and the seq it paused at, or None
         when there is nothing to resume here (unknown, not paused, playing, another caller
         resumed it first, or this deck lacks its invocable: SPEC 3.2)."""
-        check_id("run_id", run_id)
         info = await self.store.run_info(run_id)
         spec = self.specs.get(info.name) if info is not None else None
         if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
@@ -791,6 +799,7 @@ class Runtime:
         return run, job, paused.seq
 
     async def resume(self, run_id: str, context: Any) -> list[Event]:
+        check_id("run_id", run_id)
         taken = await self._take_paused(run_id, context, False)
         if taken is None:
             return []
@@ -799,7 +808,10 @@ class Runtime:
         return await self.store.read(run_id, after=after)
 
     def stream_resume(self, run_id: str, context: Any, committed: bool = False) -> AsyncIterator[Event]:
-        return self._streamed(functools.partial(self._take_paused, run_id, context, True), committed)
+        async def take() -> tuple[_Run, Callable[[], Any], int] | None:
+            check_id("run_id", run_id)
+            return await self._take_paused(run_id, context, True)
+        return self._streamed(take, committed)
 
     async def _streamed(self, take: Callable[[], Any], committed: bool) -> AsyncIterator[Event]:
         """Play the run ``take()`` started or took over in the deck's task group, yielding its
@@ -838,8 +850,11 @@ class Runtime:
                 await self._act(req)
 
     async def _resume_quietly(self, run_id: str) -> None:
+        """A resume request from the log (its run id, as old as the log, is not re-checked)."""
         try:
-            await self.resume(run_id, None)
+            taken = await self._take_paused(run_id, None, False)
+            if taken is not None:
+                await self._play(taken[0], taken[1])
         except Exception:  # recorded in the run's log (run.failed); nobody here to tell
             pass
 
@@ -848,7 +863,6 @@ class Runtime:
                       streaming: bool = False) -> tuple[_Run, Callable[[], Any], int]:
         """Become the writer of a parked workflow run (``wanted``: the parking kind it must end
         with): the run, the job that resumes it with ``value`` and the seq it parked at."""
-        check_id("run_id", run_id)
         status = {"run.interrupted": "WAITING_HUMAN", "run.sleeping": "SLEEPING"}[wanted]
         info = await self.store.run_info(run_id)
         if info is None:
@@ -877,12 +891,15 @@ class Runtime:
         return _result(run, await self._play(run, job))
 
     async def answer(self, run_id: str, value: Any, context: Any) -> Any:
+        check_id("run_id", run_id)
         return await self._resume(run_id, "run.interrupted", value, "answer", context)
 
     def stream_answer(self, run_id: str, value: Any, context: Any,
                       committed: bool = False) -> AsyncIterator[Event]:
-        return self._streamed(functools.partial(self._unpark, run_id, "run.interrupted", value,
-                                                "answer", context, True), committed)
+        async def take() -> tuple[_Run, Callable[[], Any], int]:
+            check_id("run_id", run_id)
+            return await self._unpark(run_id, "run.interrupted", value, "answer", context, True)
+        return self._streamed(take, committed)
 
     async def pending(self) -> list[Pending]:
         out = []

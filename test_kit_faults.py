@@ -245,6 +245,29 @@ async def test_ids_a_store_cannot_hold_or_index_are_refused_before_anything_is_w
         assert [r.session_id for r in await app.deck.store.runs()] == ["s"]
 
 
+async def test_an_id_from_before_the_check_still_plays_from_the_log(tmp_path):
+    """A log written before ``check_id`` may hold an id it refuses now: what kit takes from the
+    log (a resume request written by ``kit runs signal``, a due thread) still plays that run;
+    only the ids callers give are checked."""
+    old = "paused\nrun"
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        await store.append([
+            Event(old, 0, kit.RunStarted("a", "agent", None, None, (kit.TextBlock("hi"),)), "a"),
+            Event(old, 1, kit.ControlRequested("pause", None, "api"), "a"),
+            Event(old, 2, kit.RunPaused(None, [{"role": "user", "content": "hi"}]), "a")])
+        async with Deck([Agent("a", model=ScriptedModel(["resumed"]))], store=store) as deck:
+            with pytest.raises(kit.ConfigError, match="^run_id must not hold a control character"):
+                await deck.resume(old)
+            await store.request(old, "resume", None, "cli")  # as `kit runs signal` records it
+
+            async def completed() -> bool:
+                return (await store.run_info(old)).status is RunStatus.COMPLETED
+            await until(completed)
+        assert [e.kind for e in await store.read(old)][3:] == [
+            "control.requested", "run.resumed", "text.delta", "message.completed",
+            "model.completed", "run.completed"]
+
+
 async def test_a_value_the_store_cannot_hold_costs_only_its_own_run(shared_url):
     """Were such a value to get past kit's checks, the store refuses it (``ConfigError``) rather
     than reporting an outage: the writer commits the batch's other runs and hands the refusal to
