@@ -449,7 +449,8 @@ class Deck:
         """Resume every due thread (through its parked run when the log has one); no context.
 
         Safe to run from several processes at once: a thread is resumed by one of them only.
-        Raises ``ConfigError`` for a naive ``now``.
+        A thread whose run fails does not hold up the others: all are resumed, then the first
+        failure is raised. Raises ``ConfigError`` for a naive ``now``.
         """
         return await self._open("tick").tick(_aware(now))
 

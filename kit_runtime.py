@@ -934,9 +934,11 @@ class Runtime:
         through that run (two tickers race on its next seq: one wins); one without (its run
         was never recorded) is resumed under the thread's lock (``ThreadLocks``: an advisory
         lock with Postgres) by a new run that claims the thread, once the lock holder has seen
-        that the thread still waits, so a second ticker skips it, now or later."""
+        that the thread still waits, so a second ticker skips it, now or later. A thread whose
+        run fails (its ``run.failed`` is in the log) does not hold up the others: they are all
+        resumed, then the first failure is raised."""
         woke = {"woke_at": now.isoformat()}
-        out = []
+        out, failed = [], []
         for due, interrupt_id, namespace in await self._due(now):
             try:
                 if due.run_id is not None:
@@ -945,8 +947,16 @@ class Runtime:
                     result = await self._tick_thread(due, interrupt_id, namespace, woke)
             except (RunNotWaitingError, SessionBusyError):
                 continue  # another ticker (or a live run) has this thread
+            except Exception as exc:
+                failed.append(exc)
+                continue
             if result is not _SKIPPED:
                 out.append(Ticked(due.workflow, due.thread_id, result))
+        if failed:
+            if len(failed) > 1:
+                failed[0].add_note(f"tick: {len(failed) - 1} more due thread(s) failed too (each "
+                                   "run's log has its run.failed)")
+            raise failed[0]
         return out
 
     async def _tick_thread(self, due: Due, interrupt_id: str, namespace: str | None,

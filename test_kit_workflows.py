@@ -267,6 +267,25 @@ async def test_tick_wakes_only_due_threads_once(store):
         assert [t.thread_id for t in later] == ["later"]
 
 
+async def test_a_thread_that_fails_on_waking_does_not_hold_up_the_others(store):
+    async def fragile(state: State) -> dict:
+        if "explode" in state["log"]:
+            raise ValueError("node exploded")
+        return {"log": ["done"]}
+    sleeper = Workflow("sleeper", graph(plan, nap, fragile), durable=True)
+    wake_at = (NOW - timedelta(minutes=5)).isoformat()
+    async with Deck(workflows=[sleeper], store=store) as deck:
+        for thread, log in (("fine", []), ("doomed", ["explode"])):  # the newest is due first
+            await deck.run("sleeper", {"log": log, "wake_at": wake_at}, session_id=thread)
+        assert [d.thread_id for d in await deck.due_resumes(NOW)] == ["doomed", "fine"]
+        with pytest.raises(ValueError, match="node exploded"):
+            await deck.tick(NOW)
+        assert await deck.due_resumes(NOW) == []  # "fine" woke in the same tick
+        assert {i.session_id: i.status for i in await store.runs()} == {
+            "fine": RunStatus.COMPLETED, "doomed": RunStatus.FAILED}
+        assert await deck.tick(NOW) == []
+
+
 async def test_two_concurrent_tickers_resume_a_thread_once(store):
     async with Deck(workflows=[durable_sleeper()], store=store) as deck:
         for i in range(3):
