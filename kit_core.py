@@ -861,10 +861,7 @@ def check_id(what: str, value: object) -> str:
         raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
     if len(value) > MAX_ID_CHARS:
         raise ConfigError(f"{what} must be at most {MAX_ID_CHARS} characters, got {len(value)}")
-    bad = _NOT_IN_ID.search(value)
-    if bad is not None:
-        raise ConfigError(f"{what} must not hold a control character or a lone surrogate, got "
-                          f"{bad.group()!r} at character {bad.start()}")
+    _refuse(what, value, _NOT_IN_ID, "a control character or a lone surrogate")
     return value
 
 
@@ -875,11 +872,15 @@ def check_text(what: str, value: object) -> str | None:
         return None
     if not isinstance(value, str):
         raise ConfigError(f"{what} must be a str or None, got {type(value).__name__}")
-    bad = _UNSTORABLE.search(value)
-    if bad is not None:
-        raise ConfigError(f"{what} must not hold a NUL or a lone surrogate, got {bad.group()!r} "
-                          f"at character {bad.start()}")
+    _refuse(what, value, _UNSTORABLE, "a NUL or a lone surrogate")
     return value
+
+
+def _refuse(what: str, value: str, pattern: re.Pattern[str], kind: str) -> None:
+    bad = pattern.search(value)
+    if bad is not None:
+        raise ConfigError(f"{what} must not hold {kind}, got {bad.group()!r} at character "
+                          f"{bad.start()}")
 
 
 def printable(text: str) -> str:
