@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     import kit_sessions
 
 __all__ = ("Runtime", "CONTROL_RETRY", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT",
-           "BACKOFF_MAX")
+           "BACKOFF_MAX", "ACT_TRIES")
 
 #: The control-request watcher follows the store (``follow_requests``), so a pause or cancel
 #: written anywhere reaches the run's next safe point as soon as the store hears of it; when
@@ -80,6 +80,11 @@ CLOSE_TIMEOUT = 10.0
 #: A background loop (lease renewal, the control watcher) that fails backs off up to this long
 #: between tries (seconds), logging once per burst; it never takes the deck down.
 BACKOFF_MAX = 30.0
+#: How many times in a row the deck tries to act on one control request recorded elsewhere (a
+#: parked run's cancel, a resume) while the store fails: with the backoff above, half a minute
+#: of a store gone for a moment is ridden out; then the request is logged and passed over, so
+#: one that can never be acted on does not hold up the ones after it.
+ACT_TRIES = 5
 _PARKED = (RunStatus.PAUSED, RunStatus.WAITING_HUMAN, RunStatus.SLEEPING)
 _SKIPPED = object()  # a due thread another ticker has
 _log = logging.getLogger("kit.runtime")
@@ -249,8 +254,9 @@ class Runtime:
         self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
         self._close_graphs: Any = None
         self._thread_locks: Any = None  # kit_workflows.ThreadLocks: one ticker per thread
-        self._seen_request = 0  # the newest control request this deck has looked at
+        self._seen_request = 0  # the newest control request this deck has acted on
         self._handled: set[int] = set()  # requests made here, acted on already
+        self._failing = (0, 0)  # (request id, failed tries) of a request the store failed
 
     # ------------------------------------------------------------------------ lifecycle --
     async def open(self) -> None:
@@ -839,24 +845,51 @@ class Runtime:
         """Requests written by other processes (the CLI, replicas), as the store hears of them
         (``follow_requests``: NOTIFY on Postgres; SQLite's poll): pause/cancel reach the runs
         played here; a resume is taken up by any deck that has the run's invocable (the first
-        to write wins); a parked run's cancel is written by whichever deck sees it first."""
-        async for req in self.store.follow_requests(after=self._seen_request):
-            self._seen_request = req.id
-            if req.id in self._handled:
-                self._handled.discard(req.id)
-            elif req.action == "resume" and req.run_id not in self.active:
-                self._tg.start_soon(self._resume_quietly, req.run_id)
-            else:
-                await self._act(req)
+        to write wins); a parked run's cancel is written by whichever deck sees it first. A
+        request is seen once it is acted on: one the store fails (``_act_or_raise``) is met
+        again when the watch starts over."""
+        requests = self.store.follow_requests(after=self._seen_request)
+        async with contextlib.aclosing(requests):
+            async for req in requests:
+                if req.id in self._handled:
+                    self._handled.discard(req.id)
+                elif req.action == "resume" and req.run_id not in self.active:
+                    self._tg.start_soon(self._resume_quietly, req.run_id)
+                else:
+                    await self._act_or_raise(req)
+                self._seen_request = req.id
+
+    async def _act_or_raise(self, req: ControlRequest) -> None:
+        """``_act``; a failure is raised (``_every`` starts the watch over after its backoff),
+        up to ``ACT_TRIES`` times in a row for one request, then logged and passed over."""
+        try:
+            await self._act(req)
+        except Exception as exc:
+            failing, tries = self._failing
+            tries = tries + 1 if failing == req.id else 1
+            self._failing = (req.id, tries)
+            if tries < ACT_TRIES:
+                raise
+            _log.error("control request %d (%s of run %s) passed over after %d tries: %s: %s",
+                       req.id, req.action, req.run_id, tries, type(exc).__name__, exc)
 
     async def _resume_quietly(self, run_id: str) -> None:
-        """A resume request from the log (its run id, as old as the log, is not re-checked)."""
-        try:
-            taken = await self._take_paused(run_id, None, False)
-            if taken is not None:
+        """A resume request from the log (its run id, as old as the log, is not re-checked).
+        Taking the run over is tried ``ACT_TRIES`` times while the store fails; the run's own
+        failure is in its log (``run.failed``), with nobody here to tell."""
+        for tries in range(1, ACT_TRIES + 1):
+            try:
+                taken = await self._take_paused(run_id, None, False)
+                break
+            except Exception as exc:
+                if tries == ACT_TRIES:
+                    _log.error("resuming run %s passed over after %d tries: %s: %s", run_id,
+                               tries, type(exc).__name__, exc)
+                    return
+                await anyio.sleep(min(2.0 ** tries, BACKOFF_MAX))
+        if taken is not None:
+            with contextlib.suppress(Exception):
                 await self._play(taken[0], taken[1])
-        except Exception:  # recorded in the run's log (run.failed); nobody here to tell
-            pass
 
     # --------------------------------------------------------------- parked workflows --
     async def _unpark(self, run_id: str, wanted: str, value: Any, by: str, context: Any,

@@ -29,7 +29,7 @@ from test_kit import CountingStore
 from test_kit_control import Gate
 from test_kit_http import served
 from test_kit_observers import Recorder
-from test_kit_workflows import State
+from test_kit_workflows import State, durable_approval
 
 pytestmark = pytest.mark.anyio
 HERE = Path(__file__).parent
@@ -41,7 +41,8 @@ class FaultyStore(SQLiteStore):
 
     ``fail_appends`` appends raise ``OSError`` before writing anything (a disk or network gone
     for a moment); ``down`` makes every append raise until cleared; ``fail_background`` renewals
-    and control-request reads raise that many times.
+    and control-request reads raise that many times; ``fail_reads`` lookups of a run
+    (``run_info``) raise that many times.
     """
 
     def __init__(self, path: Path) -> None:
@@ -49,6 +50,7 @@ class FaultyStore(SQLiteStore):
         self.fail_appends = 0
         self.down = False
         self.fail_background = 0
+        self.fail_reads = 0
         self.failures = 0
 
     async def append(self, events, *, claims=()):
@@ -71,6 +73,13 @@ class FaultyStore(SQLiteStore):
     async def requests(self, after=0):
         self._background_fault()
         return await super().requests(after)
+
+    async def run_info(self, run_id):
+        if self.fail_reads > 0:
+            self.fail_reads -= 1
+            self.failures += 1
+            raise OSError("injected: the store went away")
+        return await super().run_info(run_id)
 
 
 def seqs(events) -> list[int]:
@@ -266,6 +275,43 @@ async def test_an_id_from_before_the_check_still_plays_from_the_log(tmp_path):
         assert [e.kind for e in await store.read(old)][3:] == [
             "control.requested", "run.resumed", "text.delta", "message.completed",
             "model.completed", "run.completed"]
+
+
+async def test_a_control_request_that_meets_a_store_blip_is_acted_on_once_it_passes(tmp_path):
+    """A cancel recorded elsewhere (``kit runs signal``) for a parked run, met by a store that
+    fails a read for a moment: the deck acts on it once the store answers again. It used to
+    count the request as seen before acting, so the blip dropped it: the run stayed parked."""
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck(workflows=[durable_approval()], store=store) as deck:
+            parked = await deck.run("approval", {"log": []}, session_id="t")
+            store.fail_reads = 2  # the deck's next two looks at a run fail
+            async with SQLiteStore(tmp_path / "kit.db") as cli:
+                await cli.request(parked.run_id, "cancel", "not needed", "cli")
+
+                async def cancelled() -> bool:
+                    return (await cli.run_info(parked.run_id)).status is RunStatus.CANCELLED
+                await until(cancelled, timeout=20)
+            assert store.failures == 2
+            assert [e.kind for e in await store.read(parked.run_id)][-2:] == [
+                "control.requested", "run.cancelled"]
+
+
+async def test_a_resume_request_that_meets_a_store_blip_is_taken_up_once_it_passes(tmp_path):
+    run_id = kit.new_run_id()
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        await store.append([  # a paused agent run, as another process left it
+            Event(run_id, 0, kit.RunStarted("a", "agent", None, None, (kit.TextBlock("hi"),)), "a"),
+            Event(run_id, 1, kit.ControlRequested("pause", None, "api"), "a"),
+            Event(run_id, 2, kit.RunPaused(None, [{"role": "user", "content": "hi"}]), "a")])
+        async with Deck([Agent("a", model=ScriptedModel(["resumed"]))], store=store) as deck:
+            store.fail_reads = 1
+            async with SQLiteStore(tmp_path / "kit.db") as cli:
+                await cli.request(run_id, "resume", None, "cli")
+
+                async def completed() -> bool:
+                    return (await cli.run_info(run_id)).status is RunStatus.COMPLETED
+                await until(completed, timeout=20)
+            assert store.failures == 1 and await deck.status(run_id) is RunStatus.COMPLETED
 
 
 async def test_a_value_the_store_cannot_hold_costs_only_its_own_run(shared_url):
