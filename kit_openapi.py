@@ -34,8 +34,8 @@ _SEQ: dict[str, Any] = {"type": "string", "pattern": "^(-1|[0-9]{1,18})?$",
                         "description": "an event seq; empty or -1: from the start"}
 #: An id (``kit_core.check_id``): a session, thread or run id.
 _ID: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS,
-                       "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]*$",
-                       "description": f"an id: 1 to {MAX_ID_CHARS} characters, no control character"}
+                       "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]*$", "description":
+                       f"an id: 1 to {MAX_ID_CHARS} characters, no control character"}
 _SESSION: dict[str, Any] = {**_ID, "type": ["string", "null"],
                             "description": "the conversation; absent: a one-off turn"}
 _THREAD: dict[str, Any] = {**_ID, "type": ["string", "null"], "description":
@@ -183,6 +183,7 @@ def _param(name: str, where: str = "path", schema: dict[str, Any] = _STR, **extr
     return {"name": name, "in": where, "required": where == "path", "schema": schema, **extra}
 
 
+_RUN_ID_PARAM = _param("run_id", schema=_ID)
 _STREAM = _param("stream", "query", description="`true` or `1`: answer with server-sent events "
                  "(any other value: JSON)", examples={"stream": {"value": "true"}})
 _SSE_COMMON = ("Every frame carries `id: <seq>` (the event's seq in the run's log); `: ping` "
@@ -247,28 +248,29 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/workflows/{name}/{thread_id}/resume"): _op(
         "workflowAnswer", "Answer the run waiting on a thread",
         {"200": _json("WorkflowReply", "The final state, or the next interrupt", run=True)},
-        ("404", "409"), body="ResumeRequest", params=[_param("name"), _param("thread_id", schema=_ID)]),
+        ("404", "409"), body="ResumeRequest",
+        params=[_param("name"), _param("thread_id", schema=_ID)]),
     ("POST", "/runs/{run_id}/pause"): _op(
         "runPause", "Ask a running run to pause at its next safe point (409: it is parked or "
         "finished)",
         {"202": _json("ControlAccepted", "Recorded; the run stops at its next safe point", run=True)},
-        ("404", "409"), body="ControlRequest", body_required=False, params=[_param("run_id", schema=_ID)]),
+        ("404", "409"), body="ControlRequest", body_required=False, params=[_RUN_ID_PARAM]),
     ("POST", "/runs/{run_id}/cancel"): _op(
         "runCancel", "Ask a run to cancel at its next safe point (a parked run at once; 409: it "
         "has finished)",
         {"202": _json("ControlAccepted", "Recorded; the run stops at its next safe point", run=True)},
-        ("404", "409"), body="ControlRequest", body_required=False, params=[_param("run_id", schema=_ID)]),
+        ("404", "409"), body="ControlRequest", body_required=False, params=[_RUN_ID_PARAM]),
     ("POST", "/runs/{run_id}/resume"): _op(
         "runResume", "Continue a paused run here, to its end or next stop",
         {"200": _json("Resumed", "The events the run produced", run=True)}, ("404", "409"),
-        body="Empty", body_required=False, params=[_param("run_id", schema=_ID)]),
+        body="Empty", body_required=False, params=[_RUN_ID_PARAM]),
     ("GET", "/runs/{run_id}/events"): _op(
         "runEvents", "The run's log as server-sent events: replay, then live",
         {"200": {"description": "The events", "headers": _RUN_ID,
                  "content": {"text/event-stream": _NATIVE_SSE}},
          "204": {"description": "Nothing after the given seq: the run has ended"}},
         ("400", "404"), params=[
-            _param("run_id", schema=_ID),
+            _RUN_ID_PARAM,
             _param("after", "query", _SEQ, description="Resume after this seq"),
             _param("Last-Event-ID", "header", _SEQ,
                    description="Resume after this seq (EventSource sends it); wins over after")],
