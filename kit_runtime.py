@@ -25,7 +25,9 @@ On the kit side every event takes one path, ``_put``: into the writer's buffer, 
 live buffer when someone streams it. The writer group-commits: one ``store.append`` per batch
 (``FLUSH_MAX`` events, or ``FLUSH_DELAY`` after the first), never one commit per token (PERF.md
 section 3), and feeds the observers what each append committed. ``_write`` is ``_put`` plus a
-commit now, raising what the store refused (a busy session, a fenced seq) for that run alone.
+commit now, raising what the store refused (a busy session, a fenced seq, a value it cannot
+hold) for that run alone. The ids callers give are checked before anything is written
+(``check_id``); what kit reads back from its own log is not checked again.
 """
 from __future__ import annotations
 
