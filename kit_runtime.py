@@ -408,13 +408,18 @@ class Runtime:
     async def _every(self, seconds: float, step: Callable[[], Any], what: str) -> None:
         """Call ``step`` every ``seconds``, forever. A failing step (a store that is down or
         locked) is logged once per burst and retried with backoff; it never ends the loop, and
-        never the deck."""
+        never the deck. A step that runs for good (the control watch) and fails after working
+        for longer than it last waited starts a new burst: its backoff does not ratchet up to
+        ``BACKOFF_MAX`` over a process's life."""
         delay = seconds
         while True:
             await anyio.sleep(delay)
+            started = anyio.current_time()
             try:
                 await step()
             except Exception as exc:
+                if anyio.current_time() - started > delay:  # it had been working again
+                    delay = seconds
                 if delay == seconds:
                     _log.warning("%s failed (%s: %s); retrying with backoff", what,
                                  type(exc).__name__, exc)

@@ -41,8 +41,8 @@ class FaultyStore(SQLiteStore):
 
     ``fail_appends`` appends raise ``OSError`` before writing anything (a disk or network gone
     for a moment); ``down`` makes every append raise until cleared; ``fail_background`` renewals
-    and control-request reads raise that many times; ``fail_reads`` lookups of a run
-    (``run_info``) raise that many times.
+    and control-request reads raise that many times; ``fail_requests`` control-request reads
+    alone, and ``fail_reads`` lookups of a run (``run_info``), raise that many times.
     """
 
     def __init__(self, path: Path) -> None:
@@ -51,6 +51,7 @@ class FaultyStore(SQLiteStore):
         self.down = False
         self.fail_background = 0
         self.fail_reads = 0
+        self.fail_requests = 0
         self.failures = 0
 
     async def append(self, events, *, claims=()):
@@ -72,6 +73,10 @@ class FaultyStore(SQLiteStore):
 
     async def requests(self, after=0):
         self._background_fault()
+        if self.fail_requests > 0:
+            self.fail_requests -= 1
+            self.failures += 1
+            raise OSError("injected: the store went away")
         return await super().requests(after)
 
     async def run_info(self, run_id):
@@ -294,6 +299,30 @@ async def test_a_control_request_that_meets_a_store_blip_is_acted_on_once_it_pas
             assert store.failures == 2
             assert [e.kind for e in await store.read(parked.run_id)][-2:] == [
                 "control.requested", "run.cancelled"]
+
+
+async def test_the_control_watch_starts_over_promptly_after_each_blip_it_recovered_from(tmp_path):
+    """The watch follows the store for good, and each failure backs off before it starts over
+    (doubling, up to BACKOFF_MAX). Its wait used to grow with every blip over a process's life,
+    as the watch never returns: after four, a cancel from elsewhere waited 8 s to be seen."""
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck(workflows=[durable_approval()], store=store) as deck:
+            parked = await deck.run("approval", {"log": []}, session_id="t")
+            for blip in range(1, 5):
+                store.fail_requests = 1
+
+                async def failed() -> bool:
+                    return store.failures == blip
+                await until(failed)
+                await anyio.sleep(2.5)  # back after 1 s, then working for longer than it waited
+            async with SQLiteStore(tmp_path / "kit.db") as cli:
+                await cli.request(parked.run_id, "cancel", None, "cli")
+                asked = time.monotonic()
+
+                async def cancelled() -> bool:
+                    return (await cli.run_info(parked.run_id)).status is RunStatus.CANCELLED
+                await until(cancelled, timeout=30)
+                assert time.monotonic() - asked < 2.0
 
 
 async def test_a_resume_request_that_meets_a_store_blip_is_taken_up_once_it_passes(tmp_path):
