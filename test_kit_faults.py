@@ -61,29 +61,24 @@ class FaultyStore(SQLiteStore):
             raise OSError("injected: the disk is gone")
         await super().append(events, claims=claims)
 
-    def _background_fault(self) -> None:
-        if self.fail_background > 0:
-            self.fail_background -= 1
-            self.failures += 1
-            raise OSError("injected: the store went away")
+    def _fault(self, *knobs: str) -> None:
+        """Raise, counting down the first of ``knobs`` (fault counts) that is set."""
+        for knob in knobs:
+            if getattr(self, knob) > 0:
+                setattr(self, knob, getattr(self, knob) - 1)
+                self.failures += 1
+                raise OSError("injected: the store went away")
 
     async def renew(self, owner, lease_seconds, run_ids=None):
-        self._background_fault()
+        self._fault("fail_background")
         await super().renew(owner, lease_seconds, run_ids)
 
     async def requests(self, after=0):
-        self._background_fault()
-        if self.fail_requests > 0:
-            self.fail_requests -= 1
-            self.failures += 1
-            raise OSError("injected: the store went away")
+        self._fault("fail_background", "fail_requests")
         return await super().requests(after)
 
     async def run_info(self, run_id):
-        if self.fail_reads > 0:
-            self.fail_reads -= 1
-            self.failures += 1
-            raise OSError("injected: the store went away")
+        self._fault("fail_reads")
         return await super().run_info(run_id)
 
 
