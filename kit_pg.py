@@ -61,7 +61,7 @@ from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictErro
                       RunStarted, RunStatus, SessionBusyError, fold_status)
 from kit_store import (RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, abandoned, by_run,
                        event_of, event_row, run_row, runs_query)
-from kit_storebase import StoreBase, unstorable
+from kit_storebase import StoreBase
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
            "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "CONNECT_TIMEOUT",
@@ -462,14 +462,7 @@ class PostgresStore(StoreBase):
         """Asyncio side: call ``fn()`` on the caller's side (the same thread under asyncio)."""
         self._bridge.to_kit(fn) if self._bridge else fn()
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        self._check()
-        try:
-            return await self._io(fn, *args)
-        except Exception as exc:
-            if self._unstorable(exc):
-                raise unstorable(exc) from None
-            raise
+    _run_hook = _io  # (``_call``'s: no busy back-off, the server's locks wait on their own)
 
     def _unstorable(self, exc: Exception) -> bool:
         """Text that is not UTF-8, a NUL or another value out of a type's range (class 22), or

@@ -71,8 +71,8 @@ class StoreBase:
     ``kit_pg``'s ``PostgresStore``) implement the storage hooks at the end of the class.
 
     The hooks run through ``_call``: here they are synchronous and run inline (``_retrying``);
-    a store whose I/O is asynchronous overrides ``_call`` (and ``_opening``/``_closing``) and
-    makes them coroutine functions. Followers wait per run: ``_woken(run_id, seq)`` wakes the
+    a store whose I/O is asynchronous points ``_run_hook`` at its own (and overrides
+    ``_opening``/``_closing``) and makes them coroutine functions. Followers wait per run: ``_woken(run_id, seq)`` wakes the
     followers of ``run_id`` that have not seen ``seq``; a store whose other writers can tell it
     of their commits (Postgres: LISTEN/NOTIFY) calls it for them, one that cannot re-reads every
     ``_poll`` seconds.
@@ -125,9 +125,16 @@ class StoreBase:
             raise KitError(_NOT_OPEN)
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a storage hook on the open store (see ``_retrying``)."""
+        """Run a storage hook on the open store (``_run_hook``). A value the storage cannot hold
+        (``_unstorable``) is refused with ``unstorable``'s error, never raised as the storage's
+        own (which the writer would take for an outage)."""
         self._check()
-        return await self._retrying(fn, *args)
+        try:
+            return await self._run_hook(fn, *args)
+        except Exception as exc:
+            if self._unstorable(exc):
+                raise unstorable(exc) from None
+            raise
 
     def _check_writable(self, what: str) -> None:
         self._check()
@@ -148,8 +155,6 @@ class StoreBase:
             try:
                 return fn(*args)
             except Exception as exc:
-                if self._unstorable(exc):
-                    raise unstorable(exc) from None
                 if not self._busy(exc):
                     raise
                 now = anyio.current_time()
@@ -158,6 +163,9 @@ class StoreBase:
                     raise
             await anyio.sleep(delay)
             delay = min(delay * 2, BUSY_MAX_SLEEP)
+
+    #: How ``_call`` runs a hook: inline, backing off while the storage is busy (``_retrying``).
+    _run_hook = _retrying
 
     def _busy(self, exc: Exception) -> bool:
         """Whether ``exc`` means "locked by someone else, try again" (storage-specific)."""
