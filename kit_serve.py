@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ``KIT_PLAYGROUND=0``, and the ``Host``/``Origin`` policy of ``KIT_ALLOWED_HOSTS`` /
     ``KIT_CORS_ORIGINS`` (kit_guard); ``--access-log`` (or ``KIT_ACCESS_LOG=1``) logs every
     request. Returns 0 after SIGINT/SIGTERM, 1 when the project
-    cannot be served (a missing extra, a broken project, a taken address), 2 on usage."""
+    cannot be served (a missing extra, a broken project, a taken address), 2 on usage, 130 on
+    Ctrl-C before it serves (while the project loads or the deck opens; no traceback)."""
     env = os.environ
     parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
                                      "and SSE. The API is unauthenticated.")
@@ -143,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         if (extra == "serve" or args.worker == "trio") and importlib.util.find_spec(module) is None:
             _log.error("%s is missing: pip install 'kit[%s]'", module, extra)
             return 1
+    try:
+        return _serve(args, surfaces, env)
+    except KeyboardInterrupt:  # before Hypercorn took SIGINT: a user who gave up waiting
+        return 130
+
+
+def _serve(args: argparse.Namespace, surfaces: list[str], env: Mapping[str, str]) -> int:
+    """``main`` once its arguments are good: build the deck and serve it until a signal."""
     import kit  # the composition root: only the console entry point builds a deck itself
     try:  # the observers the settings ask for, then the failed-run lines
         guard = Guard.from_env(env, bind=args.host)

@@ -184,6 +184,31 @@ def test_a_deck_that_does_not_open_is_one_masked_line_naming_why(tmp_path):
     assert "hunter2222" not in out.stderr
 
 
+def test_ctrl_c_while_the_project_loads_exits_130_without_a_traceback(tmp_path):
+    """A user who gives up waiting for a slow start (a bundle that takes its time, a store that
+    does not answer) gets the prompt back, not a screen of traceback."""
+    loading = tmp_path / "loading"
+    root = project(tmp_path, slow=f"import pathlib, time\npathlib.Path({str(loading)!r}).touch()\n"
+                                  f"time.sleep(60)\n")
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", HOST="127.0.0.1",
+               PORT=str(free_port()))
+    proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not loading.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 130
+        assert proc.stderr.read() == ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
 def test_kit_serve_logs_no_mcp_request_body(tmp_path):
     """The mcp package logs a request that fails validation, quoted, many lines long, through
     the root logger; kit-serve's console says one line that it was refused."""
