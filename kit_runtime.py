@@ -26,8 +26,11 @@ live buffer when someone streams it. The writer group-commits: one ``store.appen
 (``FLUSH_MAX`` events, or ``FLUSH_DELAY`` after the first), never one commit per token (PERF.md
 section 3), and feeds the observers what each append committed. ``_write`` is ``_put`` plus a
 commit now, raising what the store refused (a busy session, a fenced seq, a value it cannot
-hold) for that run alone. The ids callers give are checked before anything is written
-(``check_id``); what kit reads back from its own log is not checked again.
+hold) for that run alone. A write the store may refuse for its seq (a caller's own run id, a
+take-over of a parked run) is fenced here too (``_fence``): one per run id at a time in a deck,
+so two callers racing for one run never share a batch, whose refusal would cost both. The ids
+callers give are checked before anything is written (``check_id``); what kit reads back from
+its own log is not checked again.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import os
 import socket
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -251,6 +254,8 @@ class Runtime:
         self.bridge: Bridge | None = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.active: dict[str, _Run] = {}
+        self._fenced: set[str] = set()  # run ids a fenced write is in flight for (``_fence``)
+        self._closing = False
         self._streams: dict[str, _Run] = {}  # streamed runs: their commits wake their readers
         self._tg: Any = None
         self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
@@ -319,14 +324,17 @@ class Runtime:
 
     async def close(self) -> None:
         """Cancel the runs still playing (they record ``run.cancelled``), flush, release all."""
+        self._closing = True  # no run starts or is taken over from now on (``_new_run``)
         with anyio.CancelScope(shield=True):
-            runs = [r for r in self.active.values() if r.parent is None]  # children end with them
+            runs = list(self.active.values())
             for run in runs:
-                run.closing = True
-                run.scope.cancel()
+                run.closing = True  # each records that the deck closed, not that its caller left
+                if run.parent is None:  # children end with their parents
+                    run.scope.cancel()
             with anyio.move_on_after(CLOSE_TIMEOUT):
-                for run in runs:
-                    await run.done.wait()
+                for run in runs:  # children too: the flush below must find their ends buffered
+                    # (the SDK may let a cancelled tool finish after its agent's run returned)
+                    await (run.done.wait() if run.parent is None else self._on_engine(run.done.wait))
         await self._teardown()
 
     async def _teardown(self) -> None:
@@ -548,6 +556,8 @@ class Runtime:
 
     def _new_run(self, spec: InvocableSpec, run_id: str, data: Any, session_id: str | None,
                  namespace: str | None, streaming: bool = False) -> _Run:
+        if self._closing:  # a stream made while open, iterated after: refused before any write
+            raise DeckStateError("CLOSED", "start or resume a run")
         run = _Run(spec, run_id, data, session_id, namespace, streaming, deliver=self._deliver,
                    commit=self._commit, pace=self._pace, read=self._read_committed,
                    writer=self.writer)
@@ -574,6 +584,21 @@ class Runtime:
 
     def _claim(self, run: _Run) -> Claim:
         return Claim(run.run_id, self.owner, self.lease, run.session_id, run.namespace)
+
+    @contextlib.contextmanager
+    def _fence(self, run_id: str, seq: int) -> Iterator[None]:
+        """Around a fenced write (a caller's run id, a take-over, a parked run's cancel): one
+        per run id at a time in this deck, and none for a run played here. A second caller
+        racing for the id is refused (``LogConflictError``) before it writes anything, as the
+        store refuses one from another process: in one group commit the store would refuse
+        both writes, and the first caller would play on without its first event."""
+        if run_id in self._fenced or run_id in self.active:
+            raise LogConflictError(run_id, seq)
+        self._fenced.add(run_id)
+        try:
+            yield
+        finally:
+            self._fenced.discard(run_id)
 
     # --------------------------------------------------------------------------- turns --
     async def _begin(self, spec: InvocableSpec, input: Any, context: Any, session_id: str | None,
@@ -630,8 +655,9 @@ class Runtime:
             with anyio.move_on_after(self.down_limit) as waiting:
                 await self.writer.room()
                 if fenced:
-                    await self._write(run, [started], self._claim(run))
-                    self._hold(run, started.seq)
+                    with self._fence(run.run_id, started.seq):
+                        await self._write(run, [started], self._claim(run))
+                        self._hold(run, started.seq)
                     return
             if waiting.cancelled_caught:
                 error = StoreUnavailableError(run.run_id, self.down_limit)
@@ -724,6 +750,7 @@ class Runtime:
             return _result(run, await spec.engine.play(run, self.graphs[name], block.data))
         finally:
             self.active.pop(run.run_id, None)
+            run.done.set()  # the deck's close waits for it (on the engine side, made there)
 
     # -------------------------------------------------------------------- run control --
     async def request(self, run_id: str, action: str, reason: str | None, source: str) -> None:
@@ -759,11 +786,16 @@ class Runtime:
             return
         if info.status is not RunStatus.CANCELLED:
             last = (await self.store.read(req.run_id))[-1]
-            with contextlib.suppress(LogConflictError):  # another deck wrote it: forget ours too
-                await self._write(None, [
-                    Event(req.run_id, last.seq + 1,
-                          ControlRequested("cancel", req.reason, req.source), info.name),
-                    Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)])
+            try:
+                with self._fence(req.run_id, last.seq + 1):
+                    await self._write(None, [
+                        Event(req.run_id, last.seq + 1,
+                              ControlRequested("cancel", req.reason, req.source), info.name),
+                        Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)])
+            except LogConflictError:  # another caller got there first: a cancel, or a resume
+                info = await self.store.run_info(req.run_id)
+                if info is None or info.status is not RunStatus.CANCELLED:
+                    return  # resumed: its thread is in use (a cancel elsewhere: forget ours too)
         spec = self.specs.get(info.name)
         if spec is None or spec.kind != "workflow":
             return
@@ -779,11 +811,12 @@ class Runtime:
         fenced by seq (``LogConflictError`` when another caller got there first)."""
         run.seq = events[-1].seq
         try:
-            await self._write(run, events, self._claim(run))
+            with self._fence(run.run_id, events[0].seq):
+                await self._write(run, events, self._claim(run))
+                self._hold(run, run.seq)
         except BaseException:
             self._unstream(run)
             raise
-        self._hold(run, run.seq)
 
     async def _take_paused(self, run_id: str, context: Any, streaming: bool
                            ) -> tuple[_Run, Callable[[], Any], int] | None:

@@ -7,6 +7,7 @@ network would. Everything else is kit's real code.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import subprocess
@@ -42,7 +43,9 @@ class FaultyStore(SQLiteStore):
     ``fail_appends`` appends raise ``OSError`` before writing anything (a disk or network gone
     for a moment); ``down`` makes every append raise until cleared; ``fail_background`` renewals
     and control-request reads raise that many times; ``fail_requests`` control-request reads
-    alone, and ``fail_reads`` lookups of a run (``run_info``), raise that many times.
+    alone, and ``fail_reads`` lookups of a run (``run_info``), raise that many times. While
+    ``stall()`` holds, appends wait (a slow disk or network: the writer's batch in flight, the
+    next one gathering); ``stalled`` is set once one waits.
     """
 
     def __init__(self, path: Path) -> None:
@@ -53,8 +56,22 @@ class FaultyStore(SQLiteStore):
         self.fail_reads = 0
         self.fail_requests = 0
         self.failures = 0
+        self._stall: anyio.Event | None = None
+        self.stalled: anyio.Event | None = None
+
+    @contextlib.asynccontextmanager
+    async def stall(self):
+        self._stall, self.stalled = anyio.Event(), anyio.Event()
+        try:
+            yield
+        finally:
+            self._stall.set()
+            self._stall = None
 
     async def append(self, events, *, claims=()):
+        if self._stall is not None:
+            self.stalled.set()
+            await self._stall.wait()
         if self.down or self.fail_appends > 0:
             self.fail_appends = max(0, self.fail_appends - 1)
             self.failures += 1
@@ -377,6 +394,103 @@ def linear() -> StateGraph:
     g.add_edge(START, "note")
     g.add_edge("note", END)
     return g
+
+
+# ------------------------------------------------------------- racing writers of one run ----
+
+async def race_in_one_commit(store: FaultyStore, deck: Deck, stalled_call, *calls) -> list:
+    """Play ``calls`` at once while ``stalled_call``'s commit stalls at the store: their writes
+    gather in one group commit. Their results, or what each raised, in order."""
+    results: list = [None] * len(calls)
+
+    async def play(i: int, call) -> None:
+        try:
+            results[i] = await call()
+        except kit.KitError as exc:
+            results[i] = exc
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            async with store.stall():
+                tg.start_soon(stalled_call)
+                await store.stalled.wait()
+                for i, call in enumerate(calls):
+                    tg.start_soon(play, i, call)
+                await anyio.sleep(0.2)  # each has read the log and put its write in the buffer
+    return results
+
+
+async def test_two_answers_racing_in_one_commit_one_wins_and_the_log_has_all_of_its_run(tmp_path):
+    """Both callers' run.resumed at one seq in one batch: the store refused the batch, both
+    writes were dropped, and the caller that heard no refusal played on without its first
+    event (a gap in the log where its run.resumed belonged)."""
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck(workflows=[durable_approval()], store=store) as deck:
+            x = await deck.run("approval", {"log": []}, session_id="x")
+            other = await deck.run("approval", {"log": []}, session_id="other")
+            results = await race_in_one_commit(
+                store, deck, lambda: deck.answer(other.run_id, "fine"),
+                lambda: deck.answer(x.run_id, "a"), lambda: deck.answer(x.run_id, "b"))
+            [won] = [r for r in results if isinstance(r, dict)]
+            assert [type(r) for r in results].count(kit.RunNotWaitingError) == 1, results
+            log = await store.read(x.run_id)
+            assert seqs(log) == list(range(len(log)))
+            assert [e.kind for e in log].count("run.resumed") == 1 and log[-1].kind == "run.completed"
+            assert log[-1].payload.output["answer"] == won["answer"]
+            assert await deck.status(x.run_id) is RunStatus.COMPLETED
+
+
+async def test_two_runs_given_one_run_id_at_once_one_plays_and_the_log_has_its_start(tmp_path):
+    """Both starts at seq 0 in one batch: both were dropped, and the run that played had no
+    run.started (invisible to runs() and status) and no claim."""
+    agent = Agent("a", model=ScriptedModel(["hello there"], cycle=True))
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], store=store) as deck:
+            results = await race_in_one_commit(
+                store, deck, lambda: deck.run("a", "other", run_id="other"),
+                lambda: deck.run("a", "hi", run_id="same"), lambda: deck.run("a", "hi", run_id="same"))
+            assert sorted(type(r).__name__ for r in results) == ["LogConflictError", "TurnResult"]
+            log = await store.read("same")
+            assert log[0].kind == "run.started" and seqs(log) == list(range(len(log)))
+            assert await deck.status("same") is RunStatus.COMPLETED
+
+
+async def test_a_stream_made_while_open_and_read_after_close_writes_nothing(tmp_path):
+    """It wrote its run.started (or took a parked run over) and then failed with an
+    AttributeError: the session stayed busy, the approval was lost."""
+    agent = Agent("a", model=ScriptedModel(["hi"], cycle=True))
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], [durable_approval()], store=store) as deck:
+            parked = await deck.run("approval", {"log": []}, session_id="t")
+            late = [deck.stream("a", "hi", session_id="s"), deck.stream_answer(parked.run_id, "yes")]
+        for stream in late:
+            with pytest.raises(kit.DeckStateError, match="CLOSED"):
+                await stream.__anext__()
+        assert [r.run_id for r in await store.runs()] == [parked.run_id]
+        async with Deck([agent], [durable_approval()], store=store) as deck:
+            assert (await deck.run("a", "again", session_id="s")).output == "hi"
+            assert (await deck.answer(parked.run_id, "yes"))["answer"] == "yes"
+
+
+async def test_closing_the_deck_records_the_end_of_a_child_run_in_flight(tmp_path):
+    """The deck waited for its parents only; the SDK may let a cancelled tool (a child
+    workflow run) finish after its agent: the child's end came after the last flush, and the
+    child stayed RUNNING with its lease until another process reaped it."""
+    gate = Gate()
+    agent = Agent("a", workflows=["slow"], model=ScriptedModel([{"tool": "slow", "args": {}}, "done"]))
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], [slow_flow(gate)], store=store) as deck:
+            stream = deck.stream("a", "go", session_id="s")
+            await stream.__anext__()
+            await gate.until_entered()
+        gate.release.set()
+        with anyio.fail_after(10):
+            assert [e.kind async for e in stream][-1] == "run.cancelled"
+        runs = {r.name: r for r in await store.runs()}
+        assert runs["a"].status is RunStatus.CANCELLED
+        assert runs["slow"].status is RunStatus.CANCELLED, runs["slow"]
+        child = await store.read(runs["slow"].run_id)
+        assert child[-1].kind == "run.cancelled" and child[-1].payload.reason == "the deck closed"
+        assert await store.session_holder("s") is None
 
 
 async def test_a_cancelled_callers_run_is_durably_cancelled_when_run_returns(tmp_path):
