@@ -3,12 +3,14 @@
 Owns: ``MCPSurface``: the ``mcp`` package's low-level ``Server`` carrying kit's tools (each agent,
 each workflow, and ``answer``) and resources (each skill), served by that package's
 ``StreamableHTTPSessionManager`` (an ASGI handler); the progress notifications of a playing
-turn; the structured results of tool calls.
+turn; the structured results of tool calls; the ``kit_mcp`` log line of a call that broke.
 
 Must never: speak JSON-RPC or the transport itself (the mcp package does; this module registers
 handlers), reach a deck by anything but its public methods, be imported unless the MCP surface is
 served (it imports ``mcp``, which imports Starlette: kit_http imports it in the lifespan, only
-when asked), or put the application context or an unexpected exception's message in a result.
+when asked), put the application context or an unexpected exception's message in a result, or
+write to stderr itself (a call that broke is one ``kit_mcp`` log line, its tool and error type,
+never its arguments; the stack only at DEBUG).
 
 Theory of operation
 -------------------
@@ -23,9 +25,11 @@ structured (``structuredContent``) and also given as text:
 - an agent's turn: ``{"output", "run_id", "session_id", "usage"}``;
 - a workflow's end: ``{"output", "thread_id", "run_id"}``;
 - a workflow waiting for a human: ``{"type": "interrupt", "payload", "thread_id", "run_id"}``; the
-  ``answer`` tool (``{run_id, value}``) resumes it and returns the next of these shapes;
-- a refusal (busy session, bad input) or a failed run: ``isError`` with ``{"error": <type>,
-  "message"}`` (a failed run's message names its run, whose log has the details).
+  ``answer`` tool (``{run_id, value}``) resumes it through ``deck.stream_answer``, played like any
+  call (a node's progress, the same end handling), and returns the next of these shapes;
+- a refusal (busy session, bad input) or a failed run, a resumed one too: ``isError`` with
+  ``{"error": <type>, "message"}`` (a failed run's message names its run, whose log has the
+  details).
 
 Leaving a call (the client cancels it, or goes away) ends its stream, never its run. Skills are
 resources ``skill://<name>`` (``text/markdown``: the body ``load_skill`` serves). The server is
@@ -35,9 +39,10 @@ the deck's store can serve any call, and nothing is kept for idle clients.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import traceback
 import typing
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -57,6 +62,9 @@ if typing.TYPE_CHECKING:
     from kit import Deck
 
 __all__ = ("MCPSurface", "ANSWER", "SKILL_SCHEME")
+
+#: A tool call that broke (a bug, not a refusal): one line naming the tool and the error type.
+_log = logging.getLogger("kit_mcp")
 
 #: The tool that answers a workflow run waiting for a human.
 ANSWER = "answer"
@@ -171,24 +179,35 @@ class MCPSurface:
             if name == ANSWER:
                 return await self._answer(args["run_id"], args["value"])
             if name in self.deck.agents:
-                return await self._play(name, args["message"], args.get("session_id"))
+                session_id = args.get("session_id")
+                return await self._play(name, session_id, self.deck.stream(
+                    name, args["message"], session_id=session_id, committed=True))
             if name in self.deck.workflows:
-                return await self._play(name, args.get("input") or {}, args.get("thread_id"))
+                thread_id = args.get("thread_id")
+                return await self._play(name, thread_id, self.deck.stream(
+                    name, args.get("input") or {}, session_id=thread_id, committed=True))
             raise UnknownNameError(name, [*self.deck.agents, *self.deck.workflows])
         except KitError as exc:
             return _error(type(exc).__name__, str(exc))
-        except Exception as exc:  # its message may quote input or a secret: the log has it
-            print(f"kit_mcp: tool {name!r} failed with {type(exc).__name__}\n"
-                  f"{''.join(traceback.format_tb(exc.__traceback__))}", file=sys.stderr, end="")
+        except Exception as exc:
+            # A bug, not a refusal: its message may quote input or a secret, so the log gets the
+            # tool (a catalog name or `answer`: an unknown one was refused above) and the type;
+            # the stack only at DEBUG, and never the call's arguments.
+            _log.error("MCP tool %s failed with %s", name, type(exc).__name__)
+            _log.debug("MCP tool %s failed with %s\n%s", name, type(exc).__name__,
+                       "".join(traceback.format_tb(exc.__traceback__)).rstrip())
             return _error(type(exc).__name__, "internal error; the server log has the details")
 
-    async def _play(self, name: str, value: Any, session_id: str | None) -> types.CallToolResult:
+    async def _play(self, name: str, session_id: str | None,
+                    stream: AsyncIterator[Event]) -> types.CallToolResult:
+        """Play ``stream`` (the events of invocable ``name``'s run on ``session_id``, its thread
+        for a workflow) to its end, sending progress on the way; its end is the result: a
+        failed, cancelled or paused run is an ``isError`` one naming the run."""
         ctx = self.server.request_context
         token = ctx.meta.progressToken if ctx.meta is not None else None
         end, sent = None, 0
         try:
-            async with aclosing(self.deck.stream(name, value, session_id=session_id,
-                                                  committed=True)) as events:
+            async with aclosing(stream) as events:
                 async for ev in events:
                     if ev.payload.ends is not None:
                         end = ev
@@ -219,11 +238,13 @@ class MCPSurface:
         return _workflow_result(p.output, run_id, thread_id)  # type: ignore[union-attr]
 
     async def _answer(self, run_id: str, value: Any) -> types.CallToolResult:
+        """Resume a waiting run with ``value``, played as a call plays a turn: a run that fails
+        after its answer is that run's failure, reported as ``_play`` reports any."""
         info = await self.deck.store.run_info(run_id)
         if info is None or info.namespace is not None:  # runs started over HTTP have none
             raise UnknownRunError(run_id)
-        result = await self.deck.answer(run_id, value)
-        return _workflow_result(result, run_id, info.session_id or run_id)
+        return await self._play(info.name, info.session_id,
+                                self.deck.stream_answer(run_id, value, committed=True))
 
     # -------------------------------------------------------------------------- resources --
     async def _resources(self) -> list[types.Resource]:

@@ -4,12 +4,15 @@ Owns: ``main()`` for ``kit-serve`` (and ``python -m kit_http``): its arguments a
 extras it needs, the deck of ``KIT_PROJECT`` served by ``kit_http.serve`` under Hypercorn, and its
 console: one ``kit-serve:`` line on stderr per message, from the ``logging`` module (the address it
 listens on; one line per failed run, from the ``FailedRunLog`` observer it adds to the deck; one
-per request with ``--access-log``; why it could not serve, then exit 1).
+per request with ``--access-log``; why it could not serve, then exit 1; what other code logs at
+WARNING and above), each made one printable line by its handler's formatter (``_ConsoleLine``).
 
-Must never: print a traceback for a failure it can name (a taken address, a missing extra, a
-broken project), or log a request body, the application context or a setting's value (failure
-messages are masked, ``FailedRunLog.redact``); import kit.py outside ``main()`` (it sits below the
-composition root), or Hypercorn at module import.
+Must never: print a traceback (for a failure it can name: a taken address, a missing extra, a
+broken project; in anyone's record: the exception's type only), let a logged value break a line
+or carry a terminal escape, or log a request body, what the mcp package quotes of a request, the
+application context or a setting's value (failure messages are masked, ``FailedRunLog.redact``);
+import kit.py outside ``main()`` (it sits below the composition root), or Hypercorn at module
+import.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import anyio
 
@@ -42,6 +46,17 @@ _SECRET_SETTING = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.
 _SECRET_SHAPES = re.compile(
     r"\b((?:sk|pk|rk)-)[\w*.-]{6,}|\b((?i:bearer|basic) )[\w.~+/=-]{6,}|(://)[^/\s@]+(?=@)"
     r"|\b((?i:api[_-]?key|token|secret|password)[\"']?\s*[:=]\s*[\"']?)[^\s,;'\"]+")
+
+#: Loggers whose messages kit composes, quoting only what it has bounded and masked (the address,
+#: the failed-run line, the access log's path): shown whole. Hypercorn's own messages
+#: (``kit_http.hypercorn``) and everyone else's are capped at ``MAX_LOG_MESSAGE``.
+_KIT_LOGGERS = ("kit", "kit_http", "kit_serve", "kit_mcp")
+#: The mcp package logs a request that fails validation, quoted, through the root logger.
+_MCP_SESSION = os.path.join("mcp", "shared", "session.py")
+
+
+def _capped(text: str) -> str:
+    return text if len(text) <= MAX_LOG_MESSAGE else text[:MAX_LOG_MESSAGE - 3] + "..."
 
 
 class FailedRunLog:
@@ -70,31 +85,59 @@ class FailedRunLog:
         for value in self._secrets:
             message = message.replace(value, "***")
         message = _SECRET_SHAPES.sub(lambda m: "".join(g or "" for g in m.groups()) + "***", message)
-        message = printable(" ".join(message.split()))  # one line, no terminal control sequence
-        return message if len(message) <= MAX_LOG_MESSAGE else message[:MAX_LOG_MESSAGE - 3] + "..."
+        return _capped(printable(" ".join(message.split())))  # one line, no terminal control sequence
 
 
-class _NoRequestBodies(logging.Filter):
-    """The mcp package logs a request that fails validation, the request quoted, through the
-    root logger (``mcp/shared/session.py``); kit-serve logs no request body, only the refusal."""
+class _ConsoleLine(logging.Formatter):
+    """The formatter of kit-serve's console handler: every record it prints, from whichever
+    logger it propagated, is one ``kit-serve:`` line. A handler's formatter, not a logger's
+    filter: a logger's filters see only the records logged at that very logger, never those
+    its children (``mcp.server.*``) propagate to it.
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.pathname.endswith(os.path.join("mcp", "shared", "session.py")):
-            record.msg = "mcp: a request failed validation (its body is not logged)"
-            record.args = ()
-        return True
+    - The mcp package quotes the request it refuses (a tool's name, a header, the body), through
+      its ``mcp.*`` loggers or the root one (``mcp/shared/session.py``): its line says which part
+      of the package spoke and how loudly, never what it said.
+    - Any other message is made printable (``kit_core.printable``: no line break, no terminal
+      escape), so a value it quotes cannot forge a line, and capped unless kit composed it.
+    - A traceback never: the exception's type only (its message may quote input or a secret).
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "mcp" or record.name.startswith("mcp.") or (
+                record.pathname.endswith(_MCP_SESSION)):
+            return f"kit-serve: {_mcp_line(record)}"
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # arguments that do not fit the format: the format alone
+            message = str(record.msg)
+        if record.exc_info and record.exc_info[0] is not None:
+            message += f" ({record.exc_info[0].__name__})"
+        message = printable(message)
+        if record.name.split(".")[0] not in _KIT_LOGGERS or record.name == "kit_http.hypercorn":
+            message = _capped(message)
+        return f"kit-serve: {message}"
 
 
-_NO_REQUEST_BODIES = _NoRequestBodies()
+def _mcp_line(record: logging.LogRecord) -> str:
+    """What the console says for a record of the mcp package: who and how loudly, not what."""
+    if record.levelno == logging.WARNING and record.pathname.endswith(_MCP_SESSION):
+        return "mcp: a request failed validation (its body is not logged)"
+    source = record.name if record.name.startswith("mcp") else "mcp.shared.session"
+    what = "an error" if record.levelno >= logging.ERROR else "a warning"
+    if record.exc_info and record.exc_info[0] is not None:
+        what += f" ({record.exc_info[0].__name__})"
+    return (f"mcp: {printable(source)}: {what} about a request (its text is not logged: it may "
+            "quote the request)")
 
 
 def _console() -> None:
-    """kit_http's and kit_serve's loggers onto stderr, one ``kit-serve:`` line per message; so is
-    what else logs through the root logger (the mcp package, the project's own code) at
-    WARNING and above, rather than through ``logging.basicConfig``'s handler."""
+    """kit_http's, kit_mcp's and kit_serve's loggers onto stderr, one ``kit-serve:`` line per
+    message (``_ConsoleLine``); so is what else logs through the root logger (the mcp package,
+    the project's own code) at WARNING and above, rather than through ``logging.basicConfig``'s
+    handler."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("kit-serve: %(message)s"))
-    for name in ("kit_http", "kit_serve"):
+    handler.setFormatter(_ConsoleLine())
+    for name in ("kit_http", "kit_mcp", "kit_serve"):
         logger = logging.getLogger(name)
         if not logger.handlers:
             logger.addHandler(handler)
@@ -104,7 +147,6 @@ def _console() -> None:
     root = logging.getLogger()
     if not root.handlers:
         root.addHandler(handler)
-    root.addFilter(_NO_REQUEST_BODIES)  # once: addFilter skips a filter it holds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,14 +187,15 @@ def main(argv: list[str] | None = None) -> int:
             _log.error("%s is missing: pip install 'kit[%s]'", module, extra)
             return 1
     try:
-        return _serve(args, surfaces, env)
+        import kit  # the composition root: only the console entry point builds a deck itself
+        return _serve(kit, args, surfaces, env)
     except KeyboardInterrupt:  # before Hypercorn took SIGINT: a user who gave up waiting
         return 130
 
 
-def _serve(args: argparse.Namespace, surfaces: list[str], env: Mapping[str, str]) -> int:
-    """``main`` once its arguments are good: build the deck and serve it until a signal."""
-    import kit  # the composition root: only the console entry point builds a deck itself
+def _serve(kit: Any, args: argparse.Namespace, surfaces: list[str], env: Mapping[str, str]) -> int:
+    """``main`` once its arguments are good: build the deck (``kit``: the module, which ``main``
+    imports) and serve it until a signal."""
     try:  # the observers the settings ask for, then the failed-run lines
         guard = Guard.from_env(env, bind=args.host)
         failed = FailedRunLog(env)

@@ -3,6 +3,7 @@ real streamable-HTTP client against a real Hypercorn on loopback with both worke
 progress, interrupts and ``answer``, skills as resources, and what each call leaves in the log."""
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import kit_mcp
 from kit_sse import STOP_GRACE
 from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Skills, Workflow
 from test_kit_control import Gate
-from test_kit_http import ask, catalog, graph, plan, served
+from test_kit_http import ask, catalog, echo, graph, plan, served
 
 pytestmark = [
     pytest.mark.anyio,
@@ -141,6 +142,58 @@ async def test_refusals_and_failures_are_error_results():
         invalid = await session.call_tool("echo", {"text": "no message"})
         assert invalid.isError and "validation" in invalid.content[0].text
         assert [r.status for r in await app.deck.store.runs(name="boom")] == [RunStatus.FAILED]
+
+
+async def explode(state: dict) -> dict:
+    raise ValueError("node exploded: sk-answered-123")
+
+
+async def test_an_answered_run_that_then_fails_is_its_failure_naming_the_run(capsys):
+    """The run fails after its answer: the run's failure, as a failed call reports it (not a
+    broken call's "internal error"), with the answered node's progress on the way."""
+    deck = Deck([echo()], [Workflow("doomed", graph(plan, ask, explode))])
+    async with mcp_served(deck) as (session, _, app):
+        progress: list[str | None] = []
+
+        async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            progress.append(message)
+        parked = await session.call_tool("doomed", {"input": {"log": []}, "thread_id": "t1"})
+        run_id = parked.structuredContent["run_id"]
+        failed = await session.call_tool("answer", {"run_id": run_id, "value": "yes"},
+                                         progress_callback=on_progress)
+        assert failed.isError and failed.structuredContent == {
+            "error": "ValueError",
+            "message": f"run {run_id} failed (ValueError); its log has the details"}
+        assert "sk-answered" not in failed.content[0].text and progress == ["node ask"]
+        assert await app.deck.status(run_id) is RunStatus.FAILED
+        again = await session.call_tool("answer", {"run_id": run_id, "value": "yes"})
+        assert again.isError and again.structuredContent["error"] == "RunNotWaitingError"
+    assert capsys.readouterr().err == ""
+
+
+async def test_a_call_that_breaks_is_one_log_line_naming_the_tool_and_its_error_type(
+        monkeypatch, caplog, capsys):
+    """A bug, not a refusal: the result says "internal error" and the ``kit_mcp`` logger one
+    line, the tool and the error type (the stack only at DEBUG); nothing of the exception's
+    message or the call's arguments, and nothing printed."""
+    caplog.set_level(logging.DEBUG, logger="kit_mcp")
+    secret = "-".join(("sk", "live", "456"))  # not in the source: a stack quotes source lines
+    async with mcp_served(catalog()) as (session, _, app):
+        parked = await session.call_tool("approve", {"input": {"log": []}, "thread_id": "t1"})
+
+        def broken(run_id, value, **options):
+            raise ZeroDivisionError(f"the api key is {secret}")
+        monkeypatch.setattr(app.deck, "stream_answer", broken)
+        result = await session.call_tool("answer", {"run_id": parked.structuredContent["run_id"],
+                                                    "value": f"zz-{secret}"})
+        assert result.isError and result.structuredContent == {
+            "error": "ZeroDivisionError", "message": "internal error; the server log has the details"}
+    records = [r for r in caplog.records if r.name == "kit_mcp"]
+    assert [(r.levelno, r.getMessage()) for r in records if r.levelno > logging.DEBUG] == [
+        (logging.ERROR, "MCP tool answer failed with ZeroDivisionError")]
+    [stack] = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
+    assert "in broken" in stack and secret not in caplog.text and "zz-" not in caplog.text
+    assert capsys.readouterr().err == ""
 
 
 async def test_leaving_a_call_ends_its_stream_never_its_run():

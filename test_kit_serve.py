@@ -225,6 +225,56 @@ def test_kit_serve_logs_no_mcp_request_body(tmp_path):
     assert "kit-serve: mcp: a request failed validation (its body is not logged)" in stderr
 
 
+NOISY_BUNDLE = '''
+import logging
+import kit
+
+try:
+    raise ValueError("zz-exception-message")
+except ValueError:  # a project's own warning: a line break, a terminal escape, a traceback
+    logging.getLogger("noisy").warning("loaded\\nkit-serve: FORGED by a project \\x1b[2J" + "x" * 1000,
+                                       exc_info=True)
+agent = kit.Agent("noisy", model=kit.ScriptedModel(["hi"]))
+'''
+
+
+def test_kit_serve_prints_every_logger_on_one_capped_line_without_mcp_request_values(tmp_path):
+    """The mcp package's loggers (``mcp.server.*``) quote a tool call's name and a bad
+    Content-Type verbatim, and a project may log what it likes: every record that reaches
+    kit-serve's console is one ``kit-serve:`` line, no terminal escape, capped, and the mcp
+    package's say nothing of the request."""
+    proc, base = kit_serve(project(tmp_path, noisy=NOISY_BUNDLE), KIT_SURFACES="mcp")
+    head = {"accept": "application/json, text/event-stream"}
+    forged = "kit-serve: run 18eae0000000000000000000000000ff (noisy) failed: FORGED zz-name"
+    try:
+        call = {"name": f"nope\n{forged}\x1b[31mRED", "arguments": {}}
+        r = httpx.post(f"{base}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                            "params": call}, headers=head, timeout=10)
+        assert r.status_code == 200 and "UnknownNameError" in r.text
+        r = httpx.post(f"{base}/mcp", content=b"{}", timeout=10,
+                       headers={**head, "content-type": "text/x-zz-type" + "A" * 4000})
+        assert r.status_code == 400
+    finally:
+        stderr = stop(proc)
+    lines = stderr.splitlines()
+    assert all(line.startswith("kit-serve: ") for line in lines), stderr
+    assert "\x1b" not in stderr and "zz-" not in stderr and "AAAA" not in stderr, stderr
+    assert not any(line.startswith(("kit-serve: run 18eae", "kit-serve: FORGED")) for line in lines)
+    assert "Traceback" not in stderr and "zz-exception-message" not in stderr
+    [listening] = [line for line in lines if line.startswith("kit-serve: listening on ")]
+    assert listening.endswith("cancel runs.")  # kit's own line, whole; every other one capped
+    others = [line for line in lines if line != listening]
+    assert all(len(line) <= len("kit-serve: ") + MAX_LOG_MESSAGE for line in others), others
+    [noisy] = [line for line in others if "FORGED by a project" in line]
+    assert noisy.startswith("kit-serve: loaded\\nkit-serve: FORGED by a project \\x1b[2Jxxx")
+    assert noisy.endswith("x...") and len(noisy) == len("kit-serve: ") + MAX_LOG_MESSAGE
+    assert [line for line in others if " mcp: " in line] == [
+        "kit-serve: mcp: mcp.server.lowlevel.server: a warning about a request (its text is not "
+        "logged: it may quote the request)",
+        "kit-serve: mcp: mcp.server.transport_security: a warning about a request (its text is "
+        "not logged: it may quote the request)"]
+
+
 @pytest.mark.parametrize("port", ["http", "-1", "65536", "\u00b2"])  # '²' passes isdigit, not int()
 def test_kit_serve_refuses_a_port_that_is_no_port(port, capsys):
     import kit_serve
