@@ -4,9 +4,10 @@ Owns: compiling a ``Workflow`` for Deck runs (``compile_workflow``: a copy of it
 nodes that declare a ``Context`` receive the run's), the checkpointers (``open_graphs``: durable
 workflows on a SQLite file beside the log or in the Postgres schema of the log, the others in
 memory, where a run that ended leaves no thread behind) and the locks that keep two tickers off
-one thread (``ThreadLocks``), playing and resuming a run (``WorkflowEngine.play``), reading parked
-threads off a checkpointer (``due_threads``), the headless ``Workflow.run``/``resume``
-(``run_headless``) and workflow-as-tool (``workflow_tool``).
+one thread (``ThreadLocks``), what an input or an answer may hold (``WorkflowEngine.to_input``
+and ``check_answer``: ``INT_RANGE``, ``MAX_DEPTH``), playing and resuming a run
+(``WorkflowEngine.play``), reading parked threads off a checkpointer (``due_threads``), the
+headless ``Workflow.run``/``resume`` (``run_headless``) and workflow-as-tool (``workflow_tool``).
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
@@ -23,7 +24,10 @@ superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a
 resumes where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before
 the next superstep starts. A non-durable run's thread lives only while the run does: when the run
 ends (completed, failed, cancelled) its checkpoints are deleted; while it is parked (waiting for
-a human, asleep, paused) they stay, for the run that resumes it.
+a human, asleep, paused) they stay, for the run that resumes it. A value a checkpoint cannot
+store fails the run at its first checkpoint, once the run is in the log (an answered one for
+good: its interrupt cannot be answered again), so an input or an answer is checked before
+anything is written (``to_input``, ``check_answer``) and refused as a ``ContentError``.
 """
 from __future__ import annotations
 
@@ -52,9 +56,9 @@ from kit_pg import open_pool, pg_url, setup_lock
 if TYPE_CHECKING:
     from kit_catalog import Workflow
 
-__all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "open_graphs", "checkpoint_path",
-           "due_threads", "still_due", "ThreadLocks", "PgThreadLocks", "run_headless",
-           "workflow_tool", "child_tool", "CHECKPOINT_POOL")
+__all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "MAX_DEPTH", "open_graphs",
+           "checkpoint_path", "due_threads", "still_due", "ThreadLocks", "PgThreadLocks",
+           "run_headless", "workflow_tool", "child_tool", "CHECKPOINT_POOL")
 
 #: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
 #: share them, and a ticker holds one per thread it is resuming.
@@ -70,24 +74,43 @@ _FROM_RUNTIME = {"runtime": lambda r: r, "writer": lambda r: r.stream_writer,
 # ================================================================================ compiling ====
 
 #: The integers LangGraph's checkpoint serializer (msgpack) stores. A state or an answer with
-#: another would fail the run at its first checkpoint, so it is refused before the run starts.
+#: another would fail the run at its first checkpoint, so it is refused before the run starts
+#: or is taken over.
 INT_RANGE = (-2**63, 2**64 - 1)
+#: How deep a state or an answer may nest (``[]`` is one level, ``[[]]`` two). The serializer
+#: (ormsgpack) refuses data nested more than 255 levels, and LangGraph stores a value a level or
+#: two below the top (an answer in its task's list of resume values, a state key under a SQLite
+#: checkpoint's ``channel_values``): deeper data would fail the run at a checkpoint, so it is
+#: refused with the integers. A few levels are kept spare for a node that wraps the value.
+MAX_DEPTH = 250
 
 
-def _check_ints(what: str, value: Any) -> None:
+def _check_data(what: str, value: Any) -> None:
+    """Raise ``ContentError`` naming ``what`` for ``value`` holding an integer outside
+    ``INT_RANGE`` or nested deeper than ``MAX_DEPTH`` (a container that holds itself too)."""
     low, high = INT_RANGE
-    stack = [value]
+    stack: list[tuple[Any, int]] = [((value,), 0)]  # containers to look into, and their depth
     while stack:  # iterative: an answer from Python may nest deeper than the recursion limit
-        v = stack.pop()
-        if isinstance(v, int):
-            if not low <= v <= high:
-                raise ContentError(f"{what} holds an integer beyond 64 bits, which LangGraph's "
-                                   "checkpoints cannot store; send it as a string")
-        elif isinstance(v, typing.Mapping):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend(v)
+        items, depth = stack.pop()
+        for v in items:
+            if isinstance(v, int):
+                if not low <= v <= high:
+                    raise ContentError(f"{what} holds an integer beyond 64 bits, which "
+                                       "LangGraph's checkpoints cannot store; send it as a string")
+            elif isinstance(v, (typing.Mapping, list, tuple, set, frozenset)):
+                if depth == MAX_DEPTH:  # a container that holds itself ends here too
+                    raise ContentError(f"{what} is nested too deep for LangGraph's checkpoints "
+                                       f"(more than {MAX_DEPTH} levels)")
+                inner = [*v.keys(), *v.values()] if isinstance(v, typing.Mapping) else v
+                stack.append((inner, depth + 1))
+
+
+@functools.cache
+def _checkpoint_serde() -> Any:
+    """LangGraph's default checkpoint serializer: the one every checkpointer ``open_graphs``
+    makes uses (none is given a ``serde``). Made on first use: kit imports LangGraph late."""
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+    return JsonPlusSerializer()
 
 
 class WorkflowEngine:
@@ -115,13 +138,27 @@ class WorkflowEngine:
         except ContentError:  # said again in a caller's terms: an HTTP client has no DataBlock
             check_inline_json(what, dict(input), "(a URI or an id) in the state")
             raise
-        _check_ints(what, block.data)
+        _check_data(what, block.data)
         return block
 
     def check_answer(self, value: Any) -> None:
-        """Raise ``ContentError`` for an answer its checkpoint could not store (checked before
-        the parked run is taken over, so a bad answer leaves it waiting)."""
-        _check_ints(f"the answer to workflow {self.name!r}", value)
+        """Raise ``ContentError`` for an answer its checkpoint could not store: one holding an
+        integer beyond 64 bits, nested deeper than ``MAX_DEPTH`` (or holding itself), or an
+        object LangGraph's serializer has no encoding for (an instance of a plain class).
+        Checked before the parked run is taken over, so a bad answer leaves it waiting.
+
+        Anything the serializer stores is a good answer (JSON data, sets, tuples, bytes,
+        datetimes, dataclasses, pydantic models, ...). The log needs nothing more: it holds the
+        answer only as the nodes pass it on, through ``jsonable`` (which writes what it does not
+        know as its ``str``), and data within ``MAX_DEPTH`` is far inside the recursion limit.
+        """
+        what = f"the answer to workflow {self.name!r}"
+        _check_data(what, value)  # first: these limits said in kit's words, not msgpack's
+        try:  # the very bytes LangGraph writes: the answered task's list of resume values
+            _checkpoint_serde().dumps_typed([value])
+        except TypeError as exc:  # ormsgpack's error, which wraps what an object's encoding raised
+            raise ContentError(f"{what} cannot be stored in LangGraph's checkpoints ({exc}); "
+                               "send JSON data") from None
 
     def key(self, namespace: str | None, thread_id: str) -> str:
         return f"{self.name}:{namespace or ''}:{thread_id}"

@@ -23,6 +23,7 @@ from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Workflow
 from kit_bridge import on_asyncio
 from kit_pg import pg_url, store_from_url
 from kit_store import SQLiteStore
+from kit_workflows import MAX_DEPTH
 
 pytestmark = pytest.mark.anyio
 HERE = Path(__file__).parent
@@ -88,6 +89,18 @@ def kinds(events):
     return [e.kind for e in events]
 
 
+def nested(levels: int) -> list:
+    """A list ``levels`` deep (``[]`` is one level, ``[[]]`` two)."""
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+class Opaque:
+    """An instance of a plain class: LangGraph's checkpoint serializer has no encoding for it."""
+
+
 # ------------------------------------------------------------------------------- catalog ----
 
 def test_workflow_and_catalog_errors():
@@ -125,6 +138,10 @@ async def test_refused_workflow_runs_write_nothing(store):
             deep = [deep]
         with pytest.raises(kit.ContentError, match="^the input of workflow 'approval' is nested too deep"):
             await deck.run("approval", {"log": deep}, session_id="t")
+        # JSON, but deeper than a checkpoint stores: the run would fail at its first one
+        with pytest.raises(kit.ContentError, match="^the input of workflow 'approval' is nested "
+                           rf"too deep for LangGraph's checkpoints \(more than {MAX_DEPTH} levels"):
+            await deck.run("approval", {"log": nested(MAX_DEPTH)}, session_id="t")
         with pytest.raises(ConfigError, match="timezone-aware"):
             await deck.due_resumes(datetime(2030, 1, 1))
         assert await store.runs() == []
@@ -238,6 +255,53 @@ async def test_concurrent_answers_resume_once(store):
         assert sum(isinstance(r, dict) for r in results) == 1
         assert sum(isinstance(r, kit.RunNotWaitingError) for r in results) == 1
         assert kinds(await store.read(p.run_id)).count("run.resumed") == 1
+
+
+CYCLIC: list = []
+CYCLIC.append(CYCLIC)
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
+@pytest.mark.parametrize("value, says", [
+    ({"note": "ok", "by": [Opaque()]}, r"cannot be stored in LangGraph's checkpoints \(Type is "
+                                       r"not msgpack serializable: Opaque\); send JSON data$"),
+    ([nested(5_000)], "is nested too deep for LangGraph's checkpoints"),
+    (nested(MAX_DEPTH + 1), rf"is nested too deep .* \(more than {MAX_DEPTH} levels\)$"),
+    (CYCLIC, "is nested too deep for LangGraph's checkpoints"),  # a walk must not go round it
+], ids=["object", "past-the-recursion-limit", "past-max-depth", "holds-itself"])
+async def test_an_answer_its_checkpoint_cannot_store_is_refused_and_the_run_waits(
+        store, durable, value, says):
+    # Refused before the run is taken over: not a run.resumed then a run.failed that no
+    # answer could ever undo.
+    workflow = Workflow("w", graph(plan, ask, done), durable=durable)
+    async with Deck(workflows=[workflow], store=store) as deck:
+        parked = await deck.run("w", {"log": []}, session_id="t1")
+        log = await store.read(parked.run_id)
+        with pytest.raises(kit.ContentError, match="^the answer to workflow 'w' " + says):
+            await deck.answer(parked.run_id, value)
+        with pytest.raises(kit.ContentError, match="^the answer to workflow 'w' " + says):
+            [e async for e in deck.stream_answer(parked.run_id, value)]
+        assert await deck.status(parked.run_id) is RunStatus.WAITING_HUMAN
+        assert await store.read(parked.run_id) == log
+        assert [p.run_id for p in await deck.pending()] == [parked.run_id]
+        state = await deck.answer(parked.run_id, "yes")
+        assert state == {"log": ["plan", "answer=yes", "done"], "answer": "yes"}
+        assert kinds(await store.read(parked.run_id))[len(log):] == [
+            "run.resumed", "node.updated", "node.updated", "run.completed"]
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
+async def test_answers_a_checkpoint_can_store_are_taken(store, durable):
+    good = {"none": None, "set": {1, 2}, "tuple": (1, "a"), "bytes": b"\x00\xff",
+            "datetime": datetime(2030, 1, 1, tzinfo=timezone.utc), "keys": {1: "a", (1, 2): "b"},
+            "u64": 2**64 - 1, "nan": float("nan"), "3mb": "x" * 3_000_000,
+            "deepest": nested(MAX_DEPTH)}  # stored as a state key, under a SQLite checkpoint too
+    workflow = Workflow("w", graph(plan, ask, done), durable=durable)
+    async with Deck(workflows=[workflow], store=store) as deck:
+        for name, value in good.items():
+            parked = await deck.run("w", {"log": []}, session_id=name)
+            await deck.answer(parked.run_id, value)
+            assert await deck.status(parked.run_id) is RunStatus.COMPLETED, name
 
 
 # --------------------------------------------------------------------------------- sleep ----
