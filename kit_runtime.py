@@ -295,7 +295,8 @@ class Runtime:
     async def _start(self, env: Any) -> None:
         observers = kit_observers.resolve_observers(self._observers, env)
         self.hub = kit_observers.ObserverHub(observers)
-        self.writer = Writer(self.store, self._committed, self._give_up, down_limit=self.down_limit)
+        self.writer = Writer(self.store, self._committed, self._give_up, down_limit=self.down_limit,
+                             refused=self._refused)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         # Observers start in order before any run; one whose start() raises refuses the open.
@@ -498,6 +499,17 @@ class Runtime:
                 run.abort_error = StoreUnavailableError(run_id, seconds, error)
                 run.scope.cancel()
 
+    def _refused(self, run_id: str, error: BaseException) -> None:
+        """The store refused events of ``run_id``. A run playing here stops now, its caller
+        told why: another writer owns it (a process that reaped it as abandoned while this one
+        could not renew its lease), or it made a value the store cannot hold; whatever it did
+        next would be written around the hole its refused events left. (A fenced write's
+        refusal goes to the caller waiting for it, ``_flushed``: that run is not playing yet.)"""
+        run = self.active.get(run_id)
+        if run is not None and run.parent is None and run.abort_error is None:
+            run.abort_error = error
+            run.scope.cancel()
+
     async def _drain_mail(self) -> None:
         """Kit side (trio): put what the engine side has posted and the pump has not taken yet
         (in order: the pump puts each batch it takes without yielding in between)."""
@@ -681,6 +693,7 @@ class Runtime:
             raise
         finally:
             self.active.pop(run.run_id, None)
+            self.writer.failed.pop(run.run_id, None)  # a refusal its end met: raised already
             run.done.set()
             run.wake.set()
 

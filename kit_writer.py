@@ -20,7 +20,8 @@ batch: the observers and the live readers of the runs learn only what is durable
 Two kinds of failure. A ``KitError`` from the store is a *refusal* (``SessionBusyError``,
 ``LogConflictError``): the batch is split by run and each run retried alone, so one run's refusal
 never costs another run its events; the refused run's error waits in ``failed`` for its next
-durable write to raise. Anything else is the store being *down* (a locked file, a lost
+durable write to raise, and ``refused`` is told at once (a run that plays on would write around
+the hole its refused events leave). Anything else is the store being *down* (a locked file, a lost
 connection, a full disk): the same batch is retried with backoff (``RETRY_FIRST`` doubling to
 ``RETRY_MAX``), forever, while new events gather behind it. After ``STORE_DOWN_LIMIT`` seconds of
 that, ``give_up`` is told which runs are stuck, once per outage, so their callers learn it (the
@@ -73,13 +74,16 @@ class Writer:
     """The group-commit buffer in front of an ``EventStorePort``.
 
     ``committed(events)`` is called with every batch once it is durable, in order; ``give_up(
-    run_ids, error, seconds)`` once per outage that lasts ``down_limit``. Kit side only.
+    run_ids, error, seconds)`` once per outage that lasts ``down_limit``; ``refused(run_id,
+    error)`` when the store refuses a run's events. Kit side only.
     """
 
     def __init__(self, store: Any, committed: Callable[[Sequence[Event]], None],
                  give_up: Callable[[set[str], BaseException, float], None], *,
-                 down_limit: float = STORE_DOWN_LIMIT) -> None:
+                 down_limit: float = STORE_DOWN_LIMIT,
+                 refused: Callable[[str, BaseException], None] | None = None) -> None:
         self.store, self._committed, self._give_up = store, committed, give_up
+        self._refused = refused
         self.down_limit = down_limit
         self._buf: list[Event] = []
         self._first_at = 0.0  # when the oldest buffered event arrived
@@ -170,6 +174,8 @@ class Writer:
                 if len(runs) == 1:
                     self.failed[runs[0]] = exc
                     batch.clear()
+                    if self._refused is not None:
+                        self._refused(runs[0], exc)
                     return
                 for run_id in runs:
                     part = [e for e in batch if e.run_id == run_id]

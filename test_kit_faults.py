@@ -493,6 +493,55 @@ async def test_closing_the_deck_records_the_end_of_a_child_run_in_flight(tmp_pat
         assert await store.session_holder("s") is None
 
 
+class Trickle(ScriptedModel):
+    """A ScriptedModel that streams its reply slowly, as a real model's long answer comes."""
+
+    async def stream_response(self, *args, **kwargs):
+        async for event in super().stream_response(*args, **kwargs):
+            await anyio.sleep(0.01)  # the engine side: asyncio, under trio too
+            yield event
+
+
+async def test_a_run_reaped_while_its_process_lives_stops_and_writes_nothing_more(tmp_path, monkeypatch):
+    """A process that cannot renew its lease for longer than the lease (frozen, or its file
+    locked) has its run reaped as abandoned by another. It played on to its end: its next batch
+    was refused, its later ones and a second end were written around the reaper's, the index
+    said COMPLETED again, and its caller heard of it only once the reply was done."""
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.5")
+    gate = Gate()
+    agent = Agent("a", tools=[gate.wait_tool()],
+                  model=Trickle([{"tool": "wait", "args": {"step": 1}}, LONG], cycle=True))
+    async with FaultyStore(tmp_path / "kit.db") as store, SQLiteStore(tmp_path / "kit.db") as other:
+        async with Deck([agent], store=store) as deck:
+            seen: list = []
+
+            async def play() -> None:
+                try:
+                    async for event in deck.stream("a", "go", session_id="s"):
+                        seen.append(event)
+                except kit.KitError as exc:
+                    seen.append(exc)
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(play)
+                    await gate.until_entered()
+                    store.fail_background = 10_000  # its renewals fail: its lease lapses
+                    await anyio.sleep(1.0)
+                    [reaped] = await other.reap()
+                    store.fail_background = 0
+                    gate.release.set()
+            assert isinstance(seen[-1], kit.LogConflictError), seen[-1]
+            # Stopped at the refusal, not at the end of its 300-word reply.
+            assert [e.kind for e in seen[:-1]].count("text.delta") < 100
+            [info] = await store.runs()
+            log = await store.read(reaped)
+            assert info.run_id == reaped and info.status is RunStatus.FAILED
+            assert seqs(log) == list(range(len(log)))
+            assert [e.kind for e in log][-2:] == ["tool.started", "run.failed"], [e.kind for e in log]
+            assert log[-1].payload.error == "RunAbandoned"
+            assert (await deck.run("a", "again", session_id="s")).output == LONG
+
+
 async def test_a_cancelled_callers_run_is_durably_cancelled_when_run_returns(tmp_path):
     gate = Gate()
     agent = Agent("a", tools=[gate.wait_tool()], model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "x"]))
