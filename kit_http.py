@@ -17,10 +17,14 @@ Theory of operation
 -------------------
 One dispatcher sends each ASGI scope to the lifespan or to the router. The lifespan opens the
 deck at startup and closes it at shutdown, both in the lifespan task (the deck's task group lives
-there); until it is open every request gets 503 ``{"status": "starting"}``. A body is read up to
-``MAX_BODY_BYTES`` (Hypercorn has no limit for ASGI apps, notes/CONVENTIONS.md A7) and parsed
-strictly: bad UTF-8, deep nesting, huge integers and NaN are 400s, never 500s. Errors are answered
-from one table, ``ERROR_STATUS``, as ``{"error": <exception type name>, "message": ...}``.
+there); until it is open every request gets 503 ``{"status": "starting"}``. Routes match the path
+as the client spelt it (ASGI's ``raw_path``, each segment percent-decoded on its own), so an id
+holding ``/``, sent as ``%2F``, is one path parameter, as it is in a body; a server without
+``raw_path`` (it is optional) leaves only the decoded ``path``, where ``%2F`` and ``/`` look
+alike. A body is read up to ``MAX_BODY_BYTES`` (Hypercorn has no limit for ASGI apps,
+notes/CONVENTIONS.md A7) and parsed strictly: bad UTF-8, deep nesting, huge integers and NaN are
+400s, never 500s. Errors are answered from one table, ``ERROR_STATUS``, as ``{"error": <exception
+type name>, "message": ...}``.
 
 An SSE response is a ``kit_sse.Stream`` (a writer, a reader of the run's events and a disconnect
 watcher) that the app keeps while it is open. The run belongs to the deck: a disconnect ends the
@@ -51,7 +55,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 import typing
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote_from_bytes, unquote, unquote_to_bytes
 
 import anyio
 import sniffio
@@ -370,6 +374,52 @@ _PATH_IDS = frozenset({"run_id", "thread_id"})
 SURFACES = ("openai", "mcp")
 
 
+def _route_path(scope: Scope) -> str:
+    """The path the route table matches: below ``root_path``, each segment percent-decoded on
+    its own, with a ``%`` or ``/`` it decodes to escaped again (``%25``, ``%2F``). A ``%2F``
+    stays inside its segment, as RFC 3986 (section 2.2) has it: an id holding ``/`` fills one
+    parameter, and ``_param`` gives the value back. A segment that does not decode as UTF-8
+    stays fully percent-encoded, which ``_param`` refuses."""
+    path, root = scope["path"], scope.get("root_path", "")
+    raw = scope.get("raw_path")  # optional in ASGI; ``path`` is decoded, so a %2F in it is a /
+    if raw and b"%" in raw:  # else nothing was encoded: ``path`` splits where the client did
+        decoded: list[str] = []  # as the server decoded ``path``, to tell it is this request's
+        escaped: list[str] = []
+        # httpx's ASGITransport leaves the query in raw_path (encode/httpx#2810); a bare ? can
+        # only start the query.
+        for segment in raw.partition(b"?")[0].split(b"/"):
+            octets = unquote_to_bytes(segment)
+            try:
+                text = octets.decode("utf-8")
+            except UnicodeDecodeError:
+                decoded.append(octets.decode("utf-8", "replace"))  # as urllib's unquote does
+                escaped.append(quote_from_bytes(octets, safe=""))
+            else:
+                decoded.append(text)
+                escaped.append(text.replace("%", "%25").replace("/", "%2F"))
+        # raw_path is this request's unless a middleware rewrote ``path`` (an old-style mount
+        # strips ``root_path`` from ``path`` alone): then ``path`` is the truth, as before.
+        ours = "/".join(decoded) in (path, root + path)
+        path = "/".join(escaped) if ours else path.replace("%", "%25")
+    elif "%" in path:  # no raw_path: a % in the decoded path was sent as %25, no escape
+        path = path.replace("%", "%25")
+    if root:
+        root = root.replace("%", "%25")
+        if path.startswith(root):
+            path = path[len(root):] or "/"
+    return path
+
+
+def _param(key: str, value: str) -> str:
+    """A path parameter from ``_route_path``'s escaped form. Raises ``MalformedRequestError``
+    when its percent-decoding is not UTF-8 (no name or id is such bytes)."""
+    try:
+        return unquote(value, errors="strict")
+    except UnicodeDecodeError:
+        raise MalformedRequestError(f"{key} must be UTF-8 text once percent-decoded, got "
+                                    f"{value!r}") from None
+
+
 def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
     """``send`` that adds ``headers`` to the response's start (CORS headers, whatever answers)."""
     async def sending(message: Message) -> None:
@@ -534,9 +584,7 @@ class App:
         if not self._open or self._stopping:
             await _respond(req, 503, {"status": "stopping" if self._stopping else "starting"})
             return
-        path, root = req.scope["path"], req.scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):] or "/"
+        path = _route_path(req.scope)
         method, allowed, concrete = req.scope["method"], [], False
         for route_method, template, pattern, handler, mount in self._routes:
             match = pattern.fullmatch(path)
@@ -546,6 +594,8 @@ class App:
             req.surface = mount if mount in SURFACES else None
             if route_method == method:
                 params = match.groupdict()
+                if "%" in path:  # only then can a parameter hold an escape
+                    params = {key: _param(key, value) for key, value in params.items()}
                 for key in params.keys() & _PATH_IDS:
                     _checked_id(key, params[key])
                 return await getattr(self, handler)(req, **params)

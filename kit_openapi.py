@@ -123,7 +123,8 @@ def _error(description: str) -> dict[str, Any]:
 _RESPONSES: dict[str, Any] = {
     "400": _error("Malformed: not a JSON object of the expected shape (bad UTF-8, a lone "
                   "surrogate escape, nesting deeper than 64, a huge number), a bad content block "
-                  "or a bad argument"),
+                  "or a bad argument, or a path parameter that is not UTF-8 once percent-decoded "
+                  "or (run_id, thread_id) not an id"),
     "403": _error("The request comes from a page of another origin that KIT_CORS_ORIGINS "
                   "does not list"),
     "404": _error("No such agent, workflow, run or waiting thread"),
@@ -183,7 +184,12 @@ def _param(name: str, where: str = "path", schema: dict[str, Any] = _STR, **extr
     return {"name": name, "in": where, "required": where == "path", "schema": schema, **extra}
 
 
-_RUN_ID_PARAM = _param("run_id", schema=_ID)
+#: A path parameter is percent-encoded, each on its own (OpenAPI's default ``simple`` style):
+#: kit splits the path at a bare ``/`` only, so an id may hold one, sent as ``%2F``.
+_IN_PATH = ("Percent-encoded, as every path parameter: a `/` in it is `%2F`, a `%` is `%25`; "
+            "decoded, it must be UTF-8 (else 400). An id that is just `.` or `..` cannot be "
+            "sent by a browser, which resolves dot segments even spelt `%2E`")
+_RUN_ID_PARAM = _param("run_id", schema=_ID, description=_IN_PATH)
 _STREAM = _param("stream", "query", description="`true` or `1`: answer with server-sent events "
                  "(any other value: JSON)", examples={"stream": {"value": "true"}})
 _SSE_COMMON = ("Every frame carries `id: <seq>` (the event's seq in the run's log); `: ping` "
@@ -249,7 +255,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "workflowAnswer", "Answer the run waiting on a thread",
         {"200": _json("WorkflowReply", "The final state, or the next interrupt", run=True)},
         ("404", "409"), body="ResumeRequest",
-        params=[_param("name"), _param("thread_id", schema=_ID)]),
+        params=[_param("name"), _param("thread_id", schema=_ID, description=_IN_PATH)]),
     ("POST", "/runs/{run_id}/pause"): _op(
         "runPause", "Ask a running run to pause at its next safe point (409: it is parked or "
         "finished)",

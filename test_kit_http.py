@@ -14,6 +14,7 @@ from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Annotated, TypedDict
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -473,6 +474,33 @@ async def test_resume_of_a_thread_streams_like_the_run_that_parked():
         assert (r.status_code, r.json()["error"]) == (404, "ThreadNotWaitingError")
 
 
+@pytest.mark.parametrize("thread_id", ["team/42", "a b/ü%", "%2F"])
+async def test_a_thread_id_holding_a_slash_is_answered_at_its_percent_encoded_path(thread_id):
+    """The path is split where the client split it: ``%2F`` is part of the id (as the
+    playground's encodeURIComponent sends it), never a separator, and ``%25`` a ``%``."""
+    deck = Deck(workflows=[Workflow("ship", graph(plan, ask), durable=True)])
+    encoded = quote(thread_id, safe="")
+    async with served(deck) as (client, app):
+        r = await client.post("/workflows/ship", json={"input": {}, "thread_id": thread_id})
+        run_id = r.headers["x-kit-run-id"]
+        assert (r.json()["type"], r.json()["thread_id"]) == ("interrupt", thread_id)
+        [waiting] = (await client.get("/workflows/pending")).json()["pending"]
+        assert waiting["thread_id"] == thread_id
+        r = await client.post(f"/workflows/ship/{encoded}/resume", json={"value": "yes"})
+        assert r.status_code == 200, r.json()
+        assert r.json() == {"output": {"log": ["plan", "answer=yes"]}, "thread_id": thread_id,
+                            "run_id": run_id}
+        assert await app.deck.status(run_id) is RunStatus.COMPLETED
+        # The thread is free again, and its next run is answered the same way, streaming.
+        r = await client.post("/workflows/ship", json={"input": {}, "thread_id": thread_id})
+        assert r.json()["type"] == "interrupt"
+        r, body = await wire(client, "POST", f"/workflows/ship/{encoded}/resume?stream=true",
+                             json={"value": "again"})
+        assert r.status_code == 200 and body.endswith(  # the thread carries its state on
+            b'event: done\ndata: {"output":{"log":["plan","answer=yes","plan","answer=again"]}}\n\n')
+        assert (await client.get("/workflows/pending")).json() == {"pending": []}
+
+
 # ------------------------------------------------------------------------- run control ----
 
 async def test_pause_resume_and_cancel_routes():
@@ -522,6 +550,52 @@ async def test_resume_of_a_paused_run_streams_like_the_run_that_paused():
         r = await client.post(f"/runs/{info.run_id}/resume?stream=true")
         assert (r.status_code, r.json()["error"]) == (409, "NotResumableError")
         assert (await client.post("/runs/nope/resume?stream=true")).status_code == 404
+
+
+async def test_a_run_id_holding_a_slash_is_followed_and_cancelled_at_its_percent_encoded_path():
+    run_id = "batch/7%"  # a caller may name its own runs (deck.run(..., run_id=...))
+    encoded = quote(run_id, safe="")
+    async with served(catalog()) as (client, app):
+        parked = await app.deck.run("approve", {}, session_id="t7", run_id=run_id)
+        assert isinstance(parked, kit.InterruptResult)
+        async with aconnect_sse(client, "GET", f"/runs/{encoded}/events") as es:
+            assert es.response.headers["x-kit-run-id"] == run_id
+            got = [json.loads(s.data) async for s in es.aiter_sse()]
+        assert {e["run_id"] for e in got} == {run_id}
+        assert (got[0]["kind"], got[-1]["kind"]) == ("run.started", "run.interrupted")
+        r = await client.post(f"/runs/{encoded}/cancel", json={"reason": "not today"})
+        assert (r.status_code, r.json()) == (202, {"run_id": run_id, "requested": "cancel"})
+        assert await app.deck.status(run_id) is RunStatus.CANCELLED
+        r = await client.get(f"/runs/{encoded}/events", headers={"Last-Event-ID": str(len(got) - 1)})
+        assert r.status_code == 200 and r.text.count("event: ") == 2 and "run.cancelled" in r.text
+        r = await client.post(f"/runs/{encoded}/pause", json={})
+        assert (r.status_code, r.json()["error"]) == (409, "ControlRefusedError")
+        # A bare / still splits the path: that is another route, which does not exist.
+        r = await client.get(f"/runs/{run_id}/events")
+        assert (r.status_code, r.json()["error"]) == (404, "RouteNotFoundError")
+
+
+async def test_a_path_whose_percent_decoding_is_not_utf8_is_a_400_and_the_paths_that_worked_still_do():
+    async with served(catalog()) as (client, _):
+        for method, path, key in (("GET", "/runs/%FF/events", "run_id"),
+                                  ("POST", "/runs/ok%C3%28/cancel", "run_id"),
+                                  ("POST", "/workflows/approve/%E2%82/resume", "thread_id"),
+                                  ("POST", "/agents/%C0%AF/chat", "name")):  # overlong "/"
+            r = await client.request(method, path, json={"value": 1} if "resume" in path else
+                                     {"message": "hi"} if "chat" in path else None)
+            assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError"), path
+            assert r.json()["message"].startswith(f"{key} must be UTF-8 text once percent-decoded")
+        for path, status in (("/health", 200), ("/h%65alth", 200), ("/health/", 404),
+                             ("/health%2F", 404), ("/%2Fhealth", 404)):  # httpx sends no //
+            assert (await client.get(path)).status_code == status, path
+        r = await client.post("/agents/ec%68o/chat", json={"message": "hi"})  # an encoded name
+        assert r.json() == {"output": "hello there world"}
+        r = await client.post("/agents/echo%2Fchat", json={"message": "hi"})  # %2F: no separator
+        assert (r.status_code, r.json()["error"]) == (404, "RouteNotFoundError")
+        r = await client.post("/workflows/pend%69ng", json={})  # the concrete path still wins
+        assert (r.status_code, r.headers["allow"]) == (405, "GET")
+        r = await client.get("/workflows/approve/a%2Fb/resume")
+        assert (r.status_code, r.headers["allow"]) == (405, "POST")
 
 
 # ------------------------------------------------------------------------------ native ----
@@ -630,6 +704,49 @@ async def test_lifespan_opens_and_closes_the_deck_in_its_own_task():
             life.push({"type": "lifespan.shutdown"})
     assert life.sent[-1] == {"type": "lifespan.shutdown.complete"}
     assert deck._state == "CLOSED"
+
+
+async def test_the_router_reads_raw_path_mounted_or_not_and_path_without_it():
+    """Hypercorn gives ``path`` (decoded) and ``raw_path`` (as sent); a host app may mount kit
+    below a ``root_path``, rewrite ``path`` alone, or (ASGI lets it) give no ``raw_path``."""
+    deck = catalog()
+    app = App(deck)
+    life = Scripted({"type": "lifespan.startup"})
+
+    async def ask(method: str, path: str, raw: bytes | None, root: str = "") -> tuple[int, bytes]:
+        client = Scripted({"type": "http.request", "body": b""})
+        scope = http_scope(method, path, root_path=root)
+        if raw is not None:
+            scope["raw_path"] = raw
+        await app(scope, client.receive, client.send)
+        return client.sent[0]["status"], client.sent[1]["body"]
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app, {"type": "lifespan", "asgi": {"version": "3.0"}}, life.receive, life.send)
+            while not life.sent:
+                await anyio.sleep(0.01)
+            await deck.run("approve", {}, session_id="t1", run_id="a/b%")  # parks: pause is a 409
+            for path, raw, root in (
+                    ("/runs/a/b%/pause", b"/runs/a%2Fb%25/pause", ""),  # Hypercorn, uvicorn
+                    ("/kit/runs/a/b%/pause", b"/kit/runs/a%2Fb%25/pause", "/kit"),  # mounted
+                    ("/runs/a/b%/pause", b"/kit/runs/a%2Fb%25/pause", "/kit"),  # path without root
+                    ("/kit/runs/a/b%/pause", b"/k%69t/runs/a%2Fb%25/pause", "/kit"),
+                    ("/runs/a/b%/pause", b"/runs/a%2Fb%25/pause?x=%20", "")):  # httpx's ASGITransport
+                status, body = await ask("POST", path, raw, root)
+                body = json.loads(body)
+                assert (status, body["error"]) == (409, "ControlRefusedError"), (raw, body)
+                assert body["message"].startswith("run a/b%: the run is WAITING_HUMAN"), body
+            assert json.loads((await ask("GET", "/runs/x%41/events", None))[1]) == {
+                "error": "UnknownRunError", "message": "the log has no run 'x%41'"}  # no raw_path
+            assert (await ask("GET", "/health", b"/api/v1/stale%2F"))[0] == 200  # path rewritten
+            for path, raw in (("//health", b"//health"), ("/health/", b"/health/"),
+                              ("/kit/health", b"/kit/health")):
+                assert (await ask("GET", path, raw))[0] == 404, path
+            assert (await ask("GET", "/kit/health", b"/kit/health", "/kit"))[0] == 200
+            status, page = await ask("GET", "/kit", b"/kit", "/kit")
+            assert status == 200 and page.startswith(b"<!doctype html>")  # the playground
+            life.push({"type": "lifespan.shutdown"})
 
 
 async def test_lifespan_startup_failure_is_reported_and_frees_the_deck():

@@ -175,11 +175,11 @@ def test_the_catalog_lists_every_name_and_a_skill_load_shows_in_the_events(page,
 def test_a_pending_approval_is_answered_and_the_workflow_completes(page, tmp_path):
     page.click("#workflows button:text-is('approval')")
     page.fill("#wf-input", '{"title": "<b>v2</b>"}')
-    page.fill("#wf-thread", "release-v2")
+    page.fill("#wf-thread", "releases/v2")  # a / in a thread id: the page sends %2F
     page.click("#wf-run")
     expect(page.locator("#wf-result h3")).to_have_attribute("data-outcome", "interrupt")
     expect(page.locator("#wf-nodes [data-node='draft']")).to_contain_text("drafted '<b>v2</b>'")
-    item = page.locator("#pending .pending-item[data-thread='release-v2']")
+    item = page.locator("#pending .pending-item[data-thread='releases/v2']")
     expect(item).to_contain_text("Publish this release?")
     expect(page.locator("#run-status")).to_have_text("waiting")
     item.locator("input").fill("yes")
@@ -193,7 +193,7 @@ def test_a_pending_approval_is_answered_and_the_workflow_completes(page, tmp_pat
     expect(nodes).to_have_count(3)
     assert nodes.evaluate_all("boxes => boxes.map(b => b.dataset.node)") == ["draft", "approve", "publish"]
     expect(page.locator("#events li[data-kind='node.updated']").last).to_contain_text("publish →")
-    expect(page.locator("#pending .pending-item[data-thread='release-v2']")).to_have_count(0)
+    expect(page.locator("#pending .pending-item[data-thread='releases/v2']")).to_have_count(0)
     assert page.locator("main b", has_text="v2").count() == 0  # the title's <b> stayed text
     page.screenshot(path=tmp_path / "approval.png", full_page=True)
 
