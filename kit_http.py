@@ -750,7 +750,7 @@ class App:
         for raw in (header or "", query):  # strictly what kit_openapi documents, not all int() takes
             if not _SEQ.fullmatch(raw):
                 raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {raw!r}")
-        raw = query if header is None else header
+        raw = header or query  # an empty Last-Event-ID (no id seen yet) leaves ?after= its say
         after = int(raw) if raw else -1
         status = await self.deck.status(run_id)
         if status is None:
