@@ -25,6 +25,7 @@ import contextvars
 import importlib.util
 import os
 import sys
+import threading
 import types
 import typing
 import weakref
@@ -124,6 +125,7 @@ class Deck:
         self._state = "NEW"
         self._runtime: Any = None
         self._opener: int | None = None
+        self._thread: int | None = None  # the thread of the event loop that opened it
         _live_deck = weakref.ref(self)
 
     @classmethod
@@ -284,7 +286,7 @@ class Deck:
             self._release()
             raise
         # The Runtime's task group belongs to this task: only this task can close it.
-        self._opener = anyio.get_current_task().id
+        self._opener, self._thread = anyio.get_current_task().id, threading.get_ident()
         self._runtime, self._state = runtime, "OPEN"
         return self
 
@@ -318,6 +320,9 @@ class Deck:
         """The Runtime, for an action that needs an open deck (``DeckStateError`` otherwise)."""
         if self._state != "OPEN":
             raise DeckStateError(self._state, action)
+        if threading.get_ident() != self._thread:  # another loop: its tasks cannot touch ours
+            raise DeckStateError("OPEN", f"{action} from another thread than the event loop's "
+                                 "that opened the deck (call it there: anyio.from_thread.run)")
         return self._runtime
 
     def _spec(self, action: str, name: str) -> InvocableSpec:

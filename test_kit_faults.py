@@ -8,6 +8,7 @@ network would. Everything else is kit's real code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import secrets
 import subprocess
@@ -727,6 +728,22 @@ async def test_a_failed_open_frees_the_deck_slot_and_closing_from_another_task_i
             tg.start_soon(close_elsewhere)
         assert errors and "another task" in str(errors[0])
         assert (await deck.run("a", "still open")).output == "ok"
+
+
+async def test_a_deck_called_from_another_threads_event_loop_is_refused_before_it_writes(tmp_path):
+    """Under trio such a call wrote a run.started and its claim, then broke inside trio's
+    scheduler (an AssertionError): the session stayed busy until the lease lapsed. Under asyncio
+    it worked by luck, touching the deck's loop from another thread."""
+    agent = Agent("a", model=ScriptedModel(["ok"], cycle=True))
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], store=store) as deck:
+            turn = functools.partial(deck.run, "a", "hi", session_id="s")
+            for backend in ("asyncio", "trio"):
+                with pytest.raises(kit.DeckStateError, match="another thread"):
+                    await anyio.to_thread.run_sync(lambda: anyio.run(turn, backend=backend))
+            assert await store.runs() == []
+            assert (await anyio.to_thread.run_sync(anyio.from_thread.run, turn)).output == "ok"
+            assert (await deck.run("a", "again", session_id="s")).output == "ok"
 
 
 async def test_the_in_process_sessions_keep_a_bounded_number_of_conversations(monkeypatch):
