@@ -125,15 +125,23 @@ class SessionBusyError(KitError):
 
 
 class LogConflictError(KitError):
-    """The log already holds an event at that ``(run_id, seq)``: another writer owns the run.
+    """The log refuses the event at ``(run_id, seq)``: it holds an event at that seq already
+    (another writer owns the run, or the run id was reused by mistake), or, when ``ended`` is
+    set (the run's status), it holds the run's end: another writer ended the run, or recorded
+    it abandoned because this writer's lease lapsed (a stalled process that then went on).
 
-    Raised instead of interleaving two writers' events; the run id may also be reused by mistake.
+    Raised instead of interleaving two writers' events, or writing past a run's end.
     """
 
-    def __init__(self, run_id: str, seq: int) -> None:
-        self.run_id, self.seq = run_id, seq
-        super().__init__(f"run {run_id} already has an event at seq {seq}: another writer owns "
-                         "this run, or the run id was reused")
+    def __init__(self, run_id: str, seq: int, ended: RunStatus | None = None) -> None:
+        self.run_id, self.seq, self.ended = run_id, seq, ended
+        if ended is None:
+            super().__init__(f"run {run_id} already has an event at seq {seq}: another writer "
+                             "owns this run, or the run id was reused")
+        else:
+            super().__init__(f"run {run_id} has ended ({ended.value}), so its event at seq {seq} "
+                             "was refused: another writer ended it, or recorded it abandoned "
+                             "when this writer's lease lapsed")
 
 
 class UnknownRunError(KitError, LookupError):

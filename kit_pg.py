@@ -30,7 +30,10 @@ is always readable.
 A retried append is safe: when a commit's outcome is unknown (the connection died after
 ``COMMIT`` was sent), the writer retries the same batch; an event whose ``(run_id, seq)`` holds
 the identical body is that earlier attempt, committed, and is skipped, so the retry neither
-duplicates nor fails. A different body at a taken seq is a ``LogConflictError``.
+duplicates nor fails. A different body at a taken seq is a ``LogConflictError``; so is a new
+event for a run that has ended (``kit_store.ENDED``), found by the run index's update, which
+skips an ended run's row (no statement of its own). A retry that wrote nothing is taken as done
+even when its earlier attempt ended the run.
 
 The listener connection LISTENs on ``kit:<schema>`` and wakes this process's followers of the
 run named, or its control-request watchers (``StoreBase._woken``). It pings the server every
@@ -69,8 +72,11 @@ __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "
 
 #: The version of the tables this module creates (row ``schema_version`` of ``kit_meta``). A
 #: later release migrates from it; a store refuses a schema newer than it knows. 2: the run
-#: index's listing indexes (``kit_store.RUN_INDEXES``) replace ``runs_live``.
-SCHEMA_VERSION = 2
+#: index's listing indexes (``kit_store.RUN_INDEXES``) replace ``runs_live``. 3: ``kit_append``
+#: refuses events for a run that has ended. Every open replaces ``kit_append`` with its own, so
+#: a schema at 2 gets the new one when first opened; the version keeps an older kit, whose open
+#: would put back a function without that fence, from opening the schema at all.
+SCHEMA_VERSION = 3
 #: The schema a ``postgresql://`` URL without ``?schema=`` uses.
 DEFAULT_SCHEMA = "kit"
 #: Connections per store: the writer's one batch at a time, plus readers (HTTP replays, status,
@@ -257,7 +263,9 @@ _TABLES = (
 _UPGRADES = {2: ("DROP INDEX IF EXISTS runs_live",)}  # runs_status covers it
 # One statement per batch. Errors: KB001 a live or parked run holds claim HINT's session (MESSAGE:
 # its run id); KB002 the holder's lease lapsed (the caller abandons it, then retries); KB003 the
-# batch's event MESSAGE (1-based) conflicts with the log.
+# batch's event MESSAGE (1-based) conflicts with the log: its seq is taken, or (DETAIL: the run's
+# status, one of kit_store.ENDED) its run has ended. A kit that reads no DETAIL still gets a
+# LogConflictError out of it, so replicas still running an older kit take the new function.
 _APPEND = """
 CREATE OR REPLACE FUNCTION kit_append(
     e_runs text[], e_kinds text[], e_run_at text, e_seq_at text, e_kind_at text, e_body_at text,
@@ -267,7 +275,7 @@ CREATE OR REPLACE FUNCTION kit_append(
     c_run text[], c_owner text[], c_until float8[], c_session text[], c_ns text[],
     now float8, channel text, notes text[]) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
-    h_run text; h_until float8; bad bigint; n bigint; fresh_ids text[];
+    h_run text; h_until float8; bad bigint; n bigint; fresh_ids text[]; moved_ids text[];
     e_seq int[] := string_to_array(e_seq_at, ',')::int[];
     e_body text[] := string_to_array(e_body_at, chr(10));
 BEGIN
@@ -323,10 +331,25 @@ BEGIN
         END IF;
     END IF;
     IF array_length(u_run, 1) > 0 THEN
-        UPDATE runs r SET last_seq = GREATEST(r.last_seq, x.last),
-                          status = COALESCE(x.status, r.status)
-            FROM unnest(u_run, u_last, u_status) AS x(run_id, last, status)
-            WHERE r.run_id = x.run_id;
+        WITH moved AS (UPDATE runs r SET last_seq = GREATEST(r.last_seq, x.last),
+                                         status = COALESCE(x.status, r.status)
+                FROM unnest(u_run, u_last, u_status) AS x(run_id, last, status)
+                WHERE r.run_id = x.run_id
+                  AND r.status NOT IN ('COMPLETED', 'FAILED', 'CANCELLED')  -- kit_store.ENDED
+                RETURNING r.run_id)
+            SELECT coalesce(array_agg(run_id), '{}') INTO moved_ids FROM moved;
+        -- A run not moved has ended, or is not indexed (events without a run.started). An ended
+        -- run takes no event; a batch that wrote none (n = 0) is the retry of one that committed
+        -- whole (perhaps ending the run), taken as done.
+        IF array_length(moved_ids, 1) IS DISTINCT FROM array_length(u_run, 1) AND n > 0 THEN
+            SELECT x.i, r.status INTO bad, h_run
+                FROM unnest(string_to_array(e_run_at, ',')::int[]) WITH ORDINALITY AS x(r, i)
+                JOIN runs r ON r.run_id = e_runs[x.r]
+                WHERE r.run_id = ANY(u_run) AND r.run_id <> ALL(moved_ids) ORDER BY x.i LIMIT 1;
+            IF bad IS NOT NULL THEN
+                RAISE EXCEPTION USING ERRCODE = 'KB003', MESSAGE = bad::text, DETAIL = h_run;
+            END IF;
+        END IF;
     END IF;
     IF array_length(free, 1) > 0 THEN
         DELETE FROM leases WHERE run_id = ANY(free);
@@ -574,8 +597,9 @@ class PostgresStore(StoreBase):
             except psycopg.Error as exc:
                 code, diag = exc.sqlstate, exc.diag
                 if code == "KB003":
-                    e = events[int(diag.message_primary) - 1]
-                    raise LogConflictError(e.run_id, e.seq) from None
+                    e, ended = events[int(diag.message_primary) - 1], diag.message_detail
+                    raise LogConflictError(e.run_id, e.seq,
+                                           RunStatus(ended) if ended else None) from None
                 if code in ("KB001", "KB002"):
                     claim = claims[int(diag.message_hint) - 1]
                     if code == "KB002" and attempt < _TAKEOVERS:

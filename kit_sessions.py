@@ -17,7 +17,9 @@ Its own session classes cost a connection or a private database per conversation
 what they would each build: one in-memory database (``MemorySession``), one connection per
 SQLite file, one set of SQLAlchemy table objects per Postgres deck. A deck keeps at most
 ``max_sessions`` objects, least recently used dropped first; only the in-process default loses a
-conversation's history that way (the log still holds every turn).
+conversation's history that way (the log still holds every turn). The Postgres sessions' pooled
+connections (``kit-session:<schema>`` in ``pg_stat_activity``) are pinged when taken, so a turn
+after the server dropped them (a restart, a failover) reconnects instead of failing.
 """
 from __future__ import annotations
 
@@ -211,7 +213,13 @@ class Sessions:
             async with setup_lock(pool, f"kit:sessions:{schema}"):
                 self._engine = create_async_engine(
                     "postgresql+psycopg://" + conninfo.split("://", 1)[1],
-                    connect_args={"options": f"-c search_path={schema}"})
+                    # A pooled connection the server dropped while it sat idle (a restart, a
+                    # failover, an idle timeout) is found dead when taken, and replaced with
+                    # every older one, instead of failing the turn that takes it; the price is
+                    # a ``SELECT 1`` round trip per checkout (about two a turn).
+                    pool_pre_ping=True,
+                    connect_args={"options": f"-c search_path={schema}",
+                                  "application_name": f"kit-session:{schema}"[:63]})
                 await SQLAlchemySession("kit:setup", engine=self._engine,
                                         create_tables=True).get_items(limit=1)
         finally:

@@ -3,7 +3,8 @@
 Owns: ``SQLiteStore`` (one file, shared by every process that opens it; ``read_only_log`` opens
 one to read only), ``MemoryStore`` (one process, no persistence), the rows and run-index queries
 the SQL stores share with ``kit_pg`` (``event_row``, ``event_of``, ``runs_query``, ``run_row``,
-``RUN_INDEXES``) and ``project_log_url`` (where a project's log lives); ``kit_pg`` holds the
+``RUN_INDEXES``), ``ENDED`` (the statuses of a run that takes no more events, in every store)
+and ``project_log_url`` (where a project's log lives); ``kit_pg`` holds the
 Postgres store and ``store_from_url``. Every store keeps the same three things: the log (events
 keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same
 transaction) and the claims (``leases``: one row per live or parked run, unique per
@@ -14,6 +15,9 @@ by ``async with store:`` only.
 
 Theory of operation: ``append`` is the only writer of events and does everything a batch implies in
 one transaction (claim, events, run index, leases), so a reader never sees a half-applied batch.
+A run whose log holds its end (status in ``ENDED``) takes no more events: a writer that went on
+past its lapsed lease finds the end another process recorded, and its batch is refused whole
+(``LogConflictError``). The check rides on the run index's update that every batch makes anyway.
 SQLite calls run inline on the event loop thread: an inline commit costs ~30 us where a thread hop
 costs 80-190 us, and the Runtime group-commits, so ``append`` receives batches. Writers in other
 processes cannot wake this one's followers (``StoreBase``), so the SQLite store also re-reads
@@ -46,7 +50,7 @@ from kit_storebase import StoreBase
 
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
            "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS",
-           "RUN_INDEXES", "WAL_LIMIT")
+           "RUN_INDEXES", "WAL_LIMIT", "ENDED")
 
 #: WAL checkpoints run on a thread of their own, after this many commits: on the event loop, a
 #: checkpoint (page copies and an fsync) stalls every stream for milliseconds, and costs ~12 us
@@ -64,6 +68,13 @@ WAL_LIMIT = 64 * 1024 * 1024
 _RESTART_AT = 16 * 1024 * 1024
 _RESTART_WAIT = 0.1
 _ABANDONED = "the process playing this run stopped renewing its lease"
+#: The statuses of a run whose log holds its terminal event: every store refuses an event for
+#: such a run (``LogConflictError`` with ``ended``), where the parked statuses take a resume.
+ENDED = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+#: A batch's update of a run's index row: it matches no row of a run that has ended.
+_UPDATE_RUN = ("UPDATE runs SET last_seq = MAX(last_seq, ?), status = COALESCE(?, status) "
+               "WHERE run_id = ? AND status NOT IN ("
+               + ", ".join(f"'{s.value}'" for s in ENDED) + ")")
 _seq = operator.attrgetter("seq")
 
 
@@ -390,10 +401,14 @@ class SQLiteStore(StoreBase):
                                    (run_id, p.name, p.invocable, p.session_id, p.namespace,
                                     p.parent_run_id, (status or RunStatus.RUNNING).value,
                                     first.at.isoformat(), last))
-                    else:
-                        db.execute("UPDATE runs SET last_seq = MAX(last_seq, ?), "
-                                   "status = COALESCE(?, status) WHERE run_id = ?",
-                                   (last, status.value if status else None, run_id))
+                    elif not db.execute(_UPDATE_RUN, (last, status.value if status else None,
+                                                      run_id)).rowcount:
+                        # Ended, or a run the index lacks (events with no run.started): only
+                        # the first is refused, inside the transaction, which rolls back.
+                        row = db.execute("SELECT status FROM runs WHERE run_id = ?",
+                                         (run_id,)).fetchone()
+                        if row is not None:
+                            raise LogConflictError(run_id, first.seq, RunStatus(row[0]))
                     ends = run_events[-1].payload.ends
                     if ends == "terminal" and (first.kind != "run.started" or run_id in claimed):
                         # (a run that starts and ends in this batch unclaimed never had a lease)
@@ -530,10 +545,14 @@ class MemoryStore(StoreBase):
         self._controls: list[ControlRequest] = []
 
     def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:
-        # Check everything before changing anything: a refused batch writes nothing.
+        # Check everything before changing anything: a refused batch writes nothing. Taken seqs
+        # first, then ended runs, as the SQL stores find them.
         for e in events:
             if (e.run_id, e.seq) in self._keys or (e.kind == "run.started" and e.run_id in self._index):
                 raise LogConflictError(e.run_id, e.seq)
+        for e in events:
+            if (info := self._index.get(e.run_id)) is not None and info.status in ENDED:
+                raise LogConflictError(e.run_id, e.seq, info.status)
         overtaken = []
         for claim in claims:
             if claim.run_id in self._leases or claim.session_id is None:

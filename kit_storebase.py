@@ -230,9 +230,10 @@ class StoreBase:
 
         Raises ``SessionBusyError`` when a live or parked run holds a claim's session and
         ``LogConflictError`` for the first event whose ``(run_id, seq)`` is taken (or whose
-        ``run.started`` reuses a run id); either way nothing is written. Raises ``KitError`` if
-        the store is not open (so do all the methods below), or was opened read-only (so do
-        ``renew``, ``reap`` and ``request``).
+        ``run.started`` reuses a run id), or else for the first event of a run whose log holds
+        its end (``ended``: its status; a parked run takes its resume); either way nothing of
+        the batch is written. Raises ``KitError`` if the store is not open (so do all the
+        methods below), or was opened read-only (so do ``renew``, ``reap`` and ``request``).
         """
         self._check_writable("append")
         events = list(events)

@@ -1,7 +1,8 @@
 """Scale-out: three real kit-serve processes on one PostgreSQL schema and one Redis, driven
 round-robin over HTTP (README "Scale out"). Any replica serves any request: session claims,
 pending workflows and their answers, control requests, the live tail of another replica's run,
-and the record of a replica that died (asyncio and trio workers)."""
+and the record of a replica that died (asyncio and trio workers). And a replica with nothing but
+Postgres (its conversations beside its log) outlives the server dropping its connections."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,10 @@ import pytest
 import redis
 from httpx_sse import aconnect_sse
 
+import kit
+from kit_pg import pg_url, store_from_url
 from test_kit_http import free_port
+from test_kit_store import kill_connections
 
 pytestmark = pytest.mark.anyio
 HERE = Path(__file__).parent
@@ -234,3 +238,30 @@ async def a_dead_replica_is_reaped_by_a_survivor(client, pa, a, b, c, tag, redis
     tokens = [[f["payload"]["input_tokens"] for f in run if f["kind"] == "model.completed"]
               for run in (before, log)]
     assert tokens[1][0] > tokens[0][0] + 2  # "Who am I?" came with the turn before it
+
+
+async def test_postgres_sessions_outlive_the_server_dropping_their_connections(
+        monkeypatch, postgres_url, anyio_backend):
+    """KIT_SESSION=postgresql:// beside a Postgres log: once the server has dropped the session
+    store's idle connections (a restart, a failover, an idle timeout), the next turn goes on
+    with the conversation's history, not a FAILED run and an OperationalError."""
+    import psycopg
+    monkeypatch.setenv("KIT_SESSION", postgres_url)
+    model = kit.ScriptedModel(["Hi Ana.", "You are Ana."])
+    async with store_from_url(postgres_url) as store, \
+            kit.Deck([kit.Agent("talk", model=model)], store=store) as deck:
+        with anyio.fail_after(30):
+            await deck.run("talk", "I am Ana", session_id="conv")
+            # Only this deck's session connections (named kit-session:<this test's schema>).
+            assert await anyio.to_thread.run_sync(kill_connections, postgres_url, "kit-session")
+            answer = await deck.run("talk", "Who am I?", session_id="conv")
+        assert answer.output == "You are Ana."
+        assert [r.status for r in await store.runs()] == [kit.RunStatus.COMPLETED] * 2
+    said = [(i.get("role"), json.dumps(i.get("content"))) for i in model.calls[-1]["input"]]
+    assert [role for role, _ in said] == ["user", "assistant", "user"]  # turn 1, then the input
+    assert "I am Ana" in said[0][1] and "Hi Ana." in said[1][1]
+    conninfo, schema = pg_url(postgres_url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:  # both turns are in the session
+        rows = conn.execute(f"SELECT message_data FROM {schema}.agent_messages WHERE session_id "
+                            "= 'conv' ORDER BY id").fetchall()
+    assert [json.loads(data).get("role") for (data,) in rows] == ["user", "assistant"] * 2

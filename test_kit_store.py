@@ -116,6 +116,76 @@ async def test_duplicate_seq_raises_and_the_whole_batch_is_absent(store):
     assert len(await store.read("r1")) == 2
 
 
+ENDS = {RunStatus.COMPLETED: kit.RunCompleted("ok"), RunStatus.FAILED: kit.RunFailed("E", "bad"),
+        RunStatus.CANCELLED: kit.RunCancelled("user")}
+PARKINGS = {RunStatus.WAITING_HUMAN: kit.RunInterrupted("i1", None, "t"),
+            RunStatus.SLEEPING: kit.RunSleeping("2030-01-01T00:00:00+00:00"),
+            RunStatus.PAUSED: kit.RunPaused("safe point")}
+
+
+async def test_an_ended_run_takes_no_more_events_a_parked_one_its_resume(store):
+    for status, end in ENDS.items():
+        rid = status.value.lower()
+        log = [started(rid, session_id=rid), ev(rid, 1, kit.TextDelta("a")), ev(rid, 2, end)]
+        await store.append(log, claims=[Claim(rid, "me", 30, session_id=rid)])
+        for late in ([ev(rid, 3, kit.TextDelta("late"))],  # the next seq, a later one, an end
+                     [ev(rid, 9, kit.RunResumed("answer"))],
+                     [ev(rid, 3, kit.MessageCompleted("late")), ev(rid, 4, kit.RunCompleted("x"))]):
+            with pytest.raises(kit.LogConflictError,
+                               match=rf"^run {rid} has ended \({status.value}\), so its event at "
+                                     rf"seq {late[0].seq} was refused") as info:
+                await store.append(late, claims=[Claim(rid, "late", 30, session_id=rid)])
+            assert (info.value.run_id, info.value.seq, info.value.ended) == (rid, late[0].seq, status)
+            assert await store.read(rid) == log
+            assert (await store.run_info(rid)).status is status
+            assert await store.session_holder(rid) is None  # the claim rolled back too
+    for status, parking in PARKINGS.items():  # parked is not ended: the run goes on
+        rid = status.value.lower()
+        await store.append([started(rid, session_id=rid), ev(rid, 1, parking)],
+                           claims=[Claim(rid, "me", 30, session_id=rid)])
+        assert (await store.run_info(rid)).status is status
+        await store.append([ev(rid, 2, kit.RunResumed("answer"))],
+                           claims=[Claim(rid, "other", 30, session_id=rid)])
+        await store.append([ev(rid, 3, kit.RunCompleted("ok"))])
+        assert kinds(await store.read(rid))[2:] == ["run.resumed", "run.completed"]
+        assert (await store.run_info(rid)).status is RunStatus.COMPLETED
+
+
+async def test_a_writer_past_its_lapsed_lease_writes_nothing_after_the_abandoned_end(store):
+    """A process stalled past its lease (a locked file, SIGSTOP) goes on writing its run after
+    another process recorded it abandoned: the log keeps the end, and the run stays FAILED."""
+    await store.append([started("r1", session_id="s"), ev("r1", 1, kit.TextDelta("a"))],
+                       claims=[Claim("r1", "stalled", 0.05, session_id="s")])
+    await anyio.sleep(0.1)
+    assert await store.reap() == ["r1"]  # run.failed (RunAbandoned) at seq 2
+    with pytest.raises(kit.LogConflictError) as info:  # its next batch: the end took seq 2
+        await store.append([ev("r1", 2, kit.TextDelta("b")), ev("r1", 3, kit.TextDelta("c"))])
+    assert info.value.seq == 2 and "already has an event at seq 2" in str(info.value)
+    with pytest.raises(kit.LogConflictError) as info:  # the batches after: past the end
+        await store.append([ev("r1", 4, kit.TextDelta("d")), ev("r1", 5, kit.RunCompleted("abcd"))])
+    assert (info.value.seq, info.value.ended) == (4, RunStatus.FAILED)
+    log = await store.read("r1")
+    assert [e.seq for e in log] == [0, 1, 2] and log[-1].payload.error == "RunAbandoned"
+    assert (await store.run_info("r1")).status is RunStatus.FAILED
+
+
+async def test_a_batch_with_an_event_for_an_ended_run_is_refused_whole(store):
+    await store.append([started("done"), ev("done", 1, kit.RunCompleted("ok"))])
+    await store.append([started("live", session_id="s"), ev("live", 1, kit.TextDelta("a"))],
+                       claims=[Claim("live", "me", 30, session_id="s")])
+    with pytest.raises(kit.LogConflictError) as info:
+        await store.append([ev("live", 2, kit.TextDelta("b")), started("new", session_id="t"),
+                            ev("done", 2, kit.TextDelta("late")), ev("live", 3, kit.RunCompleted("ab"))],
+                           claims=[Claim("new", "me", 30, session_id="t")])
+    assert (info.value.run_id, info.value.seq, info.value.ended) == ("done", 2, RunStatus.COMPLETED)
+    assert kinds(await store.read("done")) == ["run.started", "run.completed"]
+    assert kinds(await store.read("live")) == ["run.started", "text.delta"]  # none of its own
+    assert (await store.run_info("live")).status is RunStatus.RUNNING
+    assert await store.session_holder("s") == "live"
+    assert await store.read("new") == [] and await store.run_info("new") is None
+    assert await store.session_holder("t") is None
+
+
 async def test_runs_listing_filters_and_status_folding(store):
     ends = {"done": kit.RunCompleted("ok"), "asked": kit.RunInterrupted("i1", {"q": 1}, "t1"),
             "asleep": kit.RunSleeping("2030-01-01T00:00:00+00:00"), "held": kit.RunPaused("safe"),
@@ -705,7 +775,7 @@ async def test_postgres_wakes_other_stores_through_notify_not_a_poll(postgres_ur
 
 def kill_connections(url: str, name: str = "kit-listen") -> int:
     """Terminate the store's Postgres connections named ``<name>:<schema>`` (``kit-listen``:
-    the listeners; ``kit``: the pools); how many there were."""
+    the listeners; ``kit``: the pools; ``kit-session``: ``KIT_SESSION``'s); how many there were."""
     import psycopg
     conninfo, schema = pg_url(url)
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -745,6 +815,9 @@ async def test_postgres_a_retried_batch_that_committed_is_not_written_twice(post
         assert await store.read("r1") == batch + more
         assert (await store.run_info("r1")).status is RunStatus.COMPLETED
         assert await store.session_holder("s") is None
+        await store.append(batch + more, claims=[claim])  # retried after it ended the run: done
+        await store.append(more)
+        assert await store.read("r1") == batch + more and await store.session_holder("s") is None
         with pytest.raises(kit.LogConflictError) as info:  # another writer's event: a conflict
             await store.append([ev("r1", 4, kit.TextDelta("x")), ev("r1", 1, kit.TextDelta("z"))])
         assert (info.value.run_id, info.value.seq) == ("r1", 1)
@@ -848,7 +921,31 @@ async def test_postgres_a_version_1_schema_is_upgraded_once_at_open(postgres_url
         assert [r.run_id for r in await store.runs(session_id="s1", limit=1)] == ["r1"]
     assert indexes() == {"runs_pkey", "runs_started", "runs_status", "runs_name", "runs_session"}
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        assert conn.execute(f"SELECT value FROM {schema}.kit_meta").fetchall() == [("2",)]
+        assert conn.execute(f"SELECT value FROM {schema}.kit_meta").fetchall() == [
+            (str(SCHEMA_VERSION),)]
+
+
+async def test_postgres_a_version_2_schema_gets_the_fence_of_ended_runs_at_open(postgres_url):
+    """Every open replaces ``kit_append``: a schema an older kit wrote (version 2, its own
+    function) refuses events for an ended run once this kit opens it, and is at version 3."""
+    import psycopg
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1"), ev("r1", 1, kit.RunCompleted("ok"))])
+    conninfo, schema = pg_url(postgres_url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:  # the function an older kit left
+        conn.execute(f"SET search_path TO {schema}")
+        args = conn.execute("SELECT pg_get_function_arguments('kit_append'::regproc)").fetchone()[0]
+        conn.execute(f"CREATE OR REPLACE FUNCTION kit_append({args}) RETURNS void LANGUAGE plpgsql "
+                     "AS $$ BEGIN RAISE EXCEPTION 'an older kit_append'; END $$")
+        conn.execute("UPDATE kit_meta SET value = '2'")
+    async with store_from_url(postgres_url) as store:
+        with pytest.raises(kit.LogConflictError) as info:
+            await store.append([ev("r1", 2, kit.TextDelta("late"))])
+        assert info.value.ended is RunStatus.COMPLETED
+        await store.append([started("r2"), ev("r2", 1, kit.RunCompleted("ok"))])
+        assert len(await store.read("r1")) == 2 and len(await store.read("r2")) == 2
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        assert conn.execute(f"SELECT value FROM {schema}.kit_meta").fetchall() == [("3",)]
 
 
 async def test_postgres_that_cannot_be_reached_fails_the_open_without_the_password(anyio_backend):
