@@ -93,8 +93,9 @@ class DeckStateError(KitError):
 
     def __init__(self, state: str, action: str) -> None:
         self.state, self.action = state, action
-        hint = "a closed deck cannot be reopened; build a new Deck" if state == "CLOSED" else \
-            "open it first with `async with deck:`"
+        hint = {"CLOSED": "a closed deck cannot be reopened; build a new Deck",
+                "OPEN": "an open deck is opened once, used on its event loop and closed by the "
+                        "task that opened it"}.get(state, "open it first with `async with deck:`")
         super().__init__(f"cannot {action}: the deck is {state} ({hint})")
 
 
@@ -180,19 +181,28 @@ class RunStoppedError(KitError):
 
 
 class StoreUnavailableError(KitError):
-    """The event store took no writes for ``seconds``, so the run was stopped where it stood.
+    """The event store took no writes for ``seconds``, so the run's caller stops waiting.
 
     Contrast with ``RunStoppedError`` (someone asked the run to stop) and with the run's own
-    failure: here the *log* could not keep up. Nothing is lost: the run's events wait in memory,
-    and they and its ``run.failed`` are written as soon as the store takes writes again (by
-    this process, or by another once the run's lease lapses).
+    failure: here the *log* could not keep up. Nothing is lost: the run's events wait in memory
+    and are written as soon as the store takes writes again (by this process, or by another once
+    the run's lease lapses). ``outcome`` says what the log will hold: ``"stopped"``, the run was
+    stopped where it stood and ends as ``run.failed``; ``"ended"``, it had played to its end
+    already, which is written as it is (do not play it again); ``"not started"``, nothing.
     """
 
-    def __init__(self, run_id: str, seconds: float, cause: BaseException | None = None) -> None:
-        self.run_id, self.seconds, self.cause = run_id, seconds, cause
+    def __init__(self, run_id: str, seconds: float, cause: BaseException | None = None, *,
+                 outcome: str = "stopped") -> None:
+        self.run_id, self.seconds, self.cause, self.outcome = run_id, seconds, cause, outcome
         why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-        super().__init__(f"run {run_id} was stopped: the event store took no writes for "
-                         f"{seconds:g} s{why}; its end is recorded when the store recovers")
+        down = f"the event store took no writes for {seconds:g} s{why}"
+        super().__init__({
+            "stopped": f"run {run_id} was stopped: {down}; its end is recorded when the store "
+                       "recovers",
+            "ended": f"run {run_id} played to its end, but {down}; its end is recorded when the "
+                     "store recovers (do not play it again)",
+            "not started": f"run {run_id} was not started: {down}; nothing of it is recorded",
+        }[outcome])
 
 
 def type_name(t: object) -> str:

@@ -492,11 +492,13 @@ class Runtime:
     def _give_up(self, run_ids: set[str], error: BaseException, seconds: float) -> None:
         """The store took no writes for ``seconds``: stop the runs stuck behind it, visibly.
         Each records ``run.failed`` (written with the rest once the store is back) and its
-        caller gets ``StoreUnavailableError``."""
+        caller gets ``StoreUnavailableError``; a run whose end waits in the buffer already keeps
+        it, and its caller is told so (``outcome="ended"``: a retry would play it twice)."""
         for run_id in run_ids:
             run = self.active.get(run_id)
             if run is not None and run.parent is None and run.abort_error is None:
-                run.abort_error = StoreUnavailableError(run_id, seconds, error)
+                run.abort_error = StoreUnavailableError(
+                    run_id, seconds, error, outcome="ended" if run.ended else "stopped")
                 run.scope.cancel()
 
     def _refused(self, run_id: str, error: BaseException) -> None:
@@ -662,7 +664,8 @@ class Runtime:
         the store is back)."""
         down = self.writer.down_since
         if down is not None and anyio.current_time() - down >= self.down_limit:
-            raise StoreUnavailableError(run.run_id, anyio.current_time() - down)
+            raise StoreUnavailableError(run.run_id, anyio.current_time() - down,
+                                        outcome="not started")
         if fenced or self.writer.pending >= BACKLOG_MAX:  # something to wait for: a bounded wait
             with anyio.move_on_after(self.down_limit) as waiting:
                 await self.writer.room()
@@ -672,10 +675,11 @@ class Runtime:
                         self._hold(run, started.seq)
                     return
             if waiting.cancelled_caught:
+                if not self.writer.holds(run.run_id):
+                    raise StoreUnavailableError(run.run_id, self.down_limit, outcome="not started")
                 error = StoreUnavailableError(run.run_id, self.down_limit)
-                if self.writer.pending_runs() & {run.run_id}:  # its start will be written: end it
-                    self._put(run, Event(run.run_id, 1, run.failure(error), run.origin))
-                raise error
+                self._put(run, Event(run.run_id, 1, run.failure(error), run.origin))  # its start
+                raise error  # will be written: so is its end
         self._put(run, started, self._claim(run))
 
     async def _play(self, run: _Run, job: Callable[[], Any]) -> Event:

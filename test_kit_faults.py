@@ -148,12 +148,45 @@ async def test_a_store_down_past_the_bound_fails_the_run_visibly_and_frees_its_s
             async def ended() -> bool:
                 return (await deck.status(run_id)) in (RunStatus.COMPLETED, RunStatus.FAILED)
             await until(ended)
+            # It had played to its end (its reply is shorter than the writer's backlog): the
+            # caller was told so, and its run.completed is the log's, not a run.failed.
+            assert info.value.outcome == "ended" and "do not play it again" in str(info.value)
+            assert await deck.status(run_id) is RunStatus.COMPLETED
             log = await store.read(run_id)
             assert seqs(log) == list(range(len(log))) and log[-1].payload.ends == "terminal"
             assert [e.to_json() for e in got] == [e.to_json() for e in log[:len(got)]]
             # The session is free again: the next turn plays.
             result = await deck.run("a", "again", session_id="s")
             assert result.output == "second turn"
+
+
+async def test_what_a_caller_stopped_by_an_outage_is_told_is_what_the_log_will_hold(tmp_path, monkeypatch):
+    """A caller told "stopped" found run.completed in the log once the store was back (a retry
+    played the turn twice); one refused at the start was told its end would be recorded, and
+    the log never heard of it."""
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
+
+    def noop() -> str:
+        """Do nothing."""
+        return "ok"
+    agent = Agent("a", tools=[noop], model=ScriptedModel([{"tool": "noop"}, "after"]))
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], store=store) as deck:  # its tool.started must commit first
+            store.down = True
+            with anyio.fail_after(20):
+                with pytest.raises(StoreUnavailableError) as stopped:
+                    await deck.run("a", "hi")
+                with pytest.raises(StoreUnavailableError) as refused:
+                    await deck.run("a", "then", session_id="s")
+            assert stopped.value.outcome == "stopped" and refused.value.outcome == "not started"
+            assert str(refused.value).startswith(f"run {refused.value.run_id} was not started")
+            store.down = False
+
+            async def written() -> bool:
+                return await deck.status(stopped.value.run_id) is RunStatus.FAILED
+            await until(written)
+            assert await deck.status(refused.value.run_id) is None
+            assert (await deck.run("a", "again", session_id="s")).output == "after"
 
 
 async def test_the_background_loops_survive_store_errors(tmp_path, monkeypatch):
@@ -726,7 +759,7 @@ async def test_a_failed_open_frees_the_deck_slot_and_closing_from_another_task_i
                 except kit.DeckStateError as exc:
                     errors.append(exc)
             tg.start_soon(close_elsewhere)
-        assert errors and "another task" in str(errors[0])
+        assert errors and "another task" in str(errors[0]) and "open it first" not in str(errors[0])
         assert (await deck.run("a", "still open")).output == "ok"
 
 
