@@ -80,6 +80,12 @@ MAX_OPEN_RUNS = 10_000
 
 _SDK_TRACE = re.compile(r"^trace_([0-9a-f]{32})$")
 _CONTENT = frozenset({"input", "output", "type"})  # SDK span fields never exported as attributes
+#: The model settings a generation span's ``model_config`` may export: the SDK fills it with all
+#: of ``ModelSettings`` and the client's ``base_url``, where a gateway's key rides in
+#: ``extra_headers``, content in ``extra_body`` or ``metadata``, credentials in the URL.
+_MODEL_SETTINGS = frozenset({"temperature", "top_p", "frequency_penalty", "presence_penalty",
+                             "tool_choice", "parallel_tool_calls", "truncation", "max_tokens",
+                             "reasoning", "verbosity", "store", "top_logprobs"})
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -433,7 +439,8 @@ def _scalar(v: Any) -> bool:
 
 def _sdk_span(data: Any) -> tuple[str, bool, dict[str, Any]]:
     """An SDK span's GenAI name, whether it is a CLIENT span, and its attributes: the scalar
-    fields of its exported data (two levels deep; content fields left out) and GenAI ones."""
+    fields of its exported data (two levels deep; content fields left out, and of the model
+    settings only ``_MODEL_SETTINGS``) and GenAI ones."""
     attrs: dict[str, Any] = {}
 
     def flat(prefix: str, obj: dict[str, Any], depth: int) -> None:
@@ -448,7 +455,11 @@ def _sdk_span(data: Any) -> tuple[str, bool, dict[str, Any]]:
                 flat(f"{prefix}.{k}", v, depth + 1)
 
     try:
-        flat("agents", data.export() or {}, 0)
+        exported = data.export() or {}
+        if isinstance(exported.get("model_config"), dict):
+            exported["model_config"] = {k: v for k, v in exported["model_config"].items()
+                                        if k in _MODEL_SETTINGS}
+        flat("agents", exported, 0)
     except Exception:  # a custom span whose data will not export: keep its name only
         pass
     t, name = data.type, getattr(data, "name", None)

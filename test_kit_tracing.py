@@ -242,3 +242,30 @@ async def test_sdk_spans_arrive_as_a_second_separate_trace(receiver, anyio_backe
     assert ancestors == ["turn 1", "invoke_agent calc", "task Agent workflow", "Agent workflow"]
     assert attrs(tool)["gen_ai.tool.name"] == "add"
     assert "what is 2 + 3" not in str([attrs(s) for s in raw])  # content stays out
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_sdk_spans_never_export_what_model_settings_carry_besides_settings(receiver, anyio_backend):
+    """The SDK's generation span holds every ModelSettings field and the client's base_url: a
+    gateway's key in extra_headers, content in extra_body or metadata, a URL's credentials were
+    all exported as span attributes."""
+    observer = TracingObserver(sdk_spans=True, public_key=PK, secret_key=SK, host=receiver.host)
+    observer.start()
+    settings = agents.ModelSettings(temperature=0.2, max_tokens=50, metadata={"note": "META-SECRET"},
+                                    extra_headers={"x-portkey-api-key": "HEADER-SECRET"},
+                                    extra_body={"user_note": "BODY-SECRET"},
+                                    extra_query={"key": "QUERY-SECRET"}, extra_args={"a": "ARGS-SECRET"})
+    agents.set_trace_processors([observer.sdk_processor()])
+    try:
+        with agents.trace("t", metadata={"kit.run_id": "r2"}):  # as the SDK's OpenAI models make it
+            with agents.generation_span(model="gpt-4o", model_config=settings.to_json_dict() | {
+                    "base_url": "https://user:URL-SECRET@gateway.example/v1"}):
+                pass
+    finally:
+        agents.set_trace_processors([])
+    await anyio.to_thread.run_sync(observer.close)
+    [raw] = receiver.traces().values()
+    [generation] = [s for s in raw if s.name == "chat gpt-4o"]
+    assert attrs(generation)["agents.model_config.temperature"] == 0.2
+    assert attrs(generation)["agents.model_config.max_tokens"] == 50
+    assert "SECRET" not in str([attrs(s) for s in raw])
