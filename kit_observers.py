@@ -378,7 +378,7 @@ class ObserverHub:
                 slot.retry_at = None  # this event is the trial
             try:
                 emit(event)
-            except Exception:
+            except BaseException:  # SystemExit too: a sync call, where no cancellation lands
                 if slot.closed:
                     return
                 stats.errors += 1

@@ -145,6 +145,30 @@ async def test_healthy_observer_gets_everything_in_order_beside_raising_and_bloc
     assert r.errors >= DISABLE_AFTER and raising.calls == r.errors
 
 
+class Exiting:
+    """An observer whose emit ends its program: ``sys.exit()`` in a library it calls."""
+
+    def __init__(self, nonblocking: bool) -> None:
+        self.nonblocking, self.calls = nonblocking, 0
+
+    def emit(self, event: Event) -> None:
+        self.calls += 1
+        raise SystemExit(3)
+
+
+async def test_an_observer_that_raises_systemexit_costs_no_run_and_no_other_observer():
+    """A BaseException escaped the observer's delivery, ended the hub's drain task and with it
+    the deck's task group: the runs in flight, the deck and every other observer went down."""
+    rec, exiting = Recorder(), [Exiting(nonblocking=False), Exiting(nonblocking=True)]
+    with anyio.fail_after(20):
+        async with Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))],
+                        observers=[*exiting, rec]) as deck:
+            results = [await deck.run("a", "hi") for _ in range(3)]
+            await until(lambda: [e.kind for e in rec.seen].count("run.completed") == 3)
+    assert [r.output for r in results] == ["ok"] * 3
+    assert all(e.calls >= 1 for e in exiting)
+
+
 async def test_a_disabled_observer_is_retried_after_its_backoff():
     now = [0.0]
 
