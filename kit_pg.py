@@ -2,8 +2,9 @@
 
 Owns: ``PostgresStore`` (the log, run index, claims and control requests in one schema of one
 database, with LISTEN/NOTIFY wake-ups), the Postgres plumbing the upper floors share (``pg_url``
-to split a kit URL, ``open_pool`` for a pool on one schema, ``setup_lock`` to create tables once
-when replicas start together) and ``store_from_url``, the one factory of every store.
+to split a kit URL, ``open_pool`` for a named pool on one schema, its connections tested when
+taken if asked, ``setup_lock`` to create tables once when replicas start together) and
+``store_from_url``, the one factory of every store.
 
 Must never: import psycopg at import (``import kit`` stays light; the ``postgres`` extra is
 optional), put a password in an error, a log line or a ``repr`` (``masked``), run engine code, or
@@ -173,12 +174,17 @@ def _bounded(conninfo: str) -> dict[str, Any]:
 
 
 async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, create: bool = True,
-                    **kwargs: Any) -> Any:
+                    name: str = "kit", check: bool = False, **kwargs: Any) -> Any:
     """On asyncio: an open ``psycopg_pool.AsyncConnectionPool`` of autocommit connections whose
     ``search_path`` is ``schema`` (created if missing, unless ``create`` is false), named
-    ``kit:<schema>`` in ``pg_stat_activity`` (the listener is ``kit-listen:<schema>``).
+    ``<name>:<schema>`` in ``pg_stat_activity`` (the log's pool is ``kit:<schema>``, the
+    listener ``kit-listen:<schema>``).
     ``kwargs`` go to each connection; a connect is bounded (``CONNECT_TIMEOUT``) unless
-    ``conninfo`` sets a bound.
+    ``conninfo`` sets a bound. With ``check``, a connection is tested when taken (a round trip
+    each time): one the server dropped while it sat idle (a restart, a failover, an idle timeout)
+    is replaced, with every other dead one, instead of failing its caller. For callers with no
+    retry of their own; the log's reads and writes retry instead, so they pay nothing until a
+    connection fails.
     Raises ``ConfigError`` without the postgres extra; psycopg's ``OperationalError`` when the
     server cannot be reached (libpq's messages name the host, never the password), its
     ``ConnectionTimeout`` naming ``conninfo`` (masked) when the server does not answer in time."""
@@ -201,10 +207,22 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, cre
                 await _try_lock(conn, f"kit:schema:{schema}", "xact_")
                 await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
                     sql.Identifier(schema)))
+
+    async def checked(conn: Any) -> None:
+        try:
+            await AsyncConnectionPool.check_connection(conn)  # an empty query
+        except psycopg.OperationalError:
+            # After a restart every idle connection is dead, and the pool tries the next one
+            # at once, then only after 1 s, 2 s, 4 s (measured: two dead held a step 1 s; four
+            # would hold it about 7 s). Dropped all now, its next try is a new connection.
+            await pool.check()
+            raise
+
     pool = AsyncConnectionPool(conninfo, min_size=1, max_size=max_size, open=False,
                                configure=configure, timeout=POOL_TIMEOUT,
+                               check=checked if check else None,
                                kwargs={"autocommit": True, **bound, **kwargs,
-                                       "application_name": f"kit:{schema}"[:63]})
+                                       "application_name": f"{name}:{schema}"[:63]})
     await pool.open(wait=True, timeout=POOL_TIMEOUT)
     return pool
 

@@ -19,7 +19,10 @@ SQLite file, one set of SQLAlchemy table objects per Postgres deck. A deck keeps
 ``max_sessions`` objects, least recently used dropped first; only the in-process default loses a
 conversation's history that way (the log still holds every turn). The Postgres sessions' pooled
 connections (``kit-session:<schema>`` in ``pg_stat_activity``) are pinged when taken, so a turn
-after the server dropped them (a restart, a failover) reconnects instead of failing.
+after the server dropped them (a restart, a failover) reconnects instead of failing. The Redis
+client's connections (``kit-session`` in ``CLIENT LIST``) are pinged before a command when they
+sat idle past ``REDIS_CHECK``, and reopened when the ping finds them dropped; a command itself
+is never retried, so a write whose reply was lost is never made twice (``_pinged``).
 """
 from __future__ import annotations
 
@@ -37,11 +40,17 @@ from agents.memory import SessionABC
 from kit_core import ConfigError
 from kit_pg import masked, open_pool, pg_url, setup_lock
 
-__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS")
+__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "REDIS_CHECK")
 
 #: Conversations the in-process session store keeps (``KIT_SESSION_MAX``), least recently used
 #: dropped first: ~2 kB each measured, so ~20 MB at the default; bounded, unlike a process's life.
 MAX_SESSIONS = 10_000
+#: A Redis session connection idle longer than this (seconds) is pinged before its next command
+#: (redis-py's ``health_check_interval``; a URL's ``?health_check_interval=`` overrides it): a
+#: round trip at most once a second per connection, where a turn waits seconds on its model
+#: anyway, instead of one before every command. A connection dropped less than this after its
+#: last reply is not caught: its next command fails.
+REDIS_CHECK = 1.0
 
 
 class _MemoryDB:
@@ -124,6 +133,36 @@ class _FileSession(sdk.SQLiteSession):
 
 
 @functools.cache
+def _pinged(connection_class: type) -> type:
+    """redis-py's ``connection_class`` (the URL scheme's) whose failed health check reconnects.
+
+    redis-py pings a connection idle past ``health_check_interval`` before its next command
+    (``check_health``), under the connection's ``retry``, which ``from_url`` leaves at none: the
+    failed ping closes the connection and raises, and the command fails all the same ("Connection
+    closed by server"). A ``retry`` would make the ping reconnect, but it retries every command
+    too: a command whose reply was lost after the server ran it (the ``RPUSH`` of a turn's
+    items, in a failover) would run twice. So the connection holds a one-retry policy for its
+    health check only: a failed ping is sent again on a new connection (its handshake unchecked,
+    so this never recurses), and raises if that fails too; commands stay unretried.
+    """
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    ping_retry = Retry(NoBackoff(), 1)  # stateless between calls: shared by every connection
+
+    class Pinged(connection_class):  # type: ignore[misc, valid-type]
+        async def check_health(self) -> None:
+            # A pooled connection serves one command at a time, so the swap is its own.
+            commands, self.retry = self.retry, ping_retry
+            try:
+                await super().check_health()
+            finally:
+                self.retry = commands
+
+    Pinged.__name__ = Pinged.__qualname__ = f"Pinged{connection_class.__name__}"
+    return Pinged
+
+
+@functools.cache
 def _pg_session_class() -> type:
     """The SDK's ``SQLAlchemySession`` (``KIT_SESSION=postgresql://...``), its queries
     unchanged, with the SQLAlchemy objects of its tables shared by every session of a deck.
@@ -187,7 +226,12 @@ class Sessions:
             except ImportError:
                 raise ConfigError(f"KIT_SESSION={url.split('://')[0]}://... needs the redis extra: "
                                   "pip install 'kit[redis]'") from None
-            self._redis = redis.asyncio.from_url(url)
+            self._redis = redis.asyncio.from_url(url, client_name="kit-session",
+                                                 health_check_interval=REDIS_CHECK)
+            # The URL's scheme picks the connection class (TCP, TLS, Unix socket), so it is
+            # wrapped once the pool has it; no connection exists before the first command.
+            pool = self._redis.connection_pool
+            pool.connection_class = _pinged(pool.connection_class)
         elif url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
             self._sqlite = url[len("sqlite:///"):]
         elif url.startswith(("postgresql://", "postgres://")):

@@ -1,8 +1,8 @@
 """Scale-out: three real kit-serve processes on one PostgreSQL schema and one Redis, driven
 round-robin over HTTP (README "Scale out"). Any replica serves any request: session claims,
 pending workflows and their answers, control requests, the live tail of another replica's run,
-and the record of a replica that died (asyncio and trio workers). And a replica with nothing but
-Postgres (its conversations beside its log) outlives the server dropping its connections."""
+and the record of a replica that died (asyncio and trio workers). And a replica's conversations,
+on Postgres (beside its log) or on Redis, outlive the server dropping their connections."""
 from __future__ import annotations
 
 import json
@@ -265,3 +265,47 @@ async def test_postgres_sessions_outlive_the_server_dropping_their_connections(
         rows = conn.execute(f"SELECT message_data FROM {schema}.agent_messages WHERE session_id "
                             "= 'conv' ORDER BY id").fetchall()
     assert [json.loads(data).get("role") for (data,) in rows] == ["user", "assistant"] * 2
+
+
+def kill_redis_clients(url: str, name: str) -> int:
+    """Close the Redis server's connections of the clients named ``name`` (``CLIENT KILL ID``,
+    one by one: other tests share the server); how many there were."""
+    r = redis.Redis.from_url(url)
+    try:
+        return sum(r.client_kill_filter(_id=c["id"]) for c in r.client_list()
+                   if c["name"] == name)
+    finally:
+        r.close()
+
+
+async def test_redis_sessions_outlive_the_server_dropping_their_connections(
+        monkeypatch, store, redis_url, anyio_backend):
+    """KIT_SESSION=redis://: once the server has dropped the session store's idle connections (a
+    restart, a failover, an idle timeout), the next turn goes on with the conversation's
+    history, not a FAILED run and "Connection closed by server"."""
+    import kit_sessions
+    tag = uuid.uuid4().hex[:8]
+    name, conv = f"kit-session-{tag}", f"conv-{tag}"  # this test's connections and keys only
+    monkeypatch.setenv("KIT_SESSION", f"{redis_url}?client_name={name}")
+    model = kit.ScriptedModel(["Hi Ana.", "You are Ana."])
+    r = redis.Redis.from_url(redis_url)
+    try:
+        async with kit.Deck([kit.Agent("talk", model=model)], store=store) as deck:
+            with anyio.fail_after(30):
+                await deck.run("talk", "I am Ana", session_id=conv)
+                assert await anyio.to_thread.run_sync(kill_redis_clients, redis_url, name)
+                # Idle past the check: a restart or a failover comes between turns, not in one.
+                await anyio.sleep(kit_sessions.REDIS_CHECK + 0.1)
+                answer = await deck.run("talk", "Who am I?", session_id=conv)
+            assert answer.output == "You are Ana."
+            assert [run.status for run in await store.runs()] == [kit.RunStatus.COMPLETED] * 2
+        stored = [json.loads(x) for x in r.lrange(f"kit:session:{conv}:messages", 0, -1)]
+    finally:
+        for key in r.scan_iter(f"kit:session:{conv}*"):
+            r.delete(key)
+        r.close()
+    said = [(i.get("role"), json.dumps(i.get("content"))) for i in model.calls[-1]["input"]]
+    assert [role for role, _ in said] == ["user", "assistant", "user"]  # turn 1, then the input
+    assert "I am Ana" in said[0][1] and "Hi Ana." in said[1][1]
+    # Both turns are in the session, each once: nothing was written twice.
+    assert [i.get("role") for i in stored] == ["user", "assistant"] * 2

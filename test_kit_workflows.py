@@ -1,5 +1,6 @@
 """Tests of workflows on the log: runs, interrupts and answers, durable sleep and tick, child runs,
-headless runs, across processes (asyncio and trio)."""
+headless runs, across processes, Postgres checkpoints past dropped connections (asyncio and
+trio)."""
 from __future__ import annotations
 
 import functools
@@ -793,3 +794,27 @@ async def test_postgres_checkpoints_live_in_the_schema_of_the_log(postgres_url):
         count = conn.execute(f"SELECT count(*) FROM {schema}.checkpoints "
                              "WHERE thread_id = 'approval::t1'").fetchone()[0]
     assert count > 0
+
+
+async def test_postgres_checkpoints_outlive_the_server_dropping_their_connections(
+        postgres_url, anyio_backend):
+    """Once the server has dropped the checkpoint pool's idle connections (a restart, a
+    failover, an idle timeout), an answer to a parked run and a new durable run each go on from
+    their checkpoints: not a FAILED run (a waiting run's question lost with it) and an
+    OperationalError."""
+    from test_kit_store import kill_connections
+    async with store_from_url(postgres_url) as store:
+        async with Deck(workflows=[durable_approval()], store=store) as deck:
+            with anyio.fail_after(30):
+                parked = await deck.run("approval", {"log": []}, session_id="t1")
+                # Only this deck's checkpoint pool (kit-checkpoints:<this test's schema>).
+                assert await anyio.to_thread.run_sync(kill_connections, postgres_url,
+                                                      "kit-checkpoints")
+                state = await deck.answer(parked.run_id, "yes")
+                assert state["log"] == ["plan", "answer=yes", "done"]
+                assert await anyio.to_thread.run_sync(kill_connections, postgres_url,
+                                                      "kit-checkpoints")
+                again = await deck.run("approval", {"log": []}, session_id="t2")
+                assert again.payload == {"question": "approve?"}
+            runs = {r.session_id: r.status for r in await store.runs()}
+    assert runs == {"t1": RunStatus.COMPLETED, "t2": RunStatus.WAITING_HUMAN}
