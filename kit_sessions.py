@@ -40,7 +40,7 @@ from agents.memory import SessionABC
 from kit_core import ConfigError
 from kit_pg import masked, open_pool, pg_url, setup_lock
 
-__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "REDIS_CHECK")
+__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "REDIS_CHECK", "REDIS_TIMEOUT")
 
 #: Conversations the in-process session store keeps (``KIT_SESSION_MAX``), least recently used
 #: dropped first: ~2 kB each measured, so ~20 MB at the default; bounded, unlike a process's life.
@@ -51,6 +51,11 @@ MAX_SESSIONS = 10_000
 #: anyway, instead of one before every command. A connection dropped less than this after its
 #: last reply is not caught: its next command fails.
 REDIS_CHECK = 1.0
+#: How long a Redis session command, or a connect, may wait (seconds; a URL's
+#: ``?socket_timeout=`` / ``?socket_connect_timeout=`` override it). redis-py waits forever: a
+#: Redis that stops answering without closing its connections (a partition, a frozen server) held
+#: the turn, and its session busy, until it came back. Now the turn fails, and frees its session.
+REDIS_TIMEOUT = 10.0
 
 
 class _MemoryDB:
@@ -227,7 +232,9 @@ class Sessions:
                 raise ConfigError(f"KIT_SESSION={url.split('://')[0]}://... needs the redis extra: "
                                   "pip install 'kit[redis]'") from None
             self._redis = redis.asyncio.from_url(url, client_name="kit-session",
-                                                 health_check_interval=REDIS_CHECK)
+                                                 health_check_interval=REDIS_CHECK,
+                                                 socket_timeout=REDIS_TIMEOUT,
+                                                 socket_connect_timeout=REDIS_TIMEOUT)
             # The URL's scheme picks the connection class (TCP, TLS, Unix socket), so it is
             # wrapped once the pool has it; no connection exists before the first command.
             pool = self._redis.connection_pool

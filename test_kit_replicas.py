@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -276,6 +277,48 @@ def kill_redis_clients(url: str, name: str) -> int:
                    if c["name"] == name)
     finally:
         r.close()
+
+
+async def test_a_redis_that_stops_answering_fails_the_turn_and_frees_its_session(
+        monkeypatch, store, anyio_backend, tmp_path):
+    """A Redis that stops answering without closing its connections (a partition, a frozen
+    server; here SIGSTOP, of a redis-server of this test's own) held the turn, and its session
+    busy, until it came back."""
+    import kit_sessions
+    from conftest import missing
+    if shutil.which("redis-server") is None:
+        missing("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly",
+                               "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(url)
+        with anyio.fail_after(10):
+            while True:
+                try:
+                    if client.ping():
+                        break
+                except redis.ConnectionError:
+                    await anyio.sleep(0.05)
+        client.close()
+        monkeypatch.setenv("KIT_SESSION", url)
+        monkeypatch.setattr(kit_sessions, "REDIS_TIMEOUT", 0.5)
+        model = kit.ScriptedModel(["one", "two"])
+        async with kit.Deck([kit.Agent("talk", model=model)], store=store) as deck:
+            with anyio.fail_after(30):
+                await deck.run("talk", "first", session_id="c")
+                server.send_signal(signal.SIGSTOP)
+                with pytest.raises(Exception, match="(?i)timeout"):
+                    await deck.run("talk", "second", session_id="c")
+                server.send_signal(signal.SIGCONT)
+                assert (await deck.run("talk", "third", session_id="c")).output == "two"
+            assert [r.status for r in await store.runs()] == [
+                kit.RunStatus.COMPLETED, kit.RunStatus.FAILED, kit.RunStatus.COMPLETED]
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
 
 
 async def test_redis_sessions_outlive_the_server_dropping_their_connections(
