@@ -258,7 +258,11 @@ class Sessions:
         except ImportError:
             raise ConfigError("KIT_SESSION=postgresql://... needs the postgres extra: "
                               "pip install 'kit[postgres]'") from None
+        from psycopg.conninfo import conninfo_to_dict
         conninfo, schema = self._postgres
+        # The URL's own ``options`` (``-c synchronous_commit=off``, say) with the schema's path:
+        # connect_args would otherwise replace them.
+        options = f"{conninfo_to_dict(conninfo).get('options', '')} -c search_path={schema}"
         pool = await open_pool(conninfo, schema, max_size=1)  # creates the schema
         try:
             async with setup_lock(pool, f"kit:sessions:{schema}"):
@@ -269,7 +273,7 @@ class Sessions:
                     # every older one, instead of failing the turn that takes it; the price is
                     # a ``SELECT 1`` round trip per checkout (about two a turn).
                     pool_pre_ping=True,
-                    connect_args={"options": f"-c search_path={schema}",
+                    connect_args={"options": options.strip(),
                                   "application_name": f"kit-session:{schema}"[:63]})
                 await SQLAlchemySession("kit:setup", engine=self._engine,
                                         create_tables=True).get_items(limit=1)

@@ -268,6 +268,26 @@ async def test_postgres_sessions_outlive_the_server_dropping_their_connections(
     assert [json.loads(data).get("role") for (data,) in rows] == ["user", "assistant"] * 2
 
 
+# asyncio only: the test reads the SDK's engine itself, which under trio lives on the deck's
+# engine thread.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_postgres_sessions_keep_the_options_their_url_gives(monkeypatch, postgres_url,
+                                                                  anyio_backend):
+    """KIT_SESSION=postgresql://...?options=-c ...: the session store's own connection options
+    (its schema's search_path) replaced the URL's, so a setting such as synchronous_commit was
+    silently dropped."""
+    monkeypatch.setenv("KIT_SESSION", postgres_url + "&options=-c%20synchronous_commit%3Doff")
+    model = kit.ScriptedModel(["ok"])
+    async with store_from_url(postgres_url) as store, \
+            kit.Deck([kit.Agent("talk", model=model)], store=store) as deck:
+        assert (await deck.run("talk", "hi", session_id="conv")).output == "ok"
+        engine = deck._runtime.sessions._engine  # the connections the SDK's session uses
+        async with engine.connect() as conn:
+            setting = (await conn.exec_driver_sql("SHOW synchronous_commit")).scalar()
+            path = (await conn.exec_driver_sql("SHOW search_path")).scalar()
+    assert setting == "off" and path == pg_url(postgres_url)[1]
+
+
 def kill_redis_clients(url: str, name: str) -> int:
     """Close the Redis server's connections of the clients named ``name`` (``CLIENT KILL ID``,
     one by one: other tests share the server); how many there were."""
