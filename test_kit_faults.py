@@ -488,6 +488,26 @@ async def test_two_runs_given_one_run_id_at_once_one_plays_and_the_log_has_its_s
             assert await deck.status("same") is RunStatus.COMPLETED
 
 
+async def test_a_cancel_that_loses_to_an_answer_leaves_the_answered_thread_alone(tmp_path):
+    """The cancel of a parked run met the answer taking it over: its write was refused, and it
+    went on to forget the workflow's thread, whose run was playing on from it."""
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck(workflows=[durable_approval()], store=store) as deck:
+            x = await deck.run("approval", {"log": []}, session_id="x")
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    async with store.stall():  # the answer's take-over is in flight
+                        tg.start_soon(deck.answer, x.run_id, "yes")
+                        await store.stalled.wait()
+                        await deck.cancel(x.run_id, reason="changed my mind")
+            assert await deck.status(x.run_id) is RunStatus.COMPLETED
+            log = await store.read(x.run_id)
+            assert "run.cancelled" not in [e.kind for e in log]
+            assert log[-1].payload.output["answer"] == "yes"
+            again = await deck.run("approval", {"log": []}, session_id="x")  # the thread goes on
+            assert isinstance(again, kit.InterruptResult) and again.payload == {"question": "approve?"}
+
+
 async def test_a_stream_made_while_open_and_read_after_close_writes_nothing(tmp_path):
     """It wrote its run.started (or took a parked run over) and then failed with an
     AttributeError: the session stayed busy, the approval was lost."""
