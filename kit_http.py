@@ -32,9 +32,10 @@ stream, never the run, and the client picks the run up with ``GET /runs/{id}/eve
 ``Last-Event-ID`` (every frame's ``id`` is its event's seq).
 
 ``App.shutdown()`` (``serve``'s trigger on SIGINT/SIGTERM, and the lifespan) ends every open stream
-itself with an ``event: server.shutdown`` frame, because Hypercorn's graceful timeout does not end
-open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON requests get ``kit_sse.STOP_GRACE``
-seconds.
+itself with its wire's closing frame (``event: server.shutdown`` on kit's own; OpenAI's error
+shape on the Chat Completions wire, whose clients ignore event names), because Hypercorn's
+graceful timeout does not end open streams on Python 3.12+ (CONVENTIONS A7); in-flight JSON
+requests get ``kit_sse.STOP_GRACE`` seconds.
 
 Everything kit_http says goes through the ``logging`` module (loggers ``kit_http``: an unexpected
 error's type and stack, the address ``serve`` listens on; ``kit_http.access``: one line per request
@@ -72,8 +73,8 @@ from kit_openapi import document
 from kit_playground import load as load_playground
 import kit_sse  # STOP_GRACE is read there at each shutdown: one knob for streams and requests
 from kit_sse import (
-    FrameOf, Message, Receive, Send, Stream, data_frames, dumps, native_frame, run_id_header,
-    v1_frame, v1_workflow_frame,
+    Closing, FrameOf, Message, Receive, Send, Stream, data_frames, dumps, native_frame,
+    run_id_header, shutdown_frame, sse_frame, v1_frame, v1_workflow_frame,
 )
 
 if typing.TYPE_CHECKING:
@@ -540,9 +541,10 @@ class App:
             await surface.__aexit__(None, None, None)
 
     async def shutdown(self) -> None:
-        """Stop serving: new requests get 503, every open stream ends now with a final
-        ``event: server.shutdown`` frame, and in-flight requests get ``kit_sse.STOP_GRACE``
-        seconds before they are cancelled (answered 503). Idempotent; the deck stays open."""
+        """Stop serving: new requests get 503, every open stream ends now with its wire's
+        closing frame (``event: server.shutdown``; on the Chat Completions wire an error
+        object), and in-flight requests get ``kit_sse.STOP_GRACE`` seconds before they are
+        cancelled (answered 503). Idempotent; the deck stays open."""
         self._stopping = True
         for stream in list(self._streams):
             stream.stop()
@@ -600,6 +602,10 @@ class App:
                     _checked_id(key, params[key])
                 return await getattr(self, handler)(req, **params)
             allowed.append(route_method)
+        # Under /v1/ an OpenAI client is asking (an endpoint kit lacks: /v1/embeddings): it
+        # reads OpenAI's error shape only, so it gets that when the surface is served.
+        if "openai" in self.surfaces and (path == "/v1" or path.startswith("/v1/")):
+            req.surface = "openai"
         if allowed:
             raise MethodNotAllowedError(method, allowed)
         raise RouteNotFoundError(f"no route {path!r}")
@@ -789,11 +795,14 @@ class App:
         if turn.stream:
             chunks = kit_openai.Chunks(turn.model)
             events = self.deck.stream(turn.model, turn.input, committed=True, **args)
-            return await self._stream_run(req, events, lambda ev: data_frames(chunks(ev), ev.seq))
+            return await self._stream_run(req, events, lambda ev: data_frames(chunks(ev), ev.seq),
+                                          _openai_closing)
         run_id = new_run_id()
-        result = await self._run(req, run_id, self.deck.run(turn.model, turn.input, run_id=run_id,
-                                                            **args))
-        await _respond(req, 200, kit_openai.completion(run_id, turn.model, result.output, result.usage))
+        await self._run(req, run_id, self.deck.run(turn.model, turn.input, run_id=run_id, **args))
+        # The content is a fold of the run's events, the very one its stream would have sent
+        # (kit_openai: streamed or not, a client reads the same answer), so it is read back.
+        events = await self.deck.store.read(run_id)
+        await _respond(req, 200, kit_openai.completion(run_id, turn.model, events))
 
     async def _models(self, req: _Request) -> None:
         await _respond(req, 200, kit_openai.model_list(self._agents))
@@ -825,26 +834,37 @@ class App:
             await req.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ---------------------------------------------------------------------------- streams --
-    async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf) -> None:
+    async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf,
+                          closing: Closing = shutdown_frame) -> None:
         # The first event (run.started) gives the run id before the headers go out; a start
         # the deck refuses (409 busy session, 400 bad input) is still a JSON answer.
         first = await events.__anext__()
         req.run_id = first.run_id
-        await self._sse(req, first.run_id, first, events, frame_of)
+        await self._sse(req, first.run_id, first, events, frame_of, closing)
 
     async def _sse(self, req: _Request, run_id: str, first: Event | None,
-                   events: AsyncIterator[Event], frame_of: FrameOf) -> None:
+                   events: AsyncIterator[Event], frame_of: FrameOf,
+                   closing: Closing = shutdown_frame) -> None:
         """The SSE response helper: headers, then the frames of ``first`` and ``events``, kept
-        among the open streams that ``shutdown`` ends."""
+        among the open streams that ``shutdown`` ends (with ``closing``, the wire's frame)."""
         stream = Stream()
         self._streams.add(stream)
         if self._stopping:  # shutdown() began after this request was let in
             stream.stop()
         try:
             req.started = True
-            await stream.play(req.send, req.receive, run_id, first, events, frame_of)
+            await stream.play(req.send, req.receive, run_id, first, events, frame_of, closing)
         finally:
             self._streams.discard(stream)
+
+
+def _openai_closing(run_id: str) -> bytes:
+    """The Chat Completions wire's closing frame: OpenAI's error shape, which its clients raise
+    as ``APIError``. They ignore event names, so kit's ``event: server.shutdown`` frame would
+    reach them as one more chunk, one without ``choices``."""
+    stopping = ServerStoppingError(f"the server is shutting down before run {run_id} ended; "
+                                   f"its log has the rest: GET /runs/{run_id}/events")
+    return sse_frame(dumps(kit_openai.error_body(503, type(stopping).__name__, str(stopping))))
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -7,27 +7,45 @@ the agent, the input blocks, the session or the one-off history, streamed or not
 
 Must never: speak ASGI or touch a socket (kit_http serves the routes, frames the chunks as SSE and
 maps errors to statuses), reach a deck, the Runtime or the store, import an SDK, or accept a
-request it cannot honour by quietly dropping part of it (a part or role it cannot carry is a
-``ChatRequestError``, HTTP 400).
+request it cannot honour by quietly dropping part of it (a part, role or field it cannot carry,
+in any message, is a ``ChatRequestError``, HTTP 400), or say one thing streamed and another not.
 
 Theory of operation
 -------------------
 ``model`` names an agent (a workflow is not a model). The last message must be the user's: its
 content (a string, or ``text``, ``image_url`` with a ``data:`` URL and ``input_audio`` parts)
-becomes the turn's input blocks. The conversation is kit's session when the request names one:
-the ``x-kit-session-id`` header, else ``metadata.session_id``, else ``user`` (so one end user is
-one conversation). The session already holds what came before, so the earlier messages of the
-request are the client's copy of it and are not replayed. Without a session the turn is one-off
-and the earlier messages are its ``history``: ``HistoryMessage``s in their roles, which the
-agent's model reads before the input and which ``run.started`` records beside it. That keeps the
-log truthful: it holds the conversation the model was given, in its roles, rather than a
-transcript flattened into the input or a session that no run in the log ever wrote.
+becomes the turn's input blocks. Every message is a role and its content, which is all a
+``HistoryMessage`` holds: a ``tool`` or ``function`` message, or any other field with a value
+(``tool_calls``, ``function_call``, ``name``, ``audio``, ``refusal``, ...), is refused naming the
+message's index, never dropped (a field sent as null or empty carries nothing, and passes).
+kit's agents call their own tools, so a conversation holding another system's tool calls is not
+one they can carry on faithfully.
+
+The conversation is kit's session when the request names one: the ``x-kit-session-id`` header,
+else ``metadata.session_id``, else ``user`` (so one end user is one conversation). The session
+already holds what came before, so the earlier messages of the request are the client's copy of
+it: checked like any (one kit could not carry is still a 400, so nothing passes silently) and
+then not replayed; the session, not the client's copy, is what the model reads. Without a
+session the turn is one-off and the earlier messages are its ``history``: ``HistoryMessage``s in
+their roles, which the agent's model reads before the input and which ``run.started`` records
+beside it. That keeps the log truthful: it holds the conversation the model was given, in its
+roles, rather than a transcript flattened into the input or a session that no run in the log
+ever wrote.
+
+The answer's content is one rule in both modes, a fold of the run's events (``Chunks.text``):
+the text of every message the run's models wrote, in order, a blank line between two messages
+(a model often says something before it calls a tool, then answers once the tool is done), or,
+for a run that wrote none (its output came from a tool), its output as text. A stream cannot
+know which message will be the last while it plays, so it sends them all; the JSON answer folds
+the run's log by the same rule, so it says exactly what its stream would have.
 
 Sampling parameters (``temperature``, ``max_tokens``, ``tools``, ...) are not the client's to set:
 the agent's own model settings and tools apply. Usage comes from the run's ``run.completed``
 (the run's authoritative total), in the body or in the final chunk, which also carries
 ``finish_reason``; ``data: [DONE]`` ends a stream (``DONE``). A run that fails partway ends its
-stream with one ``data: {"error": {...}}`` frame, which OpenAI clients raise as an ``APIError``.
+stream with one ``data: {"error": {...}}`` frame, which OpenAI clients raise as an ``APIError``;
+so does a stream the server stops (kit_http builds that frame from ``error_body``: OpenAI clients
+ignore event names and would read kit's ``event: server.shutdown`` frame as one more chunk).
 """
 from __future__ import annotations
 
@@ -38,23 +56,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from kit_core import (
-    HISTORY_ROLES, AudioBlock, ConfigError, ContentBlock, Event, HistoryMessage, ImageBlock, KitError,
-    RunCancelled, RunCompleted, RunFailed, RunPaused, RunStarted, RunStoppedError, TextBlock,
-    TextDelta, Usage, check_id, jsonable,
+    HISTORY_ROLES, AudioBlock, ConfigError, ContentBlock, ContentError, Event, HistoryMessage,
+    ImageBlock, KitError, RunCancelled, RunCompleted, RunFailed, RunPaused, RunStarted,
+    RunStoppedError, TextBlock, TextDelta, Usage, check_id, jsonable,
 )
 
-__all__ = ("ChatTurn", "ChatRequestError", "Chunks", "DONE", "SESSION_HEADER", "read_request",
-           "completion", "model_list", "error_body")
+__all__ = ("ChatTurn", "ChatRequestError", "Chunks", "DONE", "SESSION_HEADER", "MESSAGE_BREAK",
+           "read_request", "completion", "model_list", "error_body")
 
 #: The header that names a request's session (kit's; OpenAI clients send extra headers as asked).
 SESSION_HEADER = b"x-kit-session-id"
 #: The data of a stream's last frame, as OpenAI sends it.
 DONE = "[DONE]"
+#: The fields of a message kit carries: a ``HistoryMessage`` is a role and its content. Any other
+#: field with a value is one kit would drop, so it is refused (module docstring).
+_CARRIED = frozenset({"role", "content"})
+#: Between the text of two messages of one answer: a paragraph break, as a reader expects.
+MESSAGE_BREAK = "\n\n"
 
 
 class ChatRequestError(KitError):
-    """A Chat Completions request kit cannot honour as sent: malformed, a role or content part
-    kit cannot carry (a ``tool`` message, an image by URL), or no user message last. HTTP 400."""
+    """A Chat Completions request kit cannot honour as sent: malformed, a role, field or content
+    part kit cannot carry (a ``tool`` message, ``tool_calls``, an image by URL), or no user
+    message last. HTTP 400."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +92,12 @@ class ChatTurn:
 
 
 def read_request(body: Mapping[str, Any], session_header: str | None = None) -> ChatTurn:
-    """The turn a ``POST /v1/chat/completions`` body asks for (module docstring).
+    """The turn a ``POST /v1/chat/completions`` body asks for (module docstring). Every message
+    is checked, with a session too (where the earlier ones are then not replayed).
 
-    Raises ``ChatRequestError`` for a malformed body, a role or part kit cannot carry, or a last
-    message that is not the user's; ``ContentError`` for a malformed image or audio payload.
+    Raises ``ChatRequestError`` for a malformed body, a role, field or part kit cannot carry, or
+    a last message that is not the user's; ``ContentError`` for a malformed image or audio
+    payload. Either names the index of the message at fault (``messages[2]: ...``).
     """
     model, messages, stream = body.get("model"), body.get("messages"), body.get("stream", False)
     if not isinstance(model, str) or not model:
@@ -82,7 +108,8 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
         raise ChatRequestError("'stream' must be true or false")
     *earlier, last = messages
     if last.get("role") != "user":
-        raise ChatRequestError("the last message must be the user's: it is the turn's input")
+        raise ChatRequestError(f"messages[{len(earlier)}]: the last message must be the user's: "
+                               "it is the turn's input")
     metadata = body.get("metadata")
     session_id = session_header or (metadata.get("session_id") if isinstance(metadata, Mapping)
                                     else None) or body.get("user")
@@ -91,16 +118,31 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
             check_id("a session id (x-kit-session-id, metadata.session_id or user)", session_id)
         except ConfigError as exc:
             raise ChatRequestError(str(exc)) from None
-    history = () if session_id else tuple(_history_message(m) for m in earlier)
-    return ChatTurn(model, _blocks(last.get("content")), session_id, history, stream)
+    carried = [_message(i, m) for i, m in enumerate(messages)]
+    history = () if session_id else tuple(carried[:-1])  # with a session, the session is it
+    return ChatTurn(model, carried[-1].content, session_id, history, stream)
 
 
-def _history_message(message: Mapping[str, Any]) -> HistoryMessage:
-    role = message.get("role")
-    if role not in HISTORY_ROLES:
-        raise ChatRequestError(f"a {role!r} message cannot be replayed: kit agents call their own "
-                               "tools; send system, developer, user and assistant messages")
-    return HistoryMessage(role, _blocks(message.get("content")))
+def _message(index: int, message: Mapping[str, Any]) -> HistoryMessage:
+    """Message ``index`` as kit carries it, or the error that names it and why not."""
+    try:
+        role = message.get("role")
+        if role not in HISTORY_ROLES:
+            raise ChatRequestError(f"kit cannot carry a {role!r} message: kit agents call their "
+                                   "own tools; send system, developer, user and assistant messages")
+        # A field sent empty carries nothing: SDKs send `"refusal": null`, `"tool_calls": []`
+        # when they echo back a message they were given.
+        dropped = sorted(k for k, v in message.items() if k not in _CARRIED and
+                         v not in (None, "", [], {}))
+        if dropped:
+            raise ChatRequestError(
+                f"kit cannot carry a message's {', '.join(map(repr, dropped))} (a message here "
+                "is its role and its content; kit agents call their own tools)")
+        return HistoryMessage(role, _blocks(message.get("content")))
+    except ChatRequestError as exc:
+        raise ChatRequestError(f"messages[{index}]: {exc}") from None
+    except ContentError as exc:
+        raise ContentError(f"messages[{index}]: {exc}") from None
 
 
 def _blocks(content: Any) -> tuple[ContentBlock, ...]:
@@ -154,12 +196,20 @@ def _text(output: Any) -> str:
     return json.dumps(jsonable(output), ensure_ascii=False, separators=(",", ":"))
 
 
-def completion(run_id: str, model: str, output: Any, usage: Usage) -> dict[str, Any]:
-    """The ``chat.completion`` body of a finished turn (its ``id`` names the run)."""
+def completion(run_id: str, model: str, events: Iterable[Event]) -> dict[str, Any]:
+    """The ``chat.completion`` body of a finished turn (its ``id`` names the run) from its log's
+    ``events``: the content its stream would have carried (``Chunks.text``), the usage of its
+    ``run.completed``."""
+    chunks, content, usage = Chunks(model), [], Usage()
+    for event in events:
+        content.append(chunks.text(event))
+        if isinstance(event.payload, RunCompleted):
+            usage = event.payload.usage
     return {"id": f"chatcmpl-{run_id}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "system_fingerprint": None,
             "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                         "message": {"role": "assistant", "content": _text(output), "refusal": None}}],
+                         "message": {"role": "assistant", "content": "".join(content),
+                                     "refusal": None}}],
             "usage": _usage(usage)}
 
 
@@ -168,13 +218,30 @@ class Chunks:
 
     ``chunks(event)`` is what that event adds to the stream (a list of JSON objects and
     ``DONE``): ``run.started`` the first chunk (the assistant's role), each ``text.delta`` a chunk
-    of content, ``run.completed`` the final chunk (``finish_reason`` and usage) and ``DONE``, an
-    ending without a result one error object; any other event nothing.
+    of content (``text``: the same fold ``completion`` makes), ``run.completed`` the final chunk
+    (``finish_reason`` and usage) and ``DONE``, after the output as content when the run wrote
+    no text; an ending without a result one error object; any other event nothing.
     """
-    __slots__ = ("model", "id", "created")
+    __slots__ = ("model", "id", "created", "message", "said")
 
     def __init__(self, model: str) -> None:
         self.model, self.id, self.created = model, "chatcmpl-", int(time.time())
+        self.message: str | None = None  # the message_id of the last text sent
+        self.said = False  # any text sent yet
+
+    def text(self, event: Event) -> str:
+        """What ``event`` adds to the answer's content: the one rule of both modes (module
+        docstring). A delta of a new message starts with ``MESSAGE_BREAK``; ``run.completed``
+        of a run that wrote no text adds its output as text."""
+        p = event.payload
+        if type(p) is TextDelta and p.text:
+            fresh = self.said and event.message_id != self.message
+            self.message, self.said = event.message_id, True
+            return MESSAGE_BREAK + p.text if fresh else p.text
+        if isinstance(p, RunCompleted) and not self.said and p.output is not None:
+            self.said = True
+            return _text(p.output)
+        return ""
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -185,12 +252,15 @@ class Chunks:
     def __call__(self, event: Event) -> list[dict[str, Any] | str]:
         p = event.payload
         if type(p) is TextDelta:
-            return [self._chunk({"content": p.text})]
+            text = self.text(event)
+            return [self._chunk({"content": text})] if text else []
         if type(p) is RunStarted:
             self.id = f"chatcmpl-{event.run_id}"
             return [self._chunk({"role": "assistant", "content": ""})]
         if isinstance(p, RunCompleted):
-            return [self._chunk({}, "stop", usage=_usage(p.usage)), DONE]
+            text = self.text(event)
+            content = [self._chunk({"content": text})] if text else []
+            return [*content, self._chunk({}, "stop", usage=_usage(p.usage)), DONE]
         if isinstance(p, RunFailed):
             return [error_body(500, p.error, f"run {event.run_id} failed ({p.error}); its log "
                                              "has the details")]

@@ -295,7 +295,9 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "chatCompletions", "OpenAI Chat Completions: `model` names an agent (KIT_SURFACES=openai)",
         {"200": {"description": "A chat.completion object, or with `stream: true` "
                  "`chat.completion.chunk` frames then `data: [DONE]`; errors are OpenAI's "
-                 "`{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`",
+                 "`{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`, also as "
+                 "the last frame of a stream whose run fails or whose server stops first "
+                 "(`code` `ServerStoppingError`)",
                  "headers": _RUN_ID, "content": {"application/json": {"schema": {"type": "object"}},
                                                  "text/event-stream": {"schema": _STR}}}},
         ("404", "409"), body="OpenAIRequest", error_schema="OpenAIError"),

@@ -3,7 +3,8 @@
 Owns: SSE framing (``sse_frame``), compact one-line JSON (``dumps``), the translation of a run's
 events into frames (``native_frame`` for kit's own wire, ``v1_frame`` and ``v1_workflow_frame``
 for the v1.2.1 wire, ``data_frames`` for bare ``data:`` frames such as the Chat Completions
-chunks) and one open SSE response (``Stream``: its reader, writer and disconnect watcher).
+chunks), kit's closing frame of a stream the server stops (``shutdown_frame``) and one open SSE
+response (``Stream``: its reader, writer and disconnect watcher).
 
 Must never: route, read a request body, answer with JSON or know a deck (kit_http does), hold a
 frame it could send, or end the run it streams: a disconnect ends the stream, never the run.
@@ -16,9 +17,12 @@ writer is fed by a *reader* of the run's events through a bounded channel (``STR
 it sends every frame that is ready in one ``http.response.body`` message (the per-send cost
 dominates, not bytes: notes/PERF.md section 4) and pings every ``PING_INTERVAL`` while a run is
 quiet. Whichever of writer and watcher ends first cancels the rest. ``Stream.stop`` (the server
-shutting down) ends it within ``STOP_GRACE`` with an ``event: server.shutdown`` frame naming the
-run, which the client picks up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every
-frame's ``id`` is its event's seq).
+shutting down) ends it within ``STOP_GRACE`` with a closing frame naming the run, which the
+client picks up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every frame's ``id`` is its
+event's seq). That frame is the wire's, as every other frame is (``play``'s ``closing``): kit's
+own wires send ``shutdown_frame`` (``event: server.shutdown``); a wire whose clients ignore event
+names, such as OpenAI's, sends what its clients read as an ending, never a frame they would take
+for one more chunk.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from kit_core import (
 
 __all__ = (
     "Stream", "sse_frame", "dumps", "native_frame", "v1_frame", "v1_workflow_frame", "data_frames",
-    "run_id_header", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
+    "shutdown_frame", "run_id_header", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
 )
 
 #: A comment line every 15 s keeps a quiet stream open through proxies (WHATWG HTML 9.2.7).
@@ -53,6 +57,7 @@ Message = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells i
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 FrameOf = Callable[[Event], "bytes | None"]
+Closing = Callable[[str], bytes]  # the run id -> the frame that ends a stream the server stops
 
 _PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
@@ -128,6 +133,12 @@ def data_frames(items: list[Any], seq: int) -> bytes | None:
     return b"".join(sse_frame(i if isinstance(i, str) else dumps(i), id=str(seq)) for i in items) or None
 
 
+def shutdown_frame(run_id: str) -> bytes:
+    """kit's closing frame of a stream the server stops: ``event: server.shutdown`` naming the
+    run (no ``id``: it is no event of the log)."""
+    return sse_frame(dumps({"run_id": run_id}), event="server.shutdown")
+
+
 # ====================================================================================== stream ====
 
 class Stream:
@@ -146,10 +157,12 @@ class Stream:
             self.scope.deadline = anyio.current_time() + STOP_GRACE
 
     async def play(self, send: Send, receive: Receive, run_id: str, first: Event | None,
-                   events: AsyncIterator[Event], frame_of: FrameOf) -> None:
+                   events: AsyncIterator[Event], frame_of: FrameOf,
+                   closing: Closing = shutdown_frame) -> None:
         """Send the headers, then the frames of ``first`` and ``events`` (``frame_of`` makes
-        them; None skips an event) until the run ends or parks, the client leaves or ``stop``.
-        Closes ``events`` (which ends the stream, never the run)."""
+        them; None skips an event) until the run ends or parks, the client leaves or ``stop``,
+        which ends it with ``closing(run_id)`` unless the run had ended. Closes ``events``
+        (which ends the stream, never the run)."""
         send_frames, frames = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
         try:
             await send({"type": "http.response.start", "status": 200,
@@ -158,7 +171,7 @@ class Stream:
                 self.scope = tg.cancel_scope
                 tg.start_soon(_watch, receive, tg.cancel_scope)
                 tg.start_soon(_read, first, events, frame_of, send_frames, self)
-                await _write(send, frames, self, run_id)
+                await _write(send, frames, self, closing(run_id))
                 tg.cancel_scope.cancel()
         finally:
             frames.close()
@@ -198,8 +211,9 @@ async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: Fra
                 await out.send(sse_frame(dumps({"error": type(exc).__name__}), event="error"))
 
 
-async def _write(send: Send, frames: Any, stream: Stream, run_id: str) -> None:
-    """The writer: every frame that is ready goes out in one body message; a ping when quiet."""
+async def _write(send: Send, frames: Any, stream: Stream, closing: bytes) -> None:
+    """The writer: every frame that is ready goes out in one body message; a ping when quiet;
+    ``closing`` last if ``stop`` ended the stream before the run ended."""
     ended = False
     while not ended:
         batch: list[bytes] = []
@@ -223,7 +237,7 @@ async def _write(send: Send, frames: Any, stream: Stream, run_id: str) -> None:
                     stream)
     tail = b""
     if stream.stopping and not stream.finished:  # the client picks the run up later
-        tail = sse_frame(dumps({"run_id": run_id}), event="server.shutdown")
+        tail = closing
     await _send(send, {"type": "http.response.body", "body": tail, "more_body": False}, stream)
 
 

@@ -15,9 +15,10 @@ import pytest
 
 import kit
 import kit_http
+import kit_openai
 from kit import Agent, Deck, ScriptedModel
 from test_kit_control import Gate
-from test_kit_http import HERE, catalog, served
+from test_kit_http import HERE, catalog, gated, served
 from test_kit_serve import kit_serve, stop
 
 pytestmark = [
@@ -48,6 +49,28 @@ async def kinds(deck: Deck, run_id: str) -> list[str]:
 
 def hi(text: str = "hi") -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+def lookup() -> str:
+    """Look it up."""
+    return "42"
+
+
+class Mixed(ScriptedModel):
+    """A model that says something and calls a tool in one response, as GPT-4o and Claude often
+    do: a turn ``{"say": text, "tool": name}``. A fake of the model, which kit does not own."""
+
+    def _items(self, turn):
+        if isinstance(turn, dict) and "say" in turn:
+            said, n = super()._items(turn["say"])
+            calls, m = super()._items({"tool": turn["tool"]})
+            return said + calls, n + m
+        return super()._items(turn)
+
+
+def mixed() -> Agent:
+    return Agent("mixed", tools=[lookup], model=Mixed(
+        [{"say": "Let me look that up.", "tool": "lookup"}, "The answer is 42."], cycle=True))
 
 
 # -------------------------------------------------------------------------------- models ----
@@ -112,6 +135,33 @@ async def test_a_streamed_completion_is_chunks_then_usage_and_its_log_is_a_v1_st
             "model": "echo", "messages": hi(), "stream": True})).text
         assert body.endswith("\ndata: [DONE]\n\n") and "event:" not in body
         await aio.close()
+
+
+async def test_streamed_or_not_the_answer_is_every_message_of_the_run():
+    async with served(catalog(mixed()), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        done = await aio.chat.completions.create(model="mixed", messages=hi())
+        chunks = [c async for c in await aio.chat.completions.create(
+            model="mixed", messages=hi(), stream=True)]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+        both = "Let me look that up.\n\nThe answer is 42."
+        assert (done.choices[0].message.content, streamed) == (both, both)
+        for run_id in (done.id, chunks[0].id):  # the tool was called between the two messages
+            log = await kinds(app.deck, run_id.removeprefix("chatcmpl-"))
+            assert log.count("message.completed") == 2 and "tool.completed" in log
+        await aio.close()
+
+
+def test_a_run_that_writes_no_text_answers_its_output_in_both_modes():
+    chunks, events = kit_openai.Chunks("a"), [
+        kit.Event("r1", 0, kit.RunStarted("a", "agent")),
+        kit.Event("r1", 1, kit.RunCompleted({"answer": 42}, kit.Usage(3, 0)))]
+    streamed = [c for e in events for c in chunks(e) if isinstance(c, dict)]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed) == '{"answer":42}'
+    body = kit_openai.completion("r1", "a", events)
+    assert body["choices"][0]["message"]["content"] == '{"answer":42}'
+    assert body["usage"] == streamed[-1]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
 
 
 async def test_earlier_messages_are_a_one_off_turns_history_in_run_started():
@@ -224,6 +274,74 @@ async def test_what_kit_cannot_carry_is_a_400_and_writes_nothing(messages, why):
         await aio.close()
 
 
+CALLS = [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]
+ASKED, THANKS = {"role": "user", "content": "what is it?"}, {"role": "user", "content": "thanks"}
+
+
+@pytest.mark.parametrize("session", [None, "conv"], ids=["one-off", "session"])
+@pytest.mark.parametrize("messages, at, why", [
+    ([ASKED, {"role": "assistant", "content": "let me check", "tool_calls": CALLS}, THANKS],
+     1, "'tool_calls'"),
+    ([ASKED, {"role": "assistant", "content": None, "tool_calls": CALLS},
+      {"role": "tool", "tool_call_id": "c1", "content": "42"}, THANKS], 1, "'tool_calls'"),
+    ([ASKED, {"role": "assistant", "content": "42"},
+      {"role": "tool", "tool_call_id": "c1", "content": "42"}, THANKS], 2, "'tool' message"),
+    ([ASKED, {"role": "function", "name": "lookup", "content": "42"}, THANKS], 1,
+     "'function' message"),
+    ([ASKED, {"role": "assistant", "content": "x", "function_call": {
+        "name": "lookup", "arguments": "{}"}}, THANKS], 1, "'function_call'"),
+    ([ASKED, {"role": "assistant", "content": "x", "audio": {"id": "audio_1"}}, THANKS], 1,
+     "'audio'"),
+    ([ASKED, {"role": "assistant", "content": "x", "refusal": "I can't"}, THANKS], 1, "'refusal'"),
+    ([{**ASKED, "name": "ana"}, {"role": "assistant", "content": "42"}, THANKS], 0, "'name'"),
+    ([{**ASKED, "name": "ana"}], 0, "'name'"),  # the input itself
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+      {"role": "assistant", "content": "a cat"}, THANKS], 0, "data: URL"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,!!"}}]}, {"role": "assistant", "content": "a cat"}, THANKS],
+     0, "base64"),
+], ids=["tool-calls", "tool-calls-no-content", "tool-role", "function-role", "function-call",
+        "audio", "refusal", "name", "name-on-input", "image-by-url", "bad-base64"])
+async def test_no_message_kit_cannot_carry_passes_with_a_session_or_without(messages, at, why, session):
+    async with served(catalog(), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await aio.chat.completions.create(model="echo", messages=messages,
+                                              **({} if session is None else {"user": session}))
+        message = bad.value.body["message"]  # the SDK's own .message prefixes the status
+        assert message.startswith(f"messages[{at}]: ") and why in message
+        assert await app.deck.store.runs() == []
+        await aio.close()
+
+
+@pytest.mark.parametrize("session", [None, "conv"], ids=["one-off", "session"])
+async def test_a_conversation_resent_as_the_sdk_returned_it_goes_on(session):
+    model = ScriptedModel(["Nice to meet you, Ana.", "You are Ana."])
+    async with served(Deck([Agent("a", model=model)]), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        named = {} if session is None else {"user": session}
+        messages = [{"role": "system", "content": "Be brief."}, hi("I am Ana")[0]]
+        first = await aio.chat.completions.create(model="a", messages=messages, **named)
+        # The message as the SDK returned it, every field it has: those kit never sets are null.
+        echoed = first.choices[0].message.model_dump()
+        assert echoed["tool_calls"] is None and echoed["refusal"] is None
+        messages += [echoed, hi("Who am I?")[0]]
+        done = await aio.chat.completions.create(model="a", messages=messages, **named)
+        assert done.choices[0].message.content == "You are Ana."
+        started = (await app.deck.store.read(done.id.removeprefix("chatcmpl-")))[0].payload
+        assert started.session_id == session
+        if session is None:  # the earlier messages are the turn's history
+            assert started.history == (kit.HistoryMessage("system", "Be brief."),
+                                       kit.HistoryMessage("user", "I am Ana"),
+                                       kit.HistoryMessage("assistant", "Nice to meet you, Ana."))
+        else:  # checked, not replayed: the session holds them (the system message is not its)
+            assert started.history == ()
+        sent = [i.get("role") for i in model.calls[-1]["input"]]
+        assert sent == (["system", "user", "assistant", "user"] if session is None else
+                        ["user", "assistant", "user"])
+        await aio.close()
+
+
 async def test_a_session_id_no_store_can_hold_is_a_400_and_writes_nothing():
     async with served(catalog(), surfaces=("openai",)) as (client, app):
         _, aio = clients(client)
@@ -248,6 +366,44 @@ async def test_a_failed_run_is_a_500_or_an_error_chunk():
             async for _ in await aio.chat.completions.create(model="boom", messages=hi(), stream=True):
                 pass
         assert {r.status.value for r in await app.deck.store.runs()} == {"FAILED"}
+        await aio.close()
+
+
+async def test_a_server_stopping_mid_stream_ends_it_with_an_error_the_sdk_raises():
+    gate, worker = gated("done")
+    async with served(catalog(worker), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        roles = []
+        try:
+            with anyio.fail_after(10):
+                stream = await aio.chat.completions.create(model="worker", messages=hi(), stream=True)
+                with pytest.raises(openai.APIError) as stopped:
+                    async for chunk in stream:
+                        roles.append(chunk.choices[0].delta.role)  # what client code reads
+                        await gate.until_entered()
+                        await app.shutdown()
+        finally:
+            gate.release.set()
+        assert roles == ["assistant"]  # one chunk, then the error: never a chunk without choices
+        run_id = chunk.id.removeprefix("chatcmpl-")
+        assert (stopped.value.code, stopped.value.type) == ("ServerStoppingError", "server_error")
+        assert f"GET /runs/{run_id}/events" in stopped.value.message
+        with anyio.fail_after(10):  # the stream ended, never the run
+            log = [e.kind async for e in app.deck.store.follow(run_id)]
+        assert log[-1] == "run.completed" and "tool.completed" in log
+        await aio.close()
+
+
+async def test_an_unknown_v1_path_answers_in_openais_shape():
+    async with served(catalog(), surfaces=("openai",)) as (client, _):
+        _, aio = clients(client)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await aio.embeddings.create(model="echo", input="hi")
+        assert missing.value.code == "RouteNotFoundError" and "/v1/embeddings" in missing.value.message
+        r = await client.delete("/v1/models")
+        assert (r.status_code, r.json()["error"]["code"]) == (405, "MethodNotAllowedError")
+        r = await client.get("/v2/models")  # outside /v1/ kit's own shape stays
+        assert r.json() == {"error": "RouteNotFoundError", "message": "no route '/v2/models'"}
         await aio.close()
 
 
