@@ -5,6 +5,7 @@ before. A real Hypercorn on loopback, httpx as the client."""
 from __future__ import annotations
 
 import json
+import logging
 
 import anyio
 import pytest
@@ -45,6 +46,13 @@ def test_origins_are_normalised_and_bad_settings_are_config_errors():
 
 
 def test_kit_serve_refuses_a_malformed_setting(monkeypatch, capsys):
+    # main() sets up kit-serve's console on this process's loggers, bound to capsys's stderr,
+    # which is closed after the test: undone after it, so later tests' log lines do not fail.
+    for name in ("", "kit_http", "kit_mcp", "kit_serve"):
+        logger = logging.getLogger(name)
+        for attribute in ("propagate", "level"):
+            monkeypatch.setattr(logger, attribute, getattr(logger, attribute))
+        monkeypatch.setattr(logger, "handlers", list(logger.handlers))
     monkeypatch.setenv("KIT_CORS_ORIGINS", "localhost:3000")
     assert kit_http.main(["--port", "1"]) == 1
     assert "KIT_CORS_ORIGINS lists origins" in capsys.readouterr().err
