@@ -1,11 +1,15 @@
 """Tests of MCP tool servers: .mcp.json parsing, real servers over stdio (mcp-server-time from
 PyPI), streamable HTTP and SSE (FastMCP on loopback), their tools in the log, and the lifecycle:
-build() starts nothing, aclose() leaves no child process (asyncio and trio)."""
+build() starts nothing, aclose() leaves no child process, nor a helper a server spawned; a
+server that dies or hangs is named and restarted once, one that cannot restart fails every
+later turn at once (asyncio and trio)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +64,78 @@ async def slow(seconds: float) -> str:
 
 mcp.run(transport=sys.argv[2])
 '''
+
+
+FAULTY = '''
+import os, subprocess, sys, time
+from pathlib import Path
+from mcp.server.fastmcp import FastMCP
+
+here = Path(sys.argv[1])
+with open(here / "starts", "a") as f:  # one line per start: the deck's restarts, counted
+    f.write(f"{os.getpid()}\\n")
+if (here / "broken").exists():  # a server that can no longer start
+    sys.exit(3)
+mcp = FastMCP("faulty", log_level="WARNING")
+
+
+@mcp.tool()
+def echo(text: str) -> str:
+    """Echo the text, with this server's process id."""
+    return f"{text} from {os.getpid()}"
+
+
+@mcp.tool()
+def crash(code: int, for_good: bool = False) -> str:
+    """Die in the middle of the call (for good: no later start succeeds either)."""
+    if for_good:
+        (here / "broken").touch()
+    os._exit(code)
+
+
+@mcp.tool()
+def hang() -> str:
+    """Hold the server past any timeout (a sync tool blocks its event loop: list_tools too)."""
+    time.sleep(3600)
+    return "never"
+
+
+@mcp.tool()
+def spawn() -> int:
+    """Start a helper process, which outlives this server unless its process group is ended."""
+    return subprocess.Popen(["sleep", "300"]).pid
+
+
+mcp.run("stdio")
+'''
+
+
+def faulty(tmp_path: Path, timeout: float = 20) -> dict:
+    """The config of the FAULTY stdio server, writing its starts to ``tmp_path / "starts"``."""
+    script = tmp_path / "faulty.py"
+    script.write_text(textwrap.dedent(FAULTY))
+    return {"command": sys.executable, "args": [str(script), str(tmp_path)], "timeout": timeout}
+
+
+def starts(tmp_path: Path) -> list[int]:
+    path = tmp_path / "starts"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def gone(pid: int, within: float = 10) -> bool:
+    with anyio.move_on_after(within):
+        while alive(pid):
+            await anyio.sleep(0.05)
+    return not alive(pid)
 
 
 def free_port() -> int:
@@ -301,3 +377,117 @@ async def test_a_call_that_outlasts_the_server_timeout_is_an_error_to_the_model(
     [done] = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
     assert done.is_error and "Timed out" in json.dumps(done.output)
     assert "Timed out" in json.dumps(list(model.calls[-1]["input"]))
+
+
+# ---------------------------------------------------------------- a server that dies or hangs ----
+
+def outputs(events) -> dict[str, object]:
+    return {e.payload.tool: e.payload for e in events if e.kind == "tool.completed"}
+
+
+async def test_a_server_that_dies_in_a_call_is_named_and_restarted_so_the_turn_goes_on(
+        tmp_path, store, caplog):
+    model = ScriptedModel([{"tool": "mcp_p__crash", "args": {"code": 7}}, "carried on",
+                           {"tool": "mcp_p__echo", "args": {"text": "hi"}}, "done"])
+    agent = Agent("a", model=model, mcp_servers=["p"])
+    with anyio.fail_after(60):
+        async with Deck([agent], mcp={"p": faulty(tmp_path)}, store=store) as deck:
+            first = await deck.run("a", "crash it")
+            second = await deck.run("a", "echo")
+    assert first.output == "carried on"  # the listing before the next model call met a new server
+    crashed = outputs(await store.read(first.run_id))["mcp_p__crash"]
+    said = "MCP server 'p' is gone (exit code 7); the call to crash did not finish"
+    assert crashed.is_error and said in crashed.output
+    assert said in json.dumps(list(model.calls[1]["input"]))  # the model was told the same
+    [old, new] = starts(tmp_path)  # one restart
+    echoed = outputs(await store.read(second.run_id))["mcp_p__echo"]
+    assert not echoed.is_error and f"hi from {new}" in json.dumps(echoed.output)
+    assert [r.getMessage() for r in caplog.records if r.name == "kit.agents"] == [
+        "MCP server 'p' is gone (exit code 7); kit restarted it"]
+    assert not alive(old) and await gone(new)
+
+
+async def test_runs_that_meet_a_dead_server_at_once_share_one_restart(tmp_path, store, caplog):
+    agents = [Agent(f"a{i}", mcp_servers=["p"], model=ScriptedModel(
+        [{"tool": "mcp_p__echo", "args": {"text": f"r{i}"}}, "ok"])) for i in range(3)]
+    results = {}
+    with anyio.fail_after(60):
+        async with Deck(agents, mcp={"p": faulty(tmp_path)}, store=store) as deck:
+            [old] = starts(tmp_path)
+            os.kill(old, signal.SIGKILL)  # dies while idle, between turns
+            assert await gone(old)
+
+            async def run(name: str) -> None:
+                results[name] = await deck.run(name, "echo")
+
+            async with anyio.create_task_group() as tg:
+                for a in agents:
+                    tg.start_soon(run, a.name)
+    [_, new] = starts(tmp_path)  # three runs met the death; one restart
+    for i in range(3):
+        echoed = outputs(await store.read(results[f"a{i}"].run_id))["mcp_p__echo"]
+        assert results[f"a{i}"].output == "ok" and f"r{i} from {new}" in json.dumps(echoed.output)
+    assert [r.getMessage() for r in caplog.records if r.name == "kit.agents"] == [
+        "MCP server 'p' is gone (killed by SIGKILL); kit restarted it"]
+
+
+async def test_a_hung_server_is_restarted_and_the_turn_goes_on(tmp_path, store, caplog):
+    model = ScriptedModel([{"tool": "mcp_p__hang", "args": {}}, "carried on",
+                           {"tool": "mcp_p__echo", "args": {"text": "hi"}}, "done"])
+    agent = Agent("a", model=model, mcp_servers=["p"])
+    with anyio.fail_after(60):
+        async with Deck([agent], mcp={"p": faulty(tmp_path, timeout=1)}, store=store) as deck:
+            first = await deck.run("a", "hang it")
+            [old, new] = starts(tmp_path)
+            assert not alive(old)  # the hung process was killed, not left beside the new one
+            second = await deck.run("a", "echo")
+    assert first.output == "carried on"
+    hung = outputs(await store.read(first.run_id))["mcp_p__hang"]
+    assert hung.is_error and "Timed out" in json.dumps(hung.output)  # the call, as documented
+    echoed = outputs(await store.read(second.run_id))["mcp_p__echo"]
+    assert f"hi from {new}" in json.dumps(echoed.output)
+    assert [r.getMessage() for r in caplog.records if r.name == "kit.agents"] == [
+        "MCP server 'p' did not answer list_tools in 1 s; kit restarted it"]
+
+
+async def test_a_server_that_cannot_restart_fails_every_later_turn_at_once_naming_it(tmp_path,
+                                                                                    store):
+    model = ScriptedModel([{"tool": "mcp_p__crash", "args": {"code": 7, "for_good": True}},
+                           "never"])
+    agent = Agent("a", model=model, mcp_servers=["p"])
+    with anyio.fail_after(60):
+        async with Deck([agent], mcp={"p": faulty(tmp_path)}, store=store) as deck:
+            with pytest.raises(kit.KitError) as first:
+                await deck.run("a", "crash it for good")
+            said = str(first.value)  # the restart's failure, as the mcp package words it
+            assert re.fullmatch(r"MCP server 'p' is gone \(exit code 7\); restarting it failed "
+                                r"\(.+\); it stays down until the deck is reopened", said)
+            assert type(first.value).__name__ == "MCPServerError"
+            assert (first.value.server, first.value.what) == ("p", "is gone (exit code 7)")
+            with anyio.fail_after(1):  # at once: no second try at starting it
+                with pytest.raises(kit.KitError, match=re.escape(said)):
+                    await deck.run("a", "again")
+            assert len(starts(tmp_path)) == 2  # the first start, and one restart that failed
+    failed = [e.payload for r in await store.runs() for e in await store.read(r.run_id)
+              if e.kind == "run.failed"]
+    assert [(f.error, f.message) for f in failed] == [("MCPServerError", said)] * 2
+    assert len(model.calls) == 1  # the second turn never reached the model
+
+
+async def test_close_ends_the_helpers_a_stdio_server_spawned(tmp_path, store):
+    model = ScriptedModel([{"tool": "mcp_p__spawn", "args": {}}, "ok"])
+    agent = Agent("a", model=model, mcp_servers=["p"])
+    helper = None
+    try:
+        with anyio.fail_after(60):
+            async with Deck([agent], mcp={"p": faulty(tmp_path)}, store=store) as deck:
+                result = await deck.run("a", "spawn a helper")
+                spawned = outputs(await store.read(result.run_id))["mcp_p__spawn"]
+                helper = int(re.search(r"\d+", json.dumps(spawned.output)).group())
+                assert alive(helper)
+            # The server exits on its own when its stdin closes, so the mcp package never
+            # reaches for its process group; kit does.
+            assert await gone(helper, within=5)
+    finally:
+        if helper is not None and alive(helper):
+            os.kill(helper, signal.SIGKILL)
