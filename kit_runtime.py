@@ -242,7 +242,10 @@ class Runtime:
         if mcp_servers or any(spec.kind == "agent" for spec in specs.values()):
             import kit_agents
             self._agents = kit_agents
-        self._mcp = self._agents.ServerHolder(mcp_servers, self._to_kit) if mcp_servers else None
+        self._mcp: Any = None
+        if mcp_servers:
+            import kit_mcp_servers  # beside kit_agents: it imports the agents SDK too
+            self._mcp = kit_mcp_servers.ServerHolder(mcp_servers, self._to_kit)
         self._mcp_done: anyio.Event | None = None
         self._default_store = default_store
         self._observers = observers

@@ -6,7 +6,6 @@ later turn at once (asyncio and trio)."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import signal
@@ -22,7 +21,7 @@ import pytest
 from agents.mcp import MCPServerSse, MCPServerStdio, MCPServerStreamableHttp
 
 import kit
-import kit_agents
+import kit_mcp_servers
 from kit import MCP, Agent, ConfigError, Deck, ScriptedModel
 from kit_store import MemoryStore
 
@@ -209,7 +208,7 @@ def test_mcp_json_formats_and_transports(tmp_path, monkeypatch):
     assert (web["type"], web["url"], web["timeout"]) == ("http", "https://example.test/s3cret/mcp", 90)
     assert web["headers"] == {"Authorization": "Bearer s3cret"}
     assert legacy["type"] == "sse"
-    built = kit_agents.mcp_servers(mcp)  # objects only: nothing connects
+    built = kit_mcp_servers.mcp_servers(mcp)  # objects only: nothing connects
     assert isinstance(built["time"], MCPServerStdio) and isinstance(built["legacy"], MCPServerSse)
     assert isinstance(built["web"], MCPServerStreamableHttp)
     assert built["web"].client_session_timeout_seconds == 90
