@@ -53,6 +53,14 @@ def test_every_module_has_a_layer():
     assert set(_module_files()) == set(LAYERS)
 
 
+def test_every_module_is_installed():
+    """pyproject's ``py-modules`` names every module: one it misses works in a checkout (the
+    tests run beside it) and is missing from every install (``kit-serve`` elsewhere fails)."""
+    import tomllib
+    project = tomllib.loads((HERE / "pyproject.toml").read_text())
+    assert set(project["tool"]["setuptools"]["py-modules"]) == set(_module_files())
+
+
 def test_imports_point_down_the_layers_and_never_in_a_circle():
     files = _module_files()
     graph = {name: _imports(ast.parse(path.read_text()), set(files)) - {name}
