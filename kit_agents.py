@@ -47,11 +47,10 @@ from kit_bridge import on_asyncio
 from kit_context import HOOK_METHODS, is_context
 from kit_core import (
     AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event,
-    HistoryMessage, ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted,
+    HistoryMessage, ImageBlock, InvocableSpec, MCPServerError, MessageCompleted, ModelCompleted,
     ResourceBlock, RunCancelled, RunCompleted, RunHandle, RunPaused, SkillLoaded, TextBlock,
     TextDelta, ToolCompleted, ToolStarted, as_blocks, jsonable,
 )
-from kit_mcp_servers import MCPServerError
 from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ __all__ = (
     # errors
     "KitError", "ConfigError", "ContextTypeError", "ContentError", "DeckStateError",
     "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "RunStoppedError",
-    "SessionBusyError", "LogConflictError", "StoreUnavailableError",
+    "SessionBusyError", "LogConflictError", "StoreUnavailableError", "MCPServerError",
     # content
     "TextBlock", "ImageBlock", "AudioBlock", "ResourceBlock", "DataBlock", "ContentBlock",
     "MAX_INLINE_BYTES", "as_blocks", "block_to_json", "block_from_json", "HistoryMessage",
@@ -178,6 +178,22 @@ class RunStoppedError(KitError):
         self.run_id, self.status, self.reason = run_id, status, reason
         why = f": {reason}" if reason else ""
         super().__init__(f"run {run_id} was {getattr(status, 'value', status).lower()} on request{why}")
+
+
+class MCPServerError(KitError):
+    """An MCP server stopped answering a run: its process exited (``what`` names the exit
+    code), it closed the connection, it did not answer ``list_tools`` within its ``timeout``,
+    or it failed one. ``then`` says what kit does about it (restarts it; or it stays down
+    because restarting failed, until the deck is reopened).
+
+    Contrast with ``ConfigError``, a server that cannot start when the deck opens, and with a
+    tool call the server refuses or that times out: that is an error string to the model, and
+    the run goes on.
+    """
+
+    def __init__(self, server: str, what: str, then: str | None = None) -> None:
+        self.server, self.what, self.then = server, what, then
+        super().__init__(f"MCP server {server!r} {what}" + (f"; {then}" if then else ""))
 
 
 class StoreUnavailableError(KitError):

@@ -2,8 +2,9 @@
 
 Owns: the SDK's MCP server objects a deck builds from its ``MCP`` config (``mcp_servers``: kit's
 watched subclasses of the SDK's stdio, streamable-HTTP and SSE classes), ``ServerHolder``, which
-connects them when the deck opens, restarts one that died and closes them with the deck, and
-``MCPServerError``. (kit_mcp is the other direction: kit's own MCP server surface.)
+connects them when the deck opens, restarts one that died and closes them with the deck (a
+server that is down is a ``kit_core.MCPServerError``). kit_mcp is the other direction: kit's own
+MCP server surface.
 
 Must never: reach the event store or the Runtime, import kit_runtime or anything above it, touch
 asyncio directly (kit_bridge does), or replay a tool call (it may have done its work).
@@ -42,12 +43,12 @@ from agents.mcp import MCPServerSse, MCPServerStdio, MCPServerStreamableHttp
 from mcp.shared.exceptions import McpError
 from mcp.types import CONNECTION_CLOSED
 
-from kit_core import KitError
+from kit_core import MCPServerError
 
 if TYPE_CHECKING:
     from kit_catalog import MCP
 
-__all__ = ("MCPServerError", "ServerHolder", "mcp_servers", "GROUP_GRACE", "EXIT_WAIT")
+__all__ = ("ServerHolder", "mcp_servers", "GROUP_GRACE", "EXIT_WAIT")
 
 #: What is left of a stdio server's process group after the mcp package's cleanup (helpers the
 #: server spawned) gets this long after SIGTERM before SIGKILL; it costs nothing when no helper
@@ -59,22 +60,6 @@ GROUP_GRACE = 1.0
 EXIT_WAIT = 1.0
 
 _log = logging.getLogger("kit.agents")  # its restarts: the logger kit-serve prints
-
-
-class MCPServerError(KitError):
-    """An MCP server stopped answering a run: its process exited (``what`` names the exit
-    code), it closed the connection, it did not answer ``list_tools`` within its ``timeout``,
-    or it failed one. ``then`` says what kit does about it (restarts it; or it stays down
-    because restarting failed, until the deck is reopened).
-
-    Contrast with ``ConfigError``, a server that cannot start when the deck opens, and with a
-    tool call the server refuses or that times out: that is an error string to the model, and
-    the run goes on.
-    """
-
-    def __init__(self, server: str, what: str, then: str | None = None) -> None:
-        self.server, self.what, self.then = server, what, then
-        super().__init__(f"MCP server {server!r} {what}" + (f"; {then}" if then else ""))
 
 
 class _HeldServer:

@@ -461,7 +461,7 @@ async def test_a_server_that_cannot_restart_fails_every_later_turn_at_once_namin
             said = str(first.value)  # the restart's failure, as the mcp package words it
             assert re.fullmatch(r"MCP server 'p' is gone \(exit code 7\); restarting it failed "
                                 r"\(.+\); it stays down until the deck is reopened", said)
-            assert type(first.value).__name__ == "MCPServerError"
+            assert isinstance(first.value, kit.MCPServerError)
             assert (first.value.server, first.value.what) == ("p", "is gone (exit code 7)")
             with anyio.fail_after(1):  # at once: no second try at starting it
                 with pytest.raises(kit.KitError, match=re.escape(said)):
