@@ -26,6 +26,7 @@ for one more chunk.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -171,7 +172,7 @@ class Stream:
                 self.scope = tg.cancel_scope
                 tg.start_soon(_watch, receive, tg.cancel_scope)
                 tg.start_soon(_read, first, events, frame_of, send_frames, self)
-                await _write(send, frames, self, closing(run_id))
+                await _write(send, frames, self, functools.partial(closing, run_id))
                 tg.cancel_scope.cancel()
         finally:
             frames.close()
@@ -211,9 +212,9 @@ async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: Fra
                 await out.send(sse_frame(dumps({"error": type(exc).__name__}), event="error"))
 
 
-async def _write(send: Send, frames: Any, stream: Stream, closing: bytes) -> None:
+async def _write(send: Send, frames: Any, stream: Stream, closing: Callable[[], bytes]) -> None:
     """The writer: every frame that is ready goes out in one body message; a ping when quiet;
-    ``closing`` last if ``stop`` ended the stream before the run ended."""
+    ``closing()`` last if ``stop`` ended the stream before the run ended."""
     ended = False
     while not ended:
         batch: list[bytes] = []
@@ -237,7 +238,7 @@ async def _write(send: Send, frames: Any, stream: Stream, closing: bytes) -> Non
                     stream)
     tail = b""
     if stream.stopping and not stream.finished:  # the client picks the run up later
-        tail = closing
+        tail = closing()
     await _send(send, {"type": "http.response.body", "body": tail, "more_body": False}, stream)
 
 
