@@ -1,30 +1,29 @@
 """kit_core: the values of kit: what users type and what the log holds (the ground floor).
 
-Owns: the errors, the content blocks, the event envelope (``Event``) and its payload types, the
-results (``TurnResult``, ``Usage``, ``InterruptResult``, ``RunStatus``, ``RunInfo``, ...), the
-ports (``EventSinkPort``, ``EventStorePort``) and the seams the upper floors meet at: ``Context``
-(the per-run application context), ``InvocableSpec`` (a compiled agent or workflow) and
-``RunHandle`` (how an engine plays a run without holding the Runtime). ``kit.core`` and
-``kit.core.ports`` are aliases of this module; ``kit`` re-exports its ``__all__``.
+Owns: the event envelope (``Event``) and its payload types, the results (``TurnResult``,
+``Usage``, ``InterruptResult``, ``RunStatus``, ``RunInfo``, ...), the ports (``EventSinkPort``,
+``EventStorePort``), the input checks every surface shares (names, ids, limits) and the seams the
+upper floors meet at: ``Context`` (the per-run application context), ``InvocableSpec`` (a
+compiled agent or workflow) and ``RunHandle`` (how an engine plays a run without holding the
+Runtime). The errors (``kit_errors``) and the content blocks (``kit_content``) live below it and
+are re-exported here, so this module is the one place to import values from: ``kit.core`` and
+``kit.core.ports`` are aliases of it, and ``kit`` re-exports its ``__all__``.
 
-Must never: import a sibling module or an engine SDK (openai-agents, LangGraph), do I/O, read the
-environment, or keep state beyond the payload-kind table built at import. Every other kit module
-imports this one; it imports none of them.
+Must never: import a sibling module other than ``kit_errors`` and ``kit_content``, or an engine
+SDK (openai-agents, LangGraph), do I/O, read the environment, or keep state beyond the
+payload-kind table built at import. Every module above imports this one.
 
 Theory of operation: everything here is a value. Events are frozen dataclasses; a payload class
 carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (``ends``: terminal,
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
 (``jsonable``, ``check_name``, ``check_id``, ``check_text``, ``check_limit``,
-``check_inline_json``, ``count_setting``, ``printable``, ``RunHandle``, ...) are kit's internal
+``count_setting``, ``printable``, ``RunHandle``, ...) are kit's internal
 API between its modules.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import enum
-import json
 import os
 import re
 import time
@@ -33,6 +32,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from kit_content import (
+    BLOCK_TYPES, HISTORY_ROLES, MAX_INLINE_BYTES, AudioBlock, ContentBlock, DataBlock,
+    HistoryMessage, ImageBlock, ResourceBlock, TextBlock, as_blocks, as_history, block_from_json,
+    block_to_json,
+)
+from kit_errors import (
+    ConfigError, ContentError, ContextTypeError, DeckStateError, KitError, LogConflictError,
+    MCPServerError, RunNotWaitingError, RunStoppedError, SessionBusyError, StoreUnavailableError,
+    UnknownNameError, UnknownRunError,
+)
 
 __all__ = (
     # errors
@@ -55,386 +65,6 @@ __all__ = (
     # runs
     "Context", "InvocableSpec", "NewRunId", "new_run_id",
 )
-
-
-# ===================================================================================== errors ====
-
-class KitError(Exception):
-    """Root of every error kit raises on purpose."""
-
-
-class ConfigError(KitError):
-    """The catalog, a setting or a call's arguments are wrong: *your* configuration, fix it.
-
-    Contrast with ``DeckStateError`` (the configuration is fine, the deck is in the wrong state)
-    and ``ContentError`` (one piece of input is malformed).
-    """
-
-
-class ContextTypeError(ConfigError):
-    """A callable requires a context type that the deck's declared ``context=`` cannot satisfy."""
-
-    def __init__(self, site: str, required: object, provided: object) -> None:
-        self.site, self.required, self.provided = site, required, provided
-        super().__init__(f"{site} requires a context of type {type_name(required)}, "
-                         f"but the deck provides {type_name(provided)}")
-
-
-class ContentError(KitError, ValueError):
-    """A content block is malformed (bad base64, too large, wrong media type, not JSON)."""
-
-
-class DeckStateError(KitError):
-    """The deck cannot do that in its current state (not open yet, or already closed).
-
-    Contrast with ``ConfigError``: nothing is wrong with the catalog; the call came at the wrong
-    time in the deck's lifecycle (SPEC 3.1). A closed deck stays closed: build a new one.
-    """
-
-    def __init__(self, state: str, action: str) -> None:
-        self.state, self.action = state, action
-        hint = {"CLOSED": "a closed deck cannot be reopened; build a new Deck",
-                "OPEN": "an open deck is opened once, used on its event loop and closed by the "
-                        "task that opened it"}.get(state, "open it first with `async with deck:`")
-        super().__init__(f"cannot {action}: the deck is {state} ({hint})")
-
-
-class UnknownNameError(KitError, LookupError):
-    """No agent (or workflow) of that name in the deck's catalog.
-
-    ``what`` says which kind was looked for; ``hint`` (optional) says where the name is instead.
-    """
-
-    def __init__(self, name: str, known: Iterable[str], *, what: str = "agent or workflow",
-                 hint: str | None = None) -> None:
-        self.name, self.known = name, sorted(known)
-        super().__init__(f"no {what} named {name!r}" + (f" ({hint})" if hint else "")
-                         + f"; known: {', '.join(self.known) or '(none)'}")
-
-
-class SessionBusyError(KitError):
-    """Another run holds this session: one turn per ``(namespace, session_id)`` at a time.
-
-    The holder may be running in this process or another one, or parked (waiting for a human,
-    sleeping, paused); the claim is freed when that run ends (DESIGN 4.5).
-    """
-
-    def __init__(self, session_id: str, run_id: str, namespace: str | None = None) -> None:
-        self.session_id, self.run_id, self.namespace = session_id, run_id, namespace
-        where = f" in namespace {namespace!r}" if namespace else ""
-        super().__init__(f"session {session_id!r}{where} is busy: run {run_id} holds it")
-
-
-class LogConflictError(KitError):
-    """The log refuses the event at ``(run_id, seq)``: it holds an event at that seq already
-    (another writer owns the run, or the run id was reused by mistake), or, when ``ended`` is
-    set (the run's status), it holds the run's end: another writer ended the run, or recorded
-    it abandoned because this writer's lease lapsed (a stalled process that then went on).
-
-    Raised instead of interleaving two writers' events, or writing past a run's end.
-    """
-
-    def __init__(self, run_id: str, seq: int, ended: RunStatus | None = None) -> None:
-        self.run_id, self.seq, self.ended = run_id, seq, ended
-        if ended is None:
-            super().__init__(f"run {run_id} already has an event at seq {seq}: another writer "
-                             "owns this run, or the run id was reused")
-        else:
-            super().__init__(f"run {run_id} has ended ({ended.value}), so its event at seq {seq} "
-                             "was refused: another writer ended it, or recorded it abandoned "
-                             "when this writer's lease lapsed")
-
-
-class UnknownRunError(KitError, LookupError):
-    """The log has no run with that id."""
-
-    def __init__(self, run_id: str) -> None:
-        self.run_id = run_id
-        super().__init__(f"the log has no run {run_id!r}")
-
-
-class RunNotWaitingError(KitError):
-    """The run is not waiting for what was asked of it: an interrupt is answered once.
-
-    Contrast with ``UnknownRunError``: the run exists, but it is not (or no longer) in the state
-    the call needs, typically because another caller answered or resumed it first.
-    """
-
-    def __init__(self, run_id: str, status: object, wanted: str) -> None:
-        self.run_id, self.status, self.wanted = run_id, status, wanted
-        super().__init__(f"run {run_id} is {getattr(status, 'value', status)}, not {wanted}: "
-                         "it was answered or resumed already, or it never waited")
-
-
-class RunStoppedError(KitError):
-    """The run stopped at a safe point because someone asked: paused, or cancelled.
-
-    Contrast with a cancelled *caller* (anyio's cancellation) and a closed deck
-    (``DeckStateError``): here a ``pause``/``cancel`` request, from this process or another,
-    ended the call. A paused run keeps its session and can be ``resume``d.
-    """
-
-    def __init__(self, run_id: str, status: object, reason: str | None) -> None:
-        self.run_id, self.status, self.reason = run_id, status, reason
-        why = f": {reason}" if reason else ""
-        super().__init__(f"run {run_id} was {getattr(status, 'value', status).lower()} on request{why}")
-
-
-class MCPServerError(KitError):
-    """An MCP server stopped answering a run: its process exited (``what`` names the exit
-    code), it closed the connection, it did not answer ``list_tools`` within its ``timeout``,
-    or it failed one. ``then`` says what kit does about it (restarts it; or it stays down
-    because restarting failed, until the deck is reopened).
-
-    Contrast with ``ConfigError``, a server that cannot start when the deck opens, and with a
-    tool call the server refuses or that times out: that is an error string to the model, and
-    the run goes on.
-    """
-
-    def __init__(self, server: str, what: str, then: str | None = None) -> None:
-        self.server, self.what, self.then = server, what, then
-        super().__init__(f"MCP server {server!r} {what}" + (f"; {then}" if then else ""))
-
-
-class StoreUnavailableError(KitError):
-    """The event store took no writes for ``seconds``, so the run's caller stops waiting.
-
-    Contrast with ``RunStoppedError`` (someone asked the run to stop) and with the run's own
-    failure: here the *log* could not keep up. Nothing is lost: the run's events wait in memory
-    and are written as soon as the store takes writes again (by this process, or by another once
-    the run's lease lapses). ``outcome`` says what the log will hold: ``"stopped"``, the run was
-    stopped where it stood and ends as ``run.failed``; ``"ended"``, it had played to its end
-    already, which is written as it is (do not play it again); ``"not started"``, nothing.
-    """
-
-    def __init__(self, run_id: str, seconds: float, cause: BaseException | None = None, *,
-                 outcome: str = "stopped") -> None:
-        self.run_id, self.seconds, self.cause, self.outcome = run_id, seconds, cause, outcome
-        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-        down = f"the event store took no writes for {seconds:g} s{why}"
-        super().__init__({
-            "stopped": f"run {run_id} was stopped: {down}; its end is recorded when the store "
-                       "recovers",
-            "ended": f"run {run_id} played to its end, but {down}; its end is recorded when the "
-                     "store recovers (do not play it again)",
-            "not started": f"run {run_id} was not started: {down}; nothing of it is recorded",
-        }[outcome])
-
-
-def type_name(t: object) -> str:
-    return t.__qualname__ if isinstance(t, type) else repr(t)
-
-
-# ==================================================================================== content ====
-
-#: Inline data (image, audio, data blocks) is capped because its base64 sits in the log forever.
-#: Larger content goes in a ``ResourceBlock`` that references it (SPEC 8).
-MAX_INLINE_BYTES = 1_000_000
-_MEDIA_TYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*$")
-
-
-def _check_media_type(block: str, media_type: object, family: str | None) -> None:
-    if not isinstance(media_type, str) or not _MEDIA_TYPE.match(media_type):
-        raise ContentError(f"{block}.media_type must look like 'type/subtype', got {media_type!r}")
-    if family and not media_type.startswith(family + "/"):
-        raise ContentError(f"{block}.media_type must be {family}/*, got {media_type!r}")
-
-
-def _check_b64(block: str, data_b64: object) -> None:
-    if not isinstance(data_b64, str):
-        raise ContentError(f"{block}.data_b64 must be a base64 str, got {type(data_b64).__name__}")
-    # Cheap bound before decoding anything huge: 4 base64 chars carry 3 bytes.
-    if len(data_b64) > (MAX_INLINE_BYTES + 2) // 3 * 4:
-        raise ContentError(f"{block} carries more than {MAX_INLINE_BYTES} bytes inline; "
-                           "use a ResourceBlock for larger content")
-    try:
-        size = len(base64.b64decode(data_b64, validate=True))
-    except (binascii.Error, ValueError) as exc:
-        raise ContentError(f"{block}.data_b64 is not valid base64: {exc}") from None
-    if size > MAX_INLINE_BYTES:
-        raise ContentError(f"{block} carries {size} bytes inline, more than {MAX_INLINE_BYTES}; "
-                           "use a ResourceBlock for larger content")
-
-
-def _check_unicode(what: str, text: str) -> None:
-    # A lone surrogate ("\ud800" is valid JSON) cannot be encoded as UTF-8: the log, a session
-    # or a response could not store it, so it is refused before anything is written.
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ContentError(f"{what} is not valid Unicode: a lone surrogate "
-                               f"{text[exc.start]!r} at character {exc.start}") from None
-
-
-@dataclass(frozen=True, slots=True)
-class TextBlock:
-    """Plain text. A ``str`` agent input becomes one of these."""
-    text: str
-    type: ClassVar[str] = "text"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.text, str):
-            raise ContentError(f"TextBlock.text must be str, got {type(self.text).__name__}")
-        _check_unicode("TextBlock.text", self.text)
-
-
-@dataclass(frozen=True, slots=True)
-class _InlineBlock:
-    """Bytes carried in the block: ``media_type`` of the block's family and strict base64."""
-    media_type: str
-    data_b64: str
-    type: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        _check_media_type(type(self).__name__, self.media_type, self.type)
-        _check_b64(type(self).__name__, self.data_b64)
-
-
-class ImageBlock(_InlineBlock):
-    """An inline image: ``media_type`` (image/*) and strict base64 ``data_b64`` (<= 1 MB decoded)."""
-    __slots__ = ()
-    type: ClassVar[str] = "image"
-
-
-class AudioBlock(_InlineBlock):
-    """Inline audio: ``media_type`` (audio/*) and strict base64 ``data_b64`` (<= 1 MB decoded).
-
-    The agents engine sends audio only on the chat-completions path (``KIT_OPENAI_API``).
-    """
-    __slots__ = ()
-    type: ClassVar[str] = "audio"
-
-
-@dataclass(frozen=True, slots=True)
-class ResourceBlock:
-    """A reference to bytes kept elsewhere (``uri``); recorded, not sent to the agents engine."""
-    uri: str
-    media_type: str
-    type: ClassVar[str] = "resource"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.uri, str) or not self.uri:
-            raise ContentError(f"ResourceBlock.uri must be a non-empty str, got {self.uri!r}")
-        _check_media_type("ResourceBlock", self.media_type, None)
-
-
-@dataclass(frozen=True, slots=True)
-class DataBlock:
-    """JSON data (<= 1 MB encoded); recorded, not sent to the agents engine."""
-    data: Any
-    type: ClassVar[str] = "data"
-
-    def __post_init__(self) -> None:
-        check_inline_json("DataBlock.data", self.data, "in a ResourceBlock")
-
-
-def check_inline_json(what: str, data: Any, reference: str) -> None:
-    """Raise ``ContentError`` naming ``what`` unless ``data`` is JSON data of at most
-    ``MAX_INLINE_BYTES`` encoded; ``reference`` says where a larger one's reference goes."""
-    try:
-        text = json.dumps(data, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise ContentError(f"{what} must be JSON data: {exc}") from None
-    except RecursionError:
-        raise ContentError(f"{what} is nested too deep to be JSON data") from None
-    _check_unicode(what, text)
-    if len(text) > MAX_INLINE_BYTES:
-        raise ContentError(f"{what} is {len(text)} bytes of JSON, more than {MAX_INLINE_BYTES} "
-                           f"(the log holds data inline up to that); keep larger data elsewhere "
-                           f"and pass a reference to it {reference}")
-
-
-ContentBlock = TextBlock | ImageBlock | AudioBlock | ResourceBlock | DataBlock
-_BLOCKS: dict[str, type] = {c.type: c for c in (TextBlock, ImageBlock, AudioBlock, ResourceBlock, DataBlock)}
-
-
-_BLOCK_TYPES = tuple(_BLOCKS.values())
-_BLOCK_FIELDS = {c: tuple(f.name for f in fields(c)) for c in _BLOCK_TYPES}
-
-
-def block_to_json(block: ContentBlock) -> dict[str, Any]:
-    """The JSON form of a block: ``{"type": ..., <fields>}``."""
-    out = {"type": block.type}
-    for name in _BLOCK_FIELDS[type(block)]:
-        out[name] = getattr(block, name)
-    return out
-
-
-def block_from_json(obj: Mapping[str, Any]) -> ContentBlock:
-    """Parse ``{"type": ..., ...}`` into a block; raises ``ContentError`` naming what is wrong."""
-    if not isinstance(obj, Mapping):
-        raise ContentError(f"a content block must be an object, got {type(obj).__name__}")
-    cls = _BLOCKS.get(obj.get("type"))  # type: ignore[arg-type]
-    if cls is None:
-        raise ContentError(f"unknown content block type {obj.get('type')!r}; "
-                           f"expected one of {', '.join(_BLOCKS)}")
-    names = _BLOCK_FIELDS[cls]
-    missing = [n for n in names if n not in obj]
-    if missing:
-        raise ContentError(f"{cls.__name__} is missing {', '.join(missing)}")
-    return cls(**{n: obj[n] for n in names})
-
-
-def as_blocks(value: str | ContentBlock | Iterable[ContentBlock]) -> tuple[ContentBlock, ...]:
-    """Coerce agent input: a ``str`` is one ``TextBlock``; otherwise every item must be a block."""
-    if isinstance(value, str):
-        return (TextBlock(value),)
-    if isinstance(value, _BLOCK_TYPES):
-        return (value,)  # type: ignore[return-value]
-    if isinstance(value, Mapping) or not isinstance(value, Iterable):
-        raise ContentError(f"agent input must be a str or a list of content blocks, "
-                           f"got {type(value).__name__}")
-    blocks = tuple(value)
-    for i, b in enumerate(blocks):
-        if not isinstance(b, _BLOCK_TYPES):
-            raise ContentError(f"agent input item {i} is a {type(b).__name__}, not a content block")
-    if not blocks:
-        raise ContentError("agent input is empty")
-    return blocks
-
-
-#: The roles an earlier message of a one-off turn may have (``HistoryMessage.role``).
-HISTORY_ROLES = ("system", "developer", "user", "assistant")
-
-
-@dataclass(frozen=True, slots=True)
-class HistoryMessage:
-    """One earlier message of a one-off agent turn (``Deck.run(..., history=[...])``).
-
-    ``role`` is one of ``HISTORY_ROLES``; ``content`` a ``str`` or content blocks, kept as a
-    tuple of blocks. The history is recorded in the turn's ``run.started`` and sent to the model
-    before the input, so the log holds the whole conversation the turn was given. Raises
-    ``ContentError`` for another role or content that is not blocks.
-    """
-    role: str
-    content: tuple[ContentBlock, ...]
-
-    def __post_init__(self) -> None:
-        if self.role not in HISTORY_ROLES:
-            raise ContentError(f"a history message's role is one of {', '.join(HISTORY_ROLES)}, "
-                               f"got {self.role!r}")
-        object.__setattr__(self, "content", as_blocks(self.content))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"role": self.role, "content": [block_to_json(b) for b in self.content]}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> HistoryMessage:
-        return cls(obj["role"], tuple(block_from_json(b) for b in obj["content"]))
-
-
-def as_history(value: Iterable[HistoryMessage] | None) -> tuple[HistoryMessage, ...]:
-    """Coerce ``history=``: None or an iterable of ``HistoryMessage`` (``ContentError`` else)."""
-    if value is None:
-        return ()
-    if isinstance(value, (str, Mapping)) or not isinstance(value, Iterable):
-        raise ContentError(f"history must be a list of HistoryMessage, got {type(value).__name__}")
-    history = tuple(value)
-    for i, m in enumerate(history):
-        if not isinstance(m, HistoryMessage):
-            raise ContentError(f"history item {i} is a {type(m).__name__}, not a HistoryMessage")
-    return history
 
 
 # ===================================================================================== events ====
@@ -497,7 +127,7 @@ def jsonable(v: Any) -> Any:
         return v
     if isinstance(v, Usage):
         return v.to_json()
-    if isinstance(v, _BLOCK_TYPES):
+    if isinstance(v, BLOCK_TYPES):
         return block_to_json(v)
     if isinstance(v, HistoryMessage):
         return v.to_json()

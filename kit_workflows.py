@@ -48,11 +48,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kit_bridge import on_asyncio
+from kit_content import check_inline_json
 from kit_context import context_params, node_function
 from kit_core import (
     ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, InterruptResult,
     InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
-    RunPaused, RunSleeping, Usage, check_inline_json, jsonable, new_run_id,
+    RunPaused, RunSleeping, Usage, jsonable, new_run_id,
 )
 from kit_pg import open_pool, pg_url, setup_lock
 

@@ -14,7 +14,7 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 import kit
-import kit_core
+import kit_errors
 from kit import Agent, Context, ContextTypeError, Deck, ScriptedModel, Workflow
 from kit_store import SQLiteStore
 from test_kit_workflows import graph
@@ -93,7 +93,7 @@ def test_build_time_check_one_case_per_row(row, required, provided, verdict):
             assert isinstance(err.value, kit.ConfigError)
             message = str(err.value)
             assert "tool needs of agent 'a'" in message
-            assert kit_core.type_name(provided) in message
+            assert kit_errors.type_name(provided) in message
         else:
             deck.build()  # compatible, or deferred to invocation
     finally:
