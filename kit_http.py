@@ -1,7 +1,8 @@
 """kit_http: a deck over HTTP and SSE, as a raw ASGI 3 application, and ``serve`` under Hypercorn.
 
-Owns: the ASGI app (``App``: lifespan, routing, request bodies, JSON responses, the open SSE
-responses, whose frames and streams kit_sse makes), serving the playground page (kit_playground)
+Owns: the ASGI app (``App``: lifespan, routing, the handlers, the error statuses, the open SSE
+responses, whose frames and streams kit_sse makes; one exchange's body and JSON response are
+kit_request's), serving the playground page (kit_playground)
 and the OpenAPI document (kit_openapi), applying the browser-safety policy (kit_guard) at the top
 of dispatch, and ``serve`` (an app under Hypercorn).
 ``kit-serve``, the process, is kit_serve (``python -m kit_http`` runs it).
@@ -45,58 +46,46 @@ application, that application's logging decides.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import os
 import re
 import signal
 import sys
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 import typing
 from typing import Any
-from urllib.parse import parse_qs, quote_from_bytes, unquote, unquote_to_bytes
 
 import anyio
 import sniffio
 
 import kit_openai
 from kit_core import (
-    ConfigError, ContentError, DeckStateError, Event, InterruptResult, KitError, LogConflictError,
+    ConfigError, ContentError, DeckStateError, Event, InterruptResult, LogConflictError,
     RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError,
-    UnknownNameError, UnknownRunError, block_from_json, check_id, control_refusal, new_run_id,
-    printable,
+    UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id, printable,
 )
 from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
 from kit_playground import load as load_playground
+from kit_request import MAX_BODY_BYTES as _MAX_BODY
+from kit_request import (
+    BodyTooLargeError, ClientGone, ControlRefusedError, MalformedRequestError, MethodNotAllowedError,
+    NotResumableError, Request, RouteNotFoundError, Scope, ServerStoppingError,
+    ThreadNotWaitingError, UnsupportedMediaTypeError, body_field, body_id, checked_id, param,
+    parse_json, respond, route_path, with_headers,
+)
 import kit_sse  # STOP_GRACE is read there at each shutdown: one knob for streams and requests
 from kit_sse import (
     Closing, FrameOf, Message, Receive, Send, Stream, data_frames, dumps, native_frame,
-    run_id_header, shutdown_frame, sse_frame, v1_frame, v1_workflow_frame,
+    shutdown_frame, sse_frame, v1_frame, v1_workflow_frame,
 )
 
 if typing.TYPE_CHECKING:
     from kit import Deck
 
-__all__ = (
-    "App", "serve", "main", "SURFACES",
-    # errors (their statuses are in ERROR_STATUS)
-    "HTTPError", "RouteNotFoundError", "MethodNotAllowedError", "MalformedRequestError",
-    "BodyTooLargeError", "UnsupportedMediaTypeError", "ThreadNotWaitingError", "NotResumableError",
-    "ControlRefusedError",
-    "ServerStoppingError", "ERROR_STATUS",
-    # limits
-    "MAX_BODY_BYTES", "MAX_JSON_DEPTH",
-)
+__all__ = ("App", "serve", "main", "SURFACES", "ERROR_STATUS")
 
-#: Bodies over this are 413: json.loads multiplies a body's footprint several times. 2 MiB leaves
-#: room for one maximal inline content block (1 MB decoded, 1.34 MB of base64) and its envelope.
-MAX_BODY_BYTES = 2 * 1024 * 1024
-#: Deeper JSON is a 400: the stdlib parser stops only at the recursion limit, and the deck walks
-#: input recursively afterwards, so ~990 levels would parse and then fail as a 500.
-MAX_JSON_DEPTH = 64
 #: What kit_http says (an unexpected error, ``serve``'s address); ``kit_http.access``: the access
 #: log, with ``serve(access_log=True)``; ``kit_http.hypercorn``: Hypercorn's own messages. Only
 #: ``kit-serve`` (kit_serve) gives them a handler.
@@ -104,61 +93,12 @@ _log = logging.getLogger("kit_http")
 _access_log = logging.getLogger("kit_http.access")
 _hypercorn_log = logging.getLogger("kit_http.hypercorn")
 
-Scope = MutableMapping[str, Any]  # ASGI's vocabulary, as Starlette spells it (the rest: kit_sse)
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
 _OFF = ("0", "false", "no", "off")  # a switch setting that turns its feature off
 _SEQ = re.compile(r"(-1|[0-9]{1,18})?")  # Last-Event-ID / ?after= (empty or -1: from the start)
 
 
 # ===================================================================================== errors ====
-
-class HTTPError(KitError):
-    """A request refused by kit_http itself, before the deck saw it (status in ``ERROR_STATUS``)."""
-
-
-class RouteNotFoundError(HTTPError):
-    """No route has this path. Contrast ``kit.UnknownNameError``: the route exists, the name not."""
-
-
-class MethodNotAllowedError(HTTPError):
-    """The path exists for other methods only; ``allowed`` lists them (the ``allow`` header)."""
-
-    def __init__(self, method: str, allowed: list[str]) -> None:
-        self.allowed = allowed
-        super().__init__(f"{method} is not allowed here; allowed: {', '.join(allowed)}")
-
-
-class MalformedRequestError(HTTPError):
-    """The body is not a JSON object of the expected shape, or a header is malformed."""
-
-
-class BodyTooLargeError(HTTPError):
-    """The body is over ``MAX_BODY_BYTES``."""
-
-
-class UnsupportedMediaTypeError(HTTPError):
-    """A POST body that is not ``application/json`` (which also keeps simple cross-site posts out)."""
-
-
-class ThreadNotWaitingError(HTTPError):
-    """No run of the workflow waits for a human on that thread: stale, or it never parked."""
-
-
-class NotResumableError(HTTPError):
-    """The run exists but is not paused: nothing to resume (or another caller resumed it)."""
-
-
-class ControlRefusedError(HTTPError):
-    """A pause or cancel request that cannot act: the run has finished, or (pause) is parked."""
-
-
-class ServerStoppingError(HTTPError):
-    """The server is shutting down: the request was refused, or cancelled after ``STOP_GRACE``."""
-
-
-class _ClientGone(Exception):
-    """The client left while its body was being read: nobody to answer."""
-
 
 class _RunFailed(Exception):
     """The run this request played failed; ``error`` is its exception type's name."""
@@ -190,79 +130,6 @@ def _status_of(exc: BaseException) -> int:
     return next((ERROR_STATUS[c] for c in type(exc).__mro__ if c in ERROR_STATUS), 500)
 
 
-# ===================================================================================== bodies ====
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):  # 1e999: valid JSON, but no number a log can write back
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return value
-
-
-def _parse_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object. Raises ``MalformedRequestError`` for anything else."""
-    obj = _parse_json(body)
-    if not isinstance(obj, dict):
-        raise MalformedRequestError(f"the body must be a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _parse_json(body: bytes) -> Any:
-    """The body as JSON: UTF-8, at most ``MAX_JSON_DEPTH`` deep, no NaN, infinity or lone
-    surrogate. Raises ``MalformedRequestError`` naming what is wrong."""
-    too_deep = MalformedRequestError(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        text = body.decode("utf-8")
-        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
-    except RecursionError:
-        raise too_deep from None
-    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a >4300-digit integer
-        raise MalformedRequestError(f"the body is not valid JSON: {exc}") from None
-    stack: list[tuple[Any, int]] = [(obj, 1)] if isinstance(obj, (dict, list)) else []
-    while stack:  # iterative: a recursive walk would hit the very limit it checks for
-        value, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise too_deep
-        items = value.values() if isinstance(value, dict) else value
-        stack.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
-    if "\\u" in text:  # only an escape spells a lone surrogate, which no log or response can encode
-        try:
-            json.dumps(obj, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise MalformedRequestError("the JSON has a lone surrogate escape (\\ud800-\\udfff), "
-                                        "which is not Unicode text") from None
-    return obj
-
-
-def _field(body: dict[str, Any], key: str, kind: type, *, required: bool = False) -> Any:
-    value = body.get(key)
-    if value is None and required:
-        raise MalformedRequestError(f"the body needs {key!r}")
-    if value is not None and not isinstance(value, kind):
-        raise MalformedRequestError(f"{key!r} must be a {'string' if kind is str else 'JSON object'}")
-    return value
-
-
-def _id(body: dict[str, Any], key: str) -> str | None:
-    """An optional id of the body (``session_id``, ``thread_id``): absent, or an id."""
-    value = _field(body, key, str)
-    if value == "":
-        raise MalformedRequestError(f"{key!r} must not be empty")
-    return value if value is None else _checked_id(repr(key), value)
-
-
-def _checked_id(what: str, value: str) -> str:
-    """``value`` if it is an id kit can store (``check_id``); ``MalformedRequestError`` if not."""
-    try:
-        return check_id(what, value)
-    except ConfigError as exc:
-        raise MalformedRequestError(str(exc)) from None
-
-
 def _workflow_body(result: Any, run_id: str, thread_id: str) -> dict[str, Any]:
     if isinstance(result, InterruptResult):
         return {"type": "interrupt", "payload": result.payload, "thread_id": result.thread_id,
@@ -270,81 +137,7 @@ def _workflow_body(result: Any, run_id: str, thread_id: str) -> dict[str, Any]:
     return {"output": result, "thread_id": thread_id, "run_id": run_id}
 
 
-# ================================================================================== exchanges ====
-
-class _Request:
-    """One HTTP exchange: the scope's facts, the body reader, and whether a response started."""
-    __slots__ = ("scope", "receive", "send", "started", "run_id", "query", "surface")
-
-    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.scope, self.receive, self.send = scope, receive, send
-        self.started = False
-        self.surface: str | None = None  # the optional surface whose route matched
-        self.run_id: str | None = None  # set once this request's run exists: x-kit-run-id
-        self.query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-
-    def header(self, name: bytes) -> str | None:
-        return next((v.decode("latin-1") for k, v in self.scope.get("headers", ()) if k == name), None)
-
-    async def body(self) -> bytes:
-        """The whole body, refused as soon as it is over ``MAX_BODY_BYTES`` (Content-Length
-        first, then counting chunks). Raises ``BodyTooLargeError``, ``_ClientGone``."""
-        too_large = BodyTooLargeError(f"the body is over {MAX_BODY_BYTES} bytes")
-        length = self.header(b"content-length")
-        if length is not None:
-            length = length.strip()
-            if not (length.isascii() and length.isdigit()):
-                raise MalformedRequestError("Content-Length is not a number")
-            if int(length) > MAX_BODY_BYTES:
-                raise too_large
-        chunks, size = [], 0
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone()
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > MAX_BODY_BYTES:
-                raise too_large
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-    async def json(self, keys: tuple[str, ...] | None, required: tuple[str, ...] = (), *,
-                   optional: bool = False) -> dict[str, Any]:
-        """The body as a JSON object of the route's ``keys`` (None: a wire whose reader checks
-        its own keys), with every key of ``required``; with ``optional``, an empty body is
-        ``{}``. Raises ``MalformedRequestError`` naming an unknown or missing key (a misspelt key
-        must not pass for an absent one)."""
-        content_type = self.header(b"content-type") or ""
-        body = await self.body()
-        media = content_type.split(";", 1)[0].strip().lower()
-        if optional and not body and media in ("", "application/json"):
-            return {}
-        if media != "application/json" and not (media.startswith("application/") and
-                                                media.endswith("+json")):
-            raise UnsupportedMediaTypeError(f"the body must be application/json, got {content_type!r}")
-        obj = _parse_object(body)
-        for key in obj if keys is not None else ():
-            if key not in keys:  # type: ignore[operator]
-                takes = ", ".join(repr(k) for k in keys) or "no keys"
-                raise MalformedRequestError(f"unknown key {key!r} in the body; this route takes {takes}")
-        for key in required:
-            if key not in obj:
-                raise MalformedRequestError(f"the body needs {key!r}")
-        return obj
-
-
-async def _respond(req: _Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = (),
-                   content_type: bytes = b"application/json") -> None:
-    """The JSON response helper (``obj`` None: no body, as for 204; bytes: sent as they are)."""
-    body = b"" if obj is None else obj if isinstance(obj, bytes) else dumps(obj).encode()
-    head = [(b"content-type", content_type)] if obj is not None else []
-    head.append((b"content-length", b"%d" % len(body)))
-    head += run_id_header(req.run_id)
-    req.started = True
-    await req.send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
-    await req.send({"type": "http.response.body", "body": body})
-
+# ===================================================================================== routes ====
 
 #: The route table: method, path (an OpenAPI path template, the very key kit_openapi describes
 #: the route by), handler, and the switch that mounts it (None: always). A concrete path comes
@@ -373,61 +166,6 @@ _PATH_IDS = frozenset({"run_id", "thread_id"})
 #: The optional surfaces ``kit-serve`` turns on when ``KIT_SURFACES`` (or ``--surfaces``) names
 #: them: the Chat Completions wire (kit_openai) and the MCP server (kit_mcp).
 SURFACES = ("openai", "mcp")
-
-
-def _route_path(scope: Scope) -> str:
-    """The path the route table matches: below ``root_path``, each segment percent-decoded on
-    its own, with a ``%`` or ``/`` it decodes to escaped again (``%25``, ``%2F``). A ``%2F``
-    stays inside its segment, as RFC 3986 (section 2.2) has it: an id holding ``/`` fills one
-    parameter, and ``_param`` gives the value back. A segment that does not decode as UTF-8
-    stays fully percent-encoded, which ``_param`` refuses."""
-    path, root = scope["path"], scope.get("root_path", "")
-    raw = scope.get("raw_path")  # optional in ASGI; ``path`` is decoded, so a %2F in it is a /
-    if raw and b"%" in raw:  # else nothing was encoded: ``path`` splits where the client did
-        decoded: list[str] = []  # as the server decoded ``path``, to tell it is this request's
-        escaped: list[str] = []
-        # httpx's ASGITransport leaves the query in raw_path (encode/httpx#2810); a bare ? can
-        # only start the query.
-        for segment in raw.partition(b"?")[0].split(b"/"):
-            octets = unquote_to_bytes(segment)
-            try:
-                text = octets.decode("utf-8")
-            except UnicodeDecodeError:
-                decoded.append(octets.decode("utf-8", "replace"))  # as urllib's unquote does
-                escaped.append(quote_from_bytes(octets, safe=""))
-            else:
-                decoded.append(text)
-                escaped.append(text.replace("%", "%25").replace("/", "%2F"))
-        # raw_path is this request's unless a middleware rewrote ``path`` (an old-style mount
-        # strips ``root_path`` from ``path`` alone): then ``path`` is the truth, as before.
-        ours = "/".join(decoded) in (path, root + path)
-        path = "/".join(escaped) if ours else path.replace("%", "%25")
-    elif "%" in path:  # no raw_path: a % in the decoded path was sent as %25, no escape
-        path = path.replace("%", "%25")
-    if root:
-        root = root.replace("%", "%25")
-        if path.startswith(root):
-            path = path[len(root):] or "/"
-    return path
-
-
-def _param(key: str, value: str) -> str:
-    """A path parameter from ``_route_path``'s escaped form. Raises ``MalformedRequestError``
-    when its percent-decoding is not UTF-8 (no name or id is such bytes)."""
-    try:
-        return unquote(value, errors="strict")
-    except UnicodeDecodeError:
-        raise MalformedRequestError(f"{key} must be UTF-8 text once percent-decoded, got "
-                                    f"{value!r}") from None
-
-
-def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
-    """``send`` that adds ``headers`` to the response's start (CORS headers, whatever answers)."""
-    async def sending(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), *headers]}
-        await send(message)
-    return sending
 
 
 # ======================================================================================== App ====
@@ -479,7 +217,7 @@ class App:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            await self._http(_Request(scope, receive, send))
+            await self._http(Request(scope, receive, send))
         elif scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
         elif scope["type"] == "websocket":  # a close before accepting is a 403 (ASGI www spec)
@@ -531,7 +269,7 @@ class App:
         lifespan task, like the deck's). ``mcp`` is imported here, only when it is served."""
         if "mcp" in self.surfaces:
             import kit_mcp
-            surface = kit_mcp.MCPSurface(self.deck, max_body=MAX_BODY_BYTES)
+            surface = kit_mcp.MCPSurface(self.deck, max_body=_MAX_BODY)
             await surface.__aenter__()
             self._mcp_server = surface
 
@@ -560,12 +298,12 @@ class App:
                 await self._idle.wait()
 
     # ----------------------------------------------------------------------------- http --
-    async def _http(self, req: _Request) -> None:
+    async def _http(self, req: Request) -> None:
         with anyio.CancelScope() as scope:
             self._inflight.add(scope)
             try:
                 await self._dispatch(req)
-            except _ClientGone:
+            except ClientGone:
                 return
             except Exception as exc:
                 await self._fail(req, exc)
@@ -576,17 +314,17 @@ class App:
         if scope.cancelled_caught and not req.started:  # cancelled by shutdown()
             await self._fail(req, ServerStoppingError("the server is shutting down"))
 
-    async def _dispatch(self, req: _Request) -> None:
+    async def _dispatch(self, req: Request) -> None:
         origin = req.header(b"origin")
         self.guard.check(host=req.header(b"host"), origin=origin, scheme=req.scope.get("scheme", "http"))
         if cors := self.guard.cors_headers(origin):
-            req.send = _with_headers(req.send, cors)
+            req.send = with_headers(req.send, cors)
             if req.scope["method"] == "OPTIONS" and req.header(b"access-control-request-method"):
-                return await _respond(req, 204, None, _PREFLIGHT)
+                return await respond(req, 204, None, _PREFLIGHT)
         if not self._open or self._stopping:
-            await _respond(req, 503, {"status": "stopping" if self._stopping else "starting"})
+            await respond(req, 503, {"status": "stopping" if self._stopping else "starting"})
             return
-        path = _route_path(req.scope)
+        path = route_path(req.scope)
         method, allowed, concrete = req.scope["method"], [], False
         for route_method, template, pattern, handler, mount in self._routes:
             match = pattern.fullmatch(path)
@@ -597,9 +335,9 @@ class App:
             if route_method == method:
                 params = match.groupdict()
                 if "%" in path:  # only then can a parameter hold an escape
-                    params = {key: _param(key, value) for key, value in params.items()}
+                    params = {key: param(key, value) for key, value in params.items()}
                 for key in params.keys() & _PATH_IDS:
-                    _checked_id(key, params[key])
+                    checked_id(key, params[key])
                 return await getattr(self, handler)(req, **params)
             allowed.append(route_method)
         # Under /v1/ an OpenAI client is asking (an endpoint kit lacks: /v1/embeddings): it
@@ -610,7 +348,7 @@ class App:
             raise MethodNotAllowedError(method, allowed)
         raise RouteNotFoundError(f"no route {path!r}")
 
-    async def _fail(self, req: _Request, exc: Exception) -> None:
+    async def _fail(self, req: Request, exc: Exception) -> None:
         """Answer an exception from the table; log what the table does not know."""
         status, message = _status_of(exc), str(exc)
         if status == 500 and not isinstance(exc, _RunFailed):
@@ -626,7 +364,7 @@ class App:
         allow = ((b"allow", ", ".join(exc.allowed).encode()),) if isinstance(exc, MethodNotAllowedError) else ()
         body = kit_openai.error_body(status, name, message) if req.surface == "openai" else {
             "error": name, "message": message}
-        await _respond(req, status, body, allow)
+        await respond(req, status, body, allow)
 
     def _check(self, name: str, kind: str) -> None:
         """Refuse a name that is not one of the deck's agents (``kind`` "agent") or workflows:
@@ -641,7 +379,7 @@ class App:
                 hint = f"{name!r} is {'a workflow' if kind == 'agent' else 'an agent'}: POST {route}"
             raise UnknownNameError(name, names, what=kind, hint=hint)
 
-    async def _run(self, req: _Request, run_id: str, call: Awaitable[Any]) -> Any:
+    async def _run(self, req: Request, run_id: str, call: Awaitable[Any]) -> Any:
         """Await a deck call that plays run ``run_id``. Its failure becomes ``_RunFailed`` (500);
         a refusal keeps its own type (a refused start wrote nothing: no x-kit-run-id then)."""
         try:
@@ -656,23 +394,23 @@ class App:
         return result
 
     # ------------------------------------------------------------------------- handlers --
-    async def _playground(self, req: _Request) -> None:
+    async def _playground(self, req: Request) -> None:
         page, headers = self._page
-        await _respond(req, 200, page, headers, b"text/html; charset=utf-8")
+        await respond(req, 200, page, headers, b"text/html; charset=utf-8")
 
-    async def _openapi(self, req: _Request) -> None:
+    async def _openapi(self, req: Request) -> None:
         if self._document is None:  # built once, when the deck's names are known
             self._document = dumps(document([(m, p) for m, p, *_ in self._routes],
                                             agents=self._agents, workflows=self._workflows)).encode()
-        await _respond(req, 200, self._document)
+        await respond(req, 200, self._document)
 
-    async def _health(self, req: _Request) -> None:
-        await _respond(req, 200, {"status": "ok", "agents": sorted(self._agents),
+    async def _health(self, req: Request) -> None:
+        await respond(req, 200, {"status": "ok", "agents": sorted(self._agents),
                                   "workflows": sorted(self._workflows), "skills": self._skills})
 
-    async def _agent_chat(self, req: _Request, name: str) -> None:
+    async def _agent_chat(self, req: Request, name: str) -> None:
         body = await req.json(("message", "session_id"), ("message",))
-        message, session_id = _field(body, "message", str, required=True), _id(body, "session_id")
+        message, session_id = body_field(body, "message", str, required=True), body_id(body, "session_id")
         self._check(name, "agent")
         if _flag(req, "stream"):
             events = self.deck.stream(name, message, session_id=session_id, committed=True)
@@ -680,11 +418,11 @@ class App:
         run_id = new_run_id()  # known before the run ends, for x-kit-run-id
         result = await self._run(req, run_id, self.deck.run(name, message, session_id=session_id,
                                                               run_id=run_id))
-        await _respond(req, 200, {"output": result.output})
+        await respond(req, 200, {"output": result.output})
 
-    async def _workflow(self, req: _Request, name: str) -> None:
+    async def _workflow(self, req: Request, name: str) -> None:
         body = await req.json(("input", "thread_id"))
-        state, thread_id = _field(body, "input", dict) or {}, _id(body, "thread_id")
+        state, thread_id = body_field(body, "input", dict) or {}, body_id(body, "thread_id")
         self._check(name, "workflow")
         if thread_id is None and name in self._durable:
             raise MalformedRequestError(f"workflow {name!r} is durable: the body needs 'thread_id' "
@@ -695,15 +433,15 @@ class App:
         run_id = new_run_id()
         result = await self._run(req, run_id, self.deck.run(name, state, session_id=thread_id,
                                                             run_id=run_id))
-        await _respond(req, 200, _workflow_body(result, run_id, thread_id or run_id))
+        await respond(req, 200, _workflow_body(result, run_id, thread_id or run_id))
 
-    async def _pending(self, req: _Request) -> None:
-        await _respond(req, 200, {"pending": [
+    async def _pending(self, req: Request) -> None:
+        await respond(req, 200, {"pending": [
             {"run_id": p.run_id, "workflow": p.workflow, "thread_id": p.thread_id,
              "session_id": p.session_id, "payload": p.payload, "since": p.since.isoformat()}
             for p in await self.deck.pending()]})
 
-    async def _workflow_resume(self, req: _Request, name: str, thread_id: str) -> None:
+    async def _workflow_resume(self, req: Request, name: str, thread_id: str) -> None:
         value = (await req.json(("value",), ("value",)))["value"]
         self._check(name, "workflow")
         for p in await self.deck.pending():
@@ -714,11 +452,11 @@ class App:
                         events = self.deck.stream_answer(p.run_id, value, committed=True)
                         return await self._stream_run(req, events, v1_workflow_frame)
                     result = await self._run(req, p.run_id, self.deck.answer(p.run_id, value))
-                    return await _respond(req, 200, _workflow_body(result, p.run_id, thread_id))
+                    return await respond(req, 200, _workflow_body(result, p.run_id, thread_id))
         raise ThreadNotWaitingError(f"no run of workflow {name!r} waits on thread {thread_id!r}")
 
-    async def _control(self, req: _Request, run_id: str, action: str) -> None:
-        reason = _field(await req.json(("reason",), optional=True), "reason", str)
+    async def _control(self, req: Request, run_id: str, action: str) -> None:
+        reason = body_field(await req.json(("reason",), optional=True), "reason", str)
         status = await self.deck.status(run_id)
         if status is None:
             raise UnknownRunError(run_id)
@@ -727,12 +465,12 @@ class App:
             raise ControlRefusedError(f"run {run_id}: {refusal}")
         await (self.deck.pause if action == "pause" else self.deck.cancel)(run_id, reason=reason)
         req.run_id = run_id
-        await _respond(req, 202, {"run_id": run_id, "requested": action})
+        await respond(req, 202, {"run_id": run_id, "requested": action})
 
     _pause = functools.partialmethod(_control, action="pause")
     _cancel = functools.partialmethod(_control, action="cancel")
 
-    async def _resume_run(self, req: _Request, run_id: str) -> None:
+    async def _resume_run(self, req: Request, run_id: str) -> None:
         await req.json((), optional=True)
         info = await self.deck.store.run_info(run_id)
         if info is None:
@@ -749,9 +487,9 @@ class App:
         events = await self._run(req, run_id, self.deck.resume(run_id))
         if not events:
             raise not_paused
-        await _respond(req, 200, {"run_id": run_id, "events": [e.to_json() for e in events]})
+        await respond(req, 200, {"run_id": run_id, "events": [e.to_json() for e in events]})
 
-    async def _events(self, req: _Request, run_id: str) -> None:
+    async def _events(self, req: Request, run_id: str) -> None:
         header, query = req.header(b"last-event-id"), (req.query.get("after") or [""])[-1]
         for raw in (header or "", query):  # strictly what kit_openapi documents, not all int() takes
             if not _SEQ.fullmatch(raw):
@@ -763,15 +501,15 @@ class App:
             raise UnknownRunError(run_id)
         store, req.run_id = self.deck.store, run_id
         if status in _TERMINAL and not await store.read(run_id, after):
-            return await _respond(req, 204, None)  # past the end: 204 stops EventSource retrying
+            return await respond(req, 204, None)  # past the end: 204 stops EventSource retrying
         if after >= 0 and not await store.read(run_id, after - 1):  # no event `after` (yet)
             raise MalformedRequestError(f"run {run_id} has no event {after}: a client only ever "
                                         "receives events the log holds")
         await self._sse(req, run_id, None, store.follow(run_id, after), native_frame)
 
-    async def _native_chat(self, req: _Request, name: str) -> None:
+    async def _native_chat(self, req: Request, name: str) -> None:
         body = await req.json(("input", "session_id"))
-        value, session_id = body.get("input"), _id(body, "session_id")
+        value, session_id = body.get("input"), body_id(body, "session_id")
         if name in self._agents:
             if isinstance(value, list):
                 value = [block_from_json(b) for b in value]  # ContentError: 400
@@ -787,7 +525,7 @@ class App:
         await self._stream_run(req, events, native_frame)
 
     # ------------------------------------------------------------------ optional surfaces --
-    async def _chat_completions(self, req: _Request) -> None:
+    async def _chat_completions(self, req: Request) -> None:
         # OpenAI clients send many optional fields; kit_openai reads the ones it serves.
         turn = kit_openai.read_request(await req.json(None), req.header(kit_openai.SESSION_HEADER))
         self._check(turn.model, "agent")
@@ -802,12 +540,12 @@ class App:
         # The content is a fold of the run's events, the very one its stream would have sent
         # (kit_openai: streamed or not, a client reads the same answer), so it is read back.
         events = await self.deck.store.read(run_id)
-        await _respond(req, 200, kit_openai.completion(run_id, turn.model, events))
+        await respond(req, 200, kit_openai.completion(run_id, turn.model, events))
 
-    async def _models(self, req: _Request) -> None:
-        await _respond(req, 200, kit_openai.model_list(self._agents))
+    async def _models(self, req: Request) -> None:
+        await respond(req, 200, kit_openai.model_list(self._agents))
 
-    async def _mcp(self, req: _Request) -> None:
+    async def _mcp(self, req: Request) -> None:
         async def send(message: Message) -> None:  # the MCP server answers for itself
             req.started = True
             await req.send(message)
@@ -815,9 +553,9 @@ class App:
         if req.scope["method"] == "POST":  # read as strictly as kit's own routes first: the mcp
             body = await req.body()  # package answers 500 to bad UTF-8 or deep nesting
             try:
-                _parse_json(body)
+                parse_json(body)
             except MalformedRequestError as exc:  # JSON-RPC's parse error, with no id to answer
-                return await _respond(req, 400, {"jsonrpc": "2.0", "id": None, "error": {
+                return await respond(req, 400, {"jsonrpc": "2.0", "id": None, "error": {
                     "code": -32700, "message": f"Parse error: {exc}"}})
             receive = _replay(body, req.receive)
         if req.scope["method"] != "GET":
@@ -834,7 +572,7 @@ class App:
             await req.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ---------------------------------------------------------------------------- streams --
-    async def _stream_run(self, req: _Request, events: AsyncIterator[Event], frame_of: FrameOf,
+    async def _stream_run(self, req: Request, events: AsyncIterator[Event], frame_of: FrameOf,
                           closing: Closing = shutdown_frame) -> None:
         # The first event (run.started) gives the run id before the headers go out; a start
         # the deck refuses (409 busy session, 400 bad input) is still a JSON answer.
@@ -842,7 +580,7 @@ class App:
         req.run_id = first.run_id
         await self._sse(req, first.run_id, first, events, frame_of, closing)
 
-    async def _sse(self, req: _Request, run_id: str, first: Event | None,
+    async def _sse(self, req: Request, run_id: str, first: Event | None,
                    events: AsyncIterator[Event], frame_of: FrameOf,
                    closing: Closing = shutdown_frame) -> None:
         """The SSE response helper: headers, then the frames of ``first`` and ``events``, kept
@@ -889,7 +627,7 @@ class _PrintableAccess(logging.Filter):
 _PRINTABLE_ACCESS = _PrintableAccess()
 
 
-def _flag(req: _Request, name: str) -> bool:
+def _flag(req: Request, name: str) -> bool:
     return (req.query.get(name) or [""])[-1].lower() in ("true", "1")
 
 

@@ -24,6 +24,7 @@ from langgraph.graph import END, START, StateGraph
 
 import kit
 import kit_http
+import kit_request
 import kit_sse
 from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
 from kit_http import App
@@ -313,7 +314,7 @@ async def test_a_body_over_the_cap_is_413_before_it_is_read():
         port = client.base_url.port
         async with await anyio.connect_tcp("127.0.0.1", port) as conn:  # httpx would send it all
             await conn.send(b"POST /agents/echo/chat HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
-                            b"\r\ncontent-length: %d\r\n\r\n{" % (kit_http.MAX_BODY_BYTES + 1))
+                            b"\r\ncontent-length: %d\r\n\r\n{" % (kit_request.MAX_BODY_BYTES + 1))
             reply = b""
             with anyio.fail_after(5):
                 while b'"}' not in reply:
@@ -785,7 +786,7 @@ async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_body_is_counted_a
                                           "more_body": True}
                 client.push({"type": "http.disconnect"})  # the app must return by itself
             assert not app._streams and await deck.status("run-t9") is RunStatus.WAITING_HUMAN
-            chunk = b" " * (kit_http.MAX_BODY_BYTES // 4)
+            chunk = b" " * (kit_request.MAX_BODY_BYTES // 4)
             big = Scripted(*[{"type": "http.request", "body": chunk, "more_body": True}] * 5)
             await app(http_scope("POST", "/agents/echo/chat", [(b"content-type", b"application/json")]),
                       big.receive, big.send)
