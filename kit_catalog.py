@@ -121,7 +121,9 @@ class Workflow:
     ``kit.interrupt(payload)`` to wait for a human and ``kit.sleep_until(when)`` to sleep.
 
     ``run``, ``resume`` and ``as_tool`` are headless: no deck, no log, no observers; they use a
-    private in-memory checkpointer kept by this object. Raises ``ConfigError`` for a bad name or
+    private in-memory checkpointer kept by this object. A run given no ``thread_id`` plays on a
+    thread of its own, which is deleted when it ends (kept while it waits for ``resume``); a
+    ``thread_id`` of yours keeps its state between runs, as LangGraph's own. Raises ``ConfigError`` for a bad name or
     a graph that is not an uncompiled ``StateGraph``.
     """
     durable: bool = False
@@ -136,6 +138,7 @@ class Workflow:
         if durable is not None:
             self.durable = bool(durable)
         self._headless: Any = None
+        self._own_threads: set[str] = set()  # headless threads this object made, parked
 
     def __repr__(self) -> str:
         return f"Workflow({self.name!r}, durable={self.durable})"
@@ -143,13 +146,14 @@ class Workflow:
     async def run(self, input: Mapping[str, Any], *, thread_id: str | None = None) -> Any:
         """Play the graph headless; the final state, or an ``InterruptResult`` if it parked."""
         import kit_workflows
-        return await kit_workflows.run_headless(self._graph(), self.name, input, thread_id)
+        return await kit_workflows.run_headless(self._graph(), self.name, input, thread_id,
+                                                own=self._own_threads)
 
     async def resume(self, thread_id: str, value: Any) -> Any:
         """Answer the thread's pending interrupt headless; final state or the next interrupt."""
         import kit_workflows
         return await kit_workflows.run_headless(self._graph(), self.name, None, thread_id,
-                                                resume=value)
+                                                resume=value, own=self._own_threads)
 
     def as_tool(self, *, description: str | None = None) -> Any:
         """An SDK ``FunctionTool`` that plays this workflow headless on the model's input."""
@@ -157,13 +161,14 @@ class Workflow:
         graph = self._graph()
         return kit_workflows.workflow_tool(
             self.name, self.graph, description,
-            lambda _context, args: kit_workflows.run_headless(graph, self.name, args, None))
+            lambda _context, args: kit_workflows.run_headless(graph, self.name, args, None,
+                                                              own=self._own_threads))
 
     def _graph(self) -> Any:
         """The graph of the headless runs, compiled once with a private in-memory checkpointer."""
         if self._headless is None:
-            from langgraph.checkpoint.memory import InMemorySaver
-            self._headless = self.graph.compile(checkpointer=InMemorySaver())
+            import kit_workflows
+            self._headless = self.graph.compile(checkpointer=kit_workflows.memory_saver())
         return self._headless
 
 

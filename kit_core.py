@@ -39,9 +39,9 @@ from kit_content import (
     block_to_json,
 )
 from kit_errors import (
-    ConfigError, ContentError, ContextTypeError, DeckStateError, KitError, LogConflictError,
-    MCPServerError, RunNotWaitingError, RunStoppedError, SessionBusyError, StoreUnavailableError,
-    UnknownNameError, UnknownRunError,
+    CheckpointMissingError, ConfigError, ContentError, ContextTypeError, DeckStateError, KitError,
+    LogConflictError, MCPServerError, RunNotWaitingError, RunStoppedError, SessionBusyError,
+    StoreUnavailableError, UnknownNameError, UnknownRunError,
 )
 
 __all__ = (
@@ -49,6 +49,7 @@ __all__ = (
     "KitError", "ConfigError", "ContextTypeError", "ContentError", "DeckStateError",
     "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "RunStoppedError",
     "SessionBusyError", "LogConflictError", "StoreUnavailableError", "MCPServerError",
+    "CheckpointMissingError",
     # content
     "TextBlock", "ImageBlock", "AudioBlock", "ResourceBlock", "DataBlock", "ContentBlock",
     "MAX_INLINE_BYTES", "as_blocks", "block_to_json", "block_from_json", "HistoryMessage",

@@ -24,6 +24,7 @@ __all__ = (
     "KitError", "ConfigError", "ContextTypeError", "ContentError", "DeckStateError",
     "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "RunStoppedError",
     "SessionBusyError", "LogConflictError", "StoreUnavailableError", "MCPServerError",
+    "CheckpointMissingError",
 )
 
 class KitError(Exception):
@@ -131,6 +132,27 @@ class RunNotWaitingError(KitError):
         self.run_id, self.status, self.wanted = run_id, status, wanted
         super().__init__(f"run {run_id} is {getattr(status, 'value', status)}, not {wanted}: "
                          "it was answered or resumed already, or it never waited")
+
+
+class CheckpointMissingError(KitError):
+    """A parked workflow run cannot be answered or resumed here: its thread's checkpoint is not
+    in this deck's checkpointer. A non-durable workflow keeps its checkpoints in the memory of
+    the process that parked the run, so only that process can go on with it, and none can once
+    it has stopped; a durable one's checkpointer has lost the thread.
+
+    Contrast with ``RunNotWaitingError`` (the run does not wait): this one waits, and keeps
+    waiting. ``cancel`` it to end it and free its thread; a durable workflow
+    (``Workflow(..., durable=True)``) can be answered by any process, after a restart too.
+    """
+
+    def __init__(self, run_id: str, workflow: str, durable: bool) -> None:
+        self.run_id, self.workflow, self.durable = run_id, workflow, durable
+        where = ("its durable checkpointer has no such thread" if durable else
+                 f"workflow {workflow!r} is not durable, so its checkpoints live in the memory "
+                 "of the process that parked the run (another replica, or one that has stopped "
+                 "since)")
+        super().__init__(f"run {run_id} of workflow {workflow!r} cannot go on here: {where}; it "
+                         "stays parked: cancel it to end it and free its thread")
 
 
 class RunStoppedError(KitError):

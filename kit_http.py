@@ -61,9 +61,10 @@ import sniffio
 
 import kit_openai
 from kit_core import (
-    ConfigError, ContentError, DeckStateError, Event, InterruptResult, LogConflictError,
-    RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError,
-    UnknownNameError, UnknownRunError, block_from_json, control_refusal, new_run_id, printable,
+    CheckpointMissingError, ConfigError, ContentError, DeckStateError, Event, InterruptResult,
+    LogConflictError, RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError,
+    StoreUnavailableError, UnknownNameError, UnknownRunError, block_from_json, control_refusal,
+    new_run_id, printable,
 )
 from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
@@ -118,7 +119,7 @@ ERROR_STATUS: dict[type[BaseException], int] = {
     RunNotWaitingError: 404, ThreadNotWaitingError: 404,
     MethodNotAllowedError: 405,
     SessionBusyError: 409, RunStoppedError: 409, NotResumableError: 409, LogConflictError: 409,
-    ControlRefusedError: 409,
+    ControlRefusedError: 409, CheckpointMissingError: 409,
     BodyTooLargeError: 413, UnsupportedMediaTypeError: 415,
     HostNotAllowedError: 421,  # Misdirected Request: not a name this server answers for
     _RunFailed: 500,

@@ -53,7 +53,7 @@ import kit_observers
 import kit_workflows
 from kit_bridge import Bridge
 from kit_core import (
-    Claim, ConfigError, ControlRequest, ControlRequested, DeckStateError, Due, Event,
+    CheckpointMissingError, Claim, ConfigError, ControlRequest, ControlRequested, DeckStateError, Due, Event,
     InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled, RunCompleted,
     RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed, RunSleeping, RunStarted,
     NewRunId, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked,
@@ -849,6 +849,8 @@ class Runtime:
             return None
         paused = (await self.store.read(run_id))[-1]
         run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
+        if spec.kind == "workflow":
+            await self._check_thread(run)
         try:
             await self._take_over(run, [
                 Event(run_id, paused.seq + 1, ControlRequested("resume", None, "api"), spec.name),
@@ -941,6 +943,8 @@ class Runtime:
             try:
                 taken = await self._take_paused(run_id, None, False)
                 break
+            except CheckpointMissingError:
+                return  # a non-durable workflow's run: the process that parked it takes it up
             except Exception as exc:
                 if tries == ACT_TRIES:
                     _log.error("resuming run %s passed over after %d tries: %s: %s", run_id,
@@ -972,12 +976,22 @@ class Runtime:
         run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
         run.thread_id = parked.thread_id
         run.thread_key = spec.engine.key(info.namespace, parked.thread_id)
+        await self._check_thread(run)
         try:  # (run_id, seq) is unique: of two callers racing to resume, one gets this conflict
             await self._take_over(run, [Event(run_id, last.seq + 1, RunResumed(by), spec.name)])
         except LogConflictError:
             raise RunNotWaitingError(run_id, "being resumed by another caller", status) from None
         command = kit_workflows.resume_command(parked.interrupt_id, value)
         return run, functools.partial(spec.engine.play, run, self.graphs[spec.name], command), last.seq
+
+    async def _check_thread(self, run: _Run) -> None:
+        """Raise ``CheckpointMissingError`` (the run stays parked) unless this deck's
+        checkpointer holds the thread that parked workflow ``run`` goes on from: without it,
+        LangGraph would start the graph over with an empty state and the answer would be lost."""
+        spec = run.spec
+        if not await self._on_engine(kit_workflows.holds_thread, self.graphs[spec.name], run.thread_key):
+            self._unstream(run)
+            raise CheckpointMissingError(run.run_id, spec.name, spec.engine.durable)
 
     async def _resume(self, run_id: str, wanted: str, value: Any, by: str, context: Any) -> Any:
         run, job, _ = await self._unpark(run_id, wanted, value, by, context)

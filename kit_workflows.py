@@ -24,7 +24,11 @@ superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a
 resumes where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before
 the next superstep starts. A non-durable run's thread lives only while the run does: when the run
 ends (completed, failed, cancelled) its checkpoints are deleted; while it is parked (waiting for
-a human, asleep, paused) they stay, for the run that resumes it. A value a checkpoint cannot
+a human, asleep, paused) they stay, for the run that resumes it, so only the process that parked
+it can (``holds_thread``). A durable run that is cancelled or fails drops the tasks it stopped
+at, so the next run on its thread applies its input and no tick wakes its sleep; only a run
+whose process died leaves them, for the next run to carry on. A sleep is an interrupt of
+exactly ``{"kind": "sleep", "until": <aware ISO time>}``; any other is a human's question. A value a checkpoint cannot
 store fails the run at its first checkpoint, once the run is in the log (an answered one for
 good: its interrupt cannot be answered again), so an input or an answer is checked before
 anything is written (``to_input``, ``check_answer``) and refused as a ``ContentError``. The
@@ -39,6 +43,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import os
 import typing
 from collections.abc import Awaitable, Callable, Sequence
@@ -61,12 +66,13 @@ if TYPE_CHECKING:
     from kit_catalog import Workflow
 
 __all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "MAX_DEPTH", "open_graphs",
-           "checkpoint_path", "due_threads", "still_due", "ThreadLocks", "PgThreadLocks",
-           "run_headless", "workflow_tool", "child_tool", "CHECKPOINT_POOL")
+           "checkpoint_path", "due_threads", "still_due", "holds_thread", "ThreadLocks", "PgThreadLocks",
+           "run_headless", "workflow_tool", "child_tool", "memory_saver", "CHECKPOINT_POOL")
 
 #: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
 #: share them, and a ticker holds one per thread it is resuming.
 CHECKPOINT_POOL = 4
+_log = logging.getLogger("kit_workflows")
 _CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"
 _NO_VALUE = object()
@@ -173,10 +179,10 @@ class WorkflowEngine:
 
         ``inp`` is the initial state, or a ``resume_command``. On a durable thread that stopped
         mid-run (its process died), a new run carries on from the last checkpoint and the new
-        input is not applied. A run's failure is recorded, then re-raised. A non-durable run
-        that ends (completed, failed, cancelled) deletes its thread: nothing can resume it, and
-        an in-memory thread would otherwise stay for the life of the process; one that parks
-        keeps it for the run that resumes it, which deletes it when it ends.
+        input is not applied. A run's failure is recorded, then re-raised. A cancel asked for
+        while the run's last step was on its way to an interrupt cancels it there instead of
+        parking it. A run that ends gives up its thread (``forget``); one that parks keeps it
+        for the run that resumes it.
         """
         from langgraph.errors import GraphDrained
         from langgraph.runtime import RunControl
@@ -184,7 +190,7 @@ class WorkflowEngine:
         run.on_request = control.request_drain
         if run.requested is not None:  # asked before the graph started
             control.request_drain(run.requested[0])
-        parks = False  # the run stops where it can be resumed: its thread is kept
+        parks = completed = False  # parks: its thread is kept for the run that resumes it
         try:
             try:
                 final, interrupts = await self._stream(run, graph, inp, control)
@@ -203,20 +209,37 @@ class WorkflowEngine:
                 raise
             finally:
                 run.on_request = None
-            parks = bool(interrupts)
+            if interrupts and run.requested is not None and run.requested[0] == "cancel":
+                _, reason, source = run.take_request()  # type: ignore[misc]
+                run.emit(ControlRequested("cancel", reason, source))
+                return await run.durable(RunCancelled(reason))
+            parks, completed = bool(interrupts), not interrupts
             return await run.durable(_parked(run, interrupts) if parks
                                      else RunCompleted(jsonable(final), Usage()))
         finally:
-            if not parks:
+            if not parks and not (completed and self.durable):  # a durable end leaves no task
                 with anyio.CancelScope(shield=True):  # a cancelled run ends too
                     await self.forget(graph, run.thread_key)
 
     async def forget(self, graph: Any, key: str) -> None:
-        """Engine side: delete thread ``key`` of ``graph`` unless the workflow is durable (the
-        end of a run that nothing will resume: ``play`` calls it; so does the Runtime when it
-        cancels a parked run)."""
+        """Engine side: thread ``key``'s run ended (cancelled or failed; a non-durable one
+        completed too) and nothing will resume it: ``play`` calls this, and so does the Runtime
+        when it cancels a parked run. A non-durable thread is deleted (an in-memory one would
+        stay for the life of the process). A durable one keeps its state but drops the tasks its
+        run stopped at (LangGraph's ``update_state(None, as_node=END)``), so the next run on
+        it starts from its own input and no ``tick`` wakes a sleep that was cancelled or
+        failed. A checkpointer that fails here is logged: the next run then carries on from the
+        last checkpoint, as after a process that died."""
         if not self.durable:
             await graph.checkpointer.adelete_thread(key)
+            return
+        config = _config(key)
+        try:
+            if (await graph.aget_state(config)).next:
+                await graph.aupdate_state(config, None, as_node="__end__")
+        except Exception as exc:
+            _log.warning("workflow %s: could not drop the stopped tasks of thread %r: %s: %s",
+                         self.name, key, type(exc).__name__, exc)
 
     async def _stream(self, run: RunHandle, graph: Any, inp: Any, control: Any
                       ) -> tuple[Any, Any]:
@@ -254,10 +277,23 @@ def resume_command(interrupt_id: str, value: Any) -> Any:
 
 def _parked(run: RunHandle, interrupts: Sequence[Any]) -> Any:
     intr = interrupts[0]
-    value = intr.value
-    if isinstance(value, dict) and value.get("kind") == "sleep" and "until" in value:
-        return RunSleeping(str(value["until"]), run.thread_id, intr.id)
-    return RunInterrupted(intr.id, jsonable(value), run.thread_id)
+    if _sleeps_until(intr.value) is not None:
+        return RunSleeping(intr.value["until"], run.thread_id, intr.id)
+    return RunInterrupted(intr.id, jsonable(intr.value), run.thread_id)
+
+
+def _sleeps_until(value: Any) -> datetime | None:
+    """When an interrupt's ``value`` sleeps until: ``sleep_until``'s ``{"kind": "sleep",
+    "until": <timezone-aware ISO time>}``, exactly; None for anything else, which is a question
+    for a human (``interrupt({"kind": "sleep", "until": "after lunch?"})`` is one)."""
+    if not (isinstance(value, dict) and value.keys() == {"kind", "until"}
+            and value["kind"] == "sleep" and isinstance(value["until"], str)):
+        return None
+    try:
+        until = datetime.fromisoformat(value["until"])
+    except ValueError:
+        return None
+    return until if until.utcoffset() is not None else None
 
 
 def _config(key: str) -> dict[str, Any]:
@@ -372,12 +408,12 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
     graphs = {}
     for spec in specs:
         if spec.kind == "workflow":
-            saver = durable if spec.engine.durable and durable is not None else _memory_saver()
+            saver = durable if spec.engine.durable and durable is not None else memory_saver()
             graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
     return graphs, close, locks
 
 
-def _memory_saver() -> Any:
+def memory_saver() -> Any:
     """An in-memory checkpointer whose ``delete_thread`` costs the thread's own entries."""
     return _run_saver_class()()
 
@@ -482,6 +518,12 @@ class PgThreadLocks(ThreadLocks):
                 await self._pool.putconn(conn)
 
 
+async def holds_thread(graph: Any, key: str) -> bool:
+    """Engine side: whether ``graph``'s checkpointer has thread ``key`` (a parked run's thread
+    lives in the memory of the process that parked it when its workflow is not durable)."""
+    return await graph.checkpointer.aget_tuple(_config(key)) is not None
+
+
 async def still_due(graph: Any, key: str, interrupt_id: str) -> bool:
     """Engine side: whether thread ``key`` of ``graph`` still waits on ``interrupt_id`` (a
     ticker that listed it may find another one resumed it since)."""
@@ -519,30 +561,44 @@ async def due_threads(graphs: dict[str, Any], now: datetime) -> list[tuple[str, 
                 continue
             seen.add(key)
             for intr in _pending_interrupts(ct):
-                if isinstance(intr.value, dict) and intr.value.get("kind") == "sleep":
-                    name, until = key.split(":", 1)[0], datetime.fromisoformat(intr.value["until"])
-                    if name in graphs and until <= now:
-                        out.append((key, name, until, intr.id))
+                until, name = _sleeps_until(intr.value), key.split(":", 1)[0]
+                if until is not None and name in graphs and until <= now:
+                    out.append((key, name, until, intr.id))
     return out
 
 
 # ============================================================================ headless, tools ====
 
 async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
-                       resume: Any = _NO_VALUE) -> Any:
+                       resume: Any = _NO_VALUE, *, own: set[str]) -> Any:
     """``Workflow.run`` / ``resume``: LangGraph's own run of ``graph``, no log; the final state
-    or an ``InterruptResult``. Raises ``ContentError`` for a non-mapping input."""
+    or an ``InterruptResult``. Raises ``ContentError`` for a non-mapping input.
+
+    ``own`` holds the parked threads the workflow made itself (a run given no ``thread_id``):
+    such a thread is deleted when its run ends, since no caller holds its id to go on with it
+    (a failed ``resume`` keeps it: the caller holds the id and may answer again)."""
     thread = thread_id or new_run_id()
     if resume is _NO_VALUE and not isinstance(input, typing.Mapping):
         raise ContentError(f"workflow {name!r} takes a mapping as input, "
                            f"got {type(input).__name__}")
+    ours = thread_id is None or thread_id in own
 
     async def play() -> Any:
         inp = dict(input) if resume is _NO_VALUE else _resume(resume)
-        out = await graph.ainvoke(inp, _config(thread))
+        try:
+            out = await graph.ainvoke(inp, _config(thread))
+        except BaseException:
+            if thread_id is None:  # nobody has its id
+                await graph.checkpointer.adelete_thread(thread)
+            raise
         found = out.get("__interrupt__") if isinstance(out, dict) else None
         if found:
+            if ours:
+                own.add(thread)
             return InterruptResult(found[0].value, thread)
+        if ours:
+            own.discard(thread)
+            await graph.checkpointer.adelete_thread(thread)
         return out
 
     return await on_asyncio(play)

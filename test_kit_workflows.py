@@ -567,6 +567,32 @@ async def test_headless_run_resume_and_as_tool_write_no_log(store):
     assert await store.runs() == []
 
 
+async def test_headless_runs_leave_no_thread_behind_unless_someone_can_go_on_with_it():
+    w = Workflow("w", graph(plan, ask, done))
+    saver = w._graph().checkpointer
+
+    def threads() -> list[str]:
+        return sorted({ct.config["configurable"]["thread_id"] for ct in saver.list(None)})
+
+    finished = Workflow("f", graph(plan, done))
+    for _ in range(3):  # no thread_id: nobody can go on with an ended run's thread
+        assert await finished.run({"log": []}) == {"log": ["plan", "done"]}
+    assert finished._graph().checkpointer.storage == {}
+    with pytest.raises(ValueError, match="node exploded"):
+        await Workflow("b", graph(plan, boom)).run({"log": []})
+    parked = await w.run({"log": []})
+    assert threads() == [parked.thread_id]  # waits for its answer: kept
+    assert (await w.resume(parked.thread_id, "ok"))["log"][-1] == "done"
+    assert threads() == [] and not (saver.blobs or saver.writes)
+    tool = finished.as_tool()
+    agent = Agent("a", tools=[tool], model=ScriptedModel([{"tool": "f", "args": {"log": []}}, "ok"]))
+    assert (await agent.run("go")).final_output == "ok"
+    assert finished._graph().checkpointer.storage == {}
+    await w.run({"log": ["mine"]}, thread_id="mine")  # a thread of the caller's: LangGraph's rules
+    await w.resume("mine", "yes")
+    assert threads() == ["mine"]
+
+
 # ------------------------------------------------------------------------ across processes ----
 
 CHILD = """
@@ -651,6 +677,163 @@ async def test_a_thread_whose_process_died_carries_on_from_its_checkpoint(tmp_pa
             state = await deck.run("crashy", {"log": ["not applied"]}, session_id="c1")
             assert state == {"log": ["plan", "hang_once", "done"]}  # plan did not run again
             assert (await store.read(dead_run))[-1].payload.error == "RunAbandoned"
+
+
+async def test_a_cancelled_or_failed_durable_run_leaves_no_task_for_a_later_run_or_tick(store):
+    """A durable run that ends by cancel or failure drops the tasks it stopped at: the next run
+    on its thread applies its own input, and no tick wakes a sleep that was cancelled or failed
+    (the cancelled sleeper's side effects used to play in a new run, a failing wake was retried
+    by every tick, and a thread whose run failed replayed the old input for good)."""
+    gate = Gate()
+
+    async def check(state: State) -> dict:
+        if state["log"][-1] == "bad":
+            raise ValueError("bad input")
+        return {"log": ["checked"]}
+
+    async def wake_and_fail(state: State) -> dict:
+        kit.sleep_until(datetime.fromisoformat(state["wake_at"]))
+        raise ValueError("failed after waking")
+
+    g = StateGraph(State)
+    g.add_node("gate", gate.node)
+    g.add_node("done", done)
+    g.add_edge(START, "gate").add_edge("gate", "done").add_edge("done", END)
+    flows = [durable_sleeper(), Workflow("check", graph(check, done), durable=True),
+             Workflow("waker", graph(wake_and_fail), durable=True), Workflow("gated", g, durable=True)]
+    later = NOW + timedelta(hours=1)
+    async with Deck(workflows=flows, store=store) as deck:
+        asleep = await deck.run("sleeper", {"log": [], "wake_at": NOW.isoformat()}, session_id="s")
+        await deck.cancel(asleep.run_id)
+        assert await deck.due_resumes(later) == [] and await deck.tick(later) == []
+        assert [i.status for i in await store.runs(name="sleeper")] == [RunStatus.CANCELLED]
+
+        await deck.run("waker", {"log": [], "wake_at": NOW.isoformat()}, session_id="w")
+        with pytest.raises(ValueError, match="failed after waking"):
+            await deck.tick(later)
+        assert await deck.tick(later) == []  # woken once, failed once
+        assert [i.status for i in await store.runs(name="waker")] == [RunStatus.FAILED]
+
+        with pytest.raises(ValueError, match="bad input"):
+            await deck.run("check", {"log": ["bad"]}, session_id="c")
+        assert (await deck.run("check", {"log": ["good"]}, session_id="c"))["log"][-3:] == [
+            "good", "checked", "done"]
+
+        results: list = []
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                async def play() -> None:
+                    try:
+                        results.append(await deck.run("gated", {"log": ["first"]}, session_id="g",
+                                                      run_id="gated-1"))
+                    except Exception as exc:
+                        results.append(exc)
+                tg.start_soon(play)
+                await gate.until_entered()
+                await deck.cancel("gated-1")
+                gate.release.set()
+        assert isinstance(results[0], kit.RunStoppedError)
+        state = await deck.run("gated", {"log": ["second"]}, session_id="g")
+        assert state["log"][-3:] == ["second", "gate", "done"]  # its input, not the rest of the first
+
+
+async def test_a_cancel_asked_while_the_run_heads_for_an_interrupt_cancels_it(store):
+    """The cancel lands while the node before the interrupt works: the run used to park
+    WAITING_HUMAN with the cancel forgotten (accepted, 202 over HTTP) and its thread held."""
+    gate = Gate()
+
+    def gated_ask(state: State) -> dict:
+        gate.node(state)
+        return {"log": [f"answer={kit.interrupt({'question': 'approve?'})}"]}
+
+    for durable in (False, True):
+        gate.entered.clear()
+        gate.release.clear()
+        flows = [Workflow("w", graph(gated_ask, done), durable=durable)]
+        async with Deck(workflows=flows, store=store) as deck:
+            results: list = []
+            run_id = f"asked-{durable}"
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    async def play() -> None:
+                        try:
+                            results.append(await deck.run("w", {"log": []}, session_id=run_id,
+                                                          run_id=run_id))
+                        except Exception as exc:
+                            results.append(exc)
+                    tg.start_soon(play)
+                    await gate.until_entered()
+                    await deck.cancel(run_id, reason="changed my mind")
+                    gate.release.set()
+            assert isinstance(results[0], kit.RunStoppedError), results
+            assert kinds(await store.read(run_id)) == ["run.started", "control.requested",
+                                                     "run.cancelled"]
+            assert await deck.pending() == []
+            gate.release.set()
+            parked = await deck.run("w", {"log": ["again"]}, session_id=run_id)  # the thread is free
+            assert (await deck.answer(parked.run_id, "yes"))["log"][-2:] == ["answer=yes", "done"]
+
+
+async def test_an_interrupt_shaped_like_a_sleep_but_not_one_is_a_question(store):
+    async def odd_question(state: State) -> dict:
+        return {"log": [kit.interrupt({"kind": "sleep", "until": "after lunch?"})]}
+
+    async def naive_question(state: State) -> dict:
+        return {"log": [kit.interrupt({"kind": "sleep", "until": "2030-01-01T00:00:00"})]}
+
+    flows = [Workflow("odd", graph(odd_question), durable=True),
+             Workflow("naive", graph(naive_question), durable=True), durable_sleeper()]
+    async with Deck(workflows=flows, store=store) as deck:
+        odd = await deck.run("odd", {"log": []}, session_id="o")
+        naive = await deck.run("naive", {"log": []}, session_id="n")
+        sleeper = await deck.run("sleeper", {"log": [], "wake_at": NOW.isoformat()}, session_id="s")
+        assert {p.run_id for p in await deck.pending()} == {odd.run_id, naive.run_id}
+        assert await deck.status(odd.run_id) is RunStatus.WAITING_HUMAN
+        [ticked] = await deck.tick(NOW)  # the questions hold up no sleeper
+        assert (ticked.thread_id, ticked.result["log"][-1]) == ("s", "done")
+        assert await deck.status(sleeper.run_id) is RunStatus.COMPLETED
+        assert await deck.answer(odd.run_id, "after lunch it is") == {"log": ["after lunch it is"]}
+
+
+async def test_a_parked_non_durable_run_another_process_holds_is_refused_and_keeps_waiting(tmp_path):
+    """Its checkpoints live in the memory of the process that parked it: answering or resuming it
+    from another deck used to replay the graph from START on an empty state (the answer lost,
+    the question asked again) or fail the paused run with LangGraph's EmptyInputError."""
+    gate = Gate()
+    g = StateGraph(State)
+    g.add_node("gate", gate.node)
+    g.add_node("done", done)
+    g.add_edge(START, "gate").add_edge("gate", "done").add_edge("done", END)
+    flows = lambda: [Workflow("ask", graph(plan, ask, done)), Workflow("gated", g)]  # noqa: E731
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck(workflows=flows(), store=store) as deck:
+            parked = await deck.run("ask", {"log": ["input"]}, session_id="q")
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    async def play() -> None:
+                        with pytest.raises(kit.RunStoppedError):
+                            await deck.run("gated", {"log": []}, run_id="paused")
+                    tg.start_soon(play)
+                    await gate.until_entered()
+                    await deck.pause("paused")
+                    gate.release.set()
+    async with SQLiteStore(tmp_path / "kit.db") as store:  # a restart: that memory is gone
+        async with Deck(workflows=flows(), store=store) as deck:
+            before = kinds(await store.read(parked.run_id))
+            with pytest.raises(kit.CheckpointMissingError, match="not durable") as refused:
+                await deck.answer(parked.run_id, "yes")
+            assert (refused.value.run_id, refused.value.workflow) == (parked.run_id, "ask")
+            assert kinds(await store.read(parked.run_id)) == before
+            assert [p.run_id for p in await deck.pending()] == [parked.run_id]
+            with pytest.raises(kit.CheckpointMissingError):
+                await deck.resume("paused")
+            assert await deck.status("paused") is RunStatus.PAUSED
+            with pytest.raises(kit.CheckpointMissingError):
+                async for _ in deck.stream_answer(parked.run_id, "yes"):
+                    pass
+            await deck.cancel(parked.run_id)  # the way out: its thread is free again
+            again = await deck.run("ask", {"log": ["again"]}, session_id="q")
+            assert (await deck.answer(again.run_id, "yes"))["log"] == ["again", "plan", "answer=yes", "done"]
 
 
 ORPHAN = """
