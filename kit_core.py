@@ -117,14 +117,28 @@ class Payload:
         return cls(**{n: obj[n] for n in cls._fields if n in obj})
 
 
+#: The longest integer the log takes (bits): Python writes no integer past 4,300 decimal digits
+#: (about 14,280 bits) as JSON text, so one that long is refused where it is made.
+MAX_INT_BITS = 14_000
+
+
 def jsonable(v: Any) -> Any:
     """``v`` as JSON-ready data: blocks, usage, enums, datetimes and pydantic models converted,
-    anything else unknown as its ``str``. Every payload field goes through it."""
-    if v is None or type(v) in (str, int, float, bool):
+    anything else unknown as its ``str``. Every payload field goes through it, when its event is
+    made. Raises ``ContentError`` for an integer past ``MAX_INT_BITS``, which no JSON text the
+    log could write holds (the run that made it fails; the store never sees it)."""
+    if v is None or type(v) in (str, float, bool):
+        return v
+    if type(v) is int:
+        if v.bit_length() > MAX_INT_BITS:
+            raise ContentError(f"an integer of {v.bit_length():,} bits cannot be written to the "
+                               f"log as JSON (at most {MAX_INT_BITS:,}); return it as a string")
         return v
     if isinstance(v, enum.Enum):
         return jsonable(v.value)
-    if isinstance(v, (str, int, float)):
+    if isinstance(v, int):
+        return jsonable(int(v))
+    if isinstance(v, (str, float)):
         return v
     if isinstance(v, Usage):
         return v.to_json()

@@ -509,7 +509,8 @@ class PostgresStore(StoreBase):
         """Text that is not UTF-8, a NUL or another value out of a type's range (class 22), or
         one too big to index (past ~2.7 kB: "index row size exceeds btree maximum")."""
         errors = _psycopg().errors
-        return isinstance(exc, (UnicodeEncodeError, errors.DataError, errors.ProgramLimitExceeded))
+        return super()._unstorable(exc) or isinstance(exc, (errors.DataError,
+                                                            errors.ProgramLimitExceeded))
 
     async def _connect(self) -> Any:
         pool = await open_pool(self._conninfo, self.schema, create=not self.read_only)

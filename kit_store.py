@@ -46,7 +46,7 @@ import orjson
 
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunFailed,
                       RunInfo, RunStarted, RunStatus, SessionBusyError, fold_status)
-from kit_storebase import StoreBase
+from kit_storebase import NotJSONError, StoreBase
 
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
            "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS",
@@ -135,13 +135,17 @@ RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_a
 def event_row(e: Event) -> tuple[str, int, str, str]:
     """``(run_id, seq, kind, body)``: an event as the stores keep it, ``body`` its JSON text."""
     # orjson (a dependency of langgraph's): ~5x faster than json here, on every event written.
-    obj = e.to_json()
     try:
-        body = orjson.dumps(obj).decode()
-    except TypeError:  # a lone surrogate a model or tool produced, or an integer past 64 bits:
-        # ASCII-escaped JSON keeps them exactly, and a leading space tells ``event_of`` to read
-        # it with the stdlib (orjson would refuse the one and make the other a float).
-        body = " " + json.dumps(obj, separators=(",", ":"))
+        obj = e.to_json()
+        try:
+            body = orjson.dumps(obj).decode()
+        except TypeError:  # a lone surrogate a model or tool produced, an integer past 64 bits:
+            # ASCII-escaped JSON keeps them exactly, and a leading space tells ``event_of`` to
+            # read it with the stdlib (orjson would refuse the one and make the other a float).
+            body = " " + json.dumps(obj, separators=(",", ":"))
+    except (ValueError, RecursionError) as exc:  # a huge integer; data nested too deep
+        raise NotJSONError(f"{e.kind} of run {e.run_id} cannot be written as JSON: "
+                           f"{type(exc).__name__}: {str(exc)[:200]}") from None
     return e.run_id, e.seq, e.kind, body
 
 
@@ -479,7 +483,7 @@ class SQLiteStore(StoreBase):
             "locked" in str(exc) or "busy" in str(exc))
 
     def _unstorable(self, exc: Exception) -> bool:
-        return isinstance(exc, (UnicodeEncodeError, sqlite3.DataError))  # (too big, too)
+        return super()._unstorable(exc) or isinstance(exc, sqlite3.DataError)  # (too big, too)
 
     def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None:
         sql = "UPDATE leases SET lease_until = ? WHERE owner = ? AND lease_until IS NOT NULL"

@@ -30,7 +30,7 @@ import anyio.lowlevel
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError,
                       RunInfo, RunStatus, UnknownRunError)
 
-__all__ = ("StoreBase", "unstorable", "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
+__all__ = ("StoreBase", "unstorable", "NotJSONError", "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
 #: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
@@ -54,6 +54,12 @@ def _check_unique(events: Sequence[Event]) -> None:
         if not seen.isdisjoint(keys):
             raise LogConflictError(e.run_id, e.seq)
         seen.update(keys)
+
+
+class NotJSONError(ValueError):
+    """An event no JSON text can carry (an integer past Python's 4,300 digits, data nested past
+    the recursion limit): raised by a store's serialiser, refused like any value the storage
+    cannot hold (``unstorable``)."""
 
 
 def unstorable(exc: Exception) -> ConfigError:
@@ -173,8 +179,9 @@ class StoreBase:
 
     def _unstorable(self, exc: Exception) -> bool:
         """Whether ``exc`` means "the storage cannot hold a value it was given" (storage-specific;
-        text that is not UTF-8, a lone surrogate, for every store): ``unstorable``."""
-        return isinstance(exc, UnicodeEncodeError)
+        text that is not UTF-8, a lone surrogate, an event no JSON can carry, for every
+        store): ``unstorable``."""
+        return isinstance(exc, (UnicodeEncodeError, NotJSONError))
 
     # ---------------------------------------------------------------------- wake-ups --
     def _woken(self, run_id: str | None, seq: int | None) -> None:

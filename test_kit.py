@@ -320,6 +320,25 @@ async def test_a_tool_error_goes_back_to_the_model(store):
         assert result.output == "sorry"
 
 
+async def test_a_tool_result_no_json_can_carry_fails_its_run_and_no_other(store):
+    """An integer past 4,300 digits: the store's serialiser failed on it, which the writer took
+    for an outage, so every run of the deck waited behind it and then failed."""
+    def huge() -> int:
+        """A number too long to write."""
+        return 10 ** 5000
+
+    bad = Agent("bad", tools=[huge], model=ScriptedModel([{"tool": "huge", "args": {}}, "done"]))
+    good = Agent("good", model=ScriptedModel(["hello"], cycle=True))
+    async with Deck([bad, good], store=store) as deck:
+        with anyio.fail_after(10):
+            with pytest.raises(Exception, match="cannot be written to the log as JSON"):
+                await deck.run("bad", "go", run_id="bad-run")
+            assert (await deck.run("good", "hi")).output == "hello"
+        log = await store.read("bad-run")
+        assert log[-1].kind == "run.failed" and "cannot be written" in log[-1].payload.message
+        assert [e.seq for e in log] == list(range(len(log)))
+
+
 class Answer(pydantic.BaseModel):
     city: str
     temp: int
