@@ -659,17 +659,25 @@ class PostgresStore(StoreBase):
 
     async def _fetch(self, query: str, args: Sequence[Any] = (), *,
                      again: bool = True) -> list[tuple[Any, ...]]:
-        """Rows of ``query``; with ``again`` (a read), once more when the connection turns out
-        dead, after the pool has dropped every dead one (after a server restart, all are)."""
-        psycopg = _psycopg()
+        """Rows of ``query``; with ``again`` (a read), once more on a live connection when the
+        first turns out dead (``_on_live``)."""
+        async def fetch(conn: Any) -> list[tuple[Any, ...]]:
+            return await (await conn.execute(query, args)).fetchall()
+        return await self._on_live(fetch, again=again)
+
+    async def _on_live(self, work: Callable[[Any], Any], *, again: bool = True) -> Any:
+        """``await work(conn)`` on a pooled connection; with ``again`` (work that may run twice:
+        a read, an idempotent write, a transaction that rolls back when its connection dies),
+        once more when that connection turns out dead, after the pool has dropped every dead
+        one (after a server restart or a failover, all are)."""
         try:
             async with self._pool.connection() as conn:
-                return await (await conn.execute(query, args)).fetchall()
-        except psycopg.OperationalError:
+                return await work(conn)
+        except _psycopg().OperationalError:
             if not again:
                 raise
         await self._pool.check()
-        return await self._fetch(query, args, again=False)
+        return await self._on_live(work, again=False)
 
     async def _read(self, run_id: str, after: int) -> list[Event]:
         rows = await self._fetch("SELECT body FROM events WHERE run_id = %s AND seq > %s "
@@ -687,22 +695,28 @@ class PostgresStore(StoreBase):
         return run_row(rows[0]) if rows else None
 
     async def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None:
+        # On a live connection: a pool whose connections were dropped (a failover, an idle
+        # timeout) must not cost a renewal, or another replica reaps this one's live runs.
         sql = "UPDATE leases SET lease_until = %s WHERE owner = %s AND lease_until IS NOT NULL"
-        async with self._pool.connection() as conn:
+
+        async def renew(conn: Any) -> None:
             if run_ids is None:
                 await conn.execute(sql, (until, owner))
             else:
                 await conn.execute(sql + " AND run_id = ANY(%s::text[])", (until, owner, run_ids))
+        await self._on_live(renew)
 
     async def _reap(self, now: float) -> list[str]:
         # Locked and skipped: two reapers (two replicas) never abandon the same run twice.
-        async with self._pool.connection() as conn, conn.transaction():
-            lapsed = [r for (r,) in await (await conn.execute(
-                "SELECT run_id FROM leases WHERE lease_until IS NOT NULL AND lease_until < %s "
-                "ORDER BY run_id FOR UPDATE SKIP LOCKED", (now,))).fetchall()]
-            for run_id in lapsed:
-                await self._abandon(conn, run_id)
-        return lapsed
+        async def reap(conn: Any) -> list[str]:
+            async with conn.transaction():
+                lapsed = [r for (r,) in await (await conn.execute(
+                    "SELECT run_id FROM leases WHERE lease_until IS NOT NULL AND lease_until < %s "
+                    "ORDER BY run_id FOR UPDATE SKIP LOCKED", (now,))).fetchall()]
+                for run_id in lapsed:
+                    await self._abandon(conn, run_id)
+            return lapsed
+        return await self._on_live(reap)
 
     async def _holder(self, session_id: str, namespace: str) -> str | None:
         rows = await self._fetch("SELECT run_id FROM leases WHERE namespace = %s AND "

@@ -53,12 +53,12 @@ import kit_observers
 import kit_workflows
 from kit_bridge import Bridge
 from kit_core import (
-    CheckpointMissingError, Claim, ConfigError, ControlRequest, ControlRequested, DeckStateError, Due, Event,
-    InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled, RunCompleted,
-    RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed, RunSleeping, RunStarted,
-    NewRunId, RunStatus, RunStoppedError, SessionBusyError, StoreUnavailableError, Ticked,
-    TurnResult, UnknownNameError, UnknownRunError, as_blocks, as_history, check_id, check_name,
-    check_text, count_setting, new_run_id,
+    CheckpointMissingError, Claim, ConfigError, ControlRequest, ControlRequested, DeckStateError,
+    Due, Event, InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled,
+    RunCompleted, RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed,
+    RunSleeping, RunStarted, NewRunId, RunStatus, RunStoppedError, SessionBusyError,
+    StoreUnavailableError, Ticked, TurnResult, UnknownNameError, UnknownRunError, as_blocks,
+    as_history, check_id, check_name, check_text, count_setting, new_run_id,
 )
 from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
@@ -313,7 +313,10 @@ class Runtime:
             self.bridge.start()
             self._tg.start_soon(self.bridge.pump, self._on_mail)
         self._tg.start_soon(self.writer.run)
-        self._tg.start_soon(self._every, self.lease / 3, self._keep_leases, "renewing leases")
+        # A renewal that fails is tried again well within the lease (a backoff past it would
+        # let another process reap this one's live runs as abandoned).
+        self._tg.start_soon(self._every, self.lease / 3, self._keep_leases, "renewing leases",
+                            self.lease / 6)
         backlog = await self.store.requests()  # older requests are history, not orders
         self._seen_request = backlog[-1].id if backlog else 0
         self._tg.start_soon(self._every, CONTROL_RETRY, self._watch_requests,
@@ -417,12 +420,13 @@ class Runtime:
         """Engine side: call ``fn()`` on the kit side, soon."""
         self.bridge.to_kit(fn) if self.bridge else fn()
 
-    async def _every(self, seconds: float, step: Callable[[], Any], what: str) -> None:
+    async def _every(self, seconds: float, step: Callable[[], Any], what: str,
+                     most: float = BACKOFF_MAX) -> None:
         """Call ``step`` every ``seconds``, forever. A failing step (a store that is down or
-        locked) is logged once per burst and retried with backoff; it never ends the loop, and
-        never the deck. A step that runs for good (the control watch) and fails after working
-        for longer than it last waited starts a new burst: its backoff does not ratchet up to
-        ``BACKOFF_MAX`` over a process's life."""
+        locked) is logged once per burst and retried with backoff, up to ``most`` apart; it
+        never ends the loop, and never the deck. A step that runs for good (the control watch)
+        and fails after working for longer than it last waited starts a new burst: its backoff
+        does not ratchet up to ``most`` over a process's life."""
         delay = seconds
         while True:
             await anyio.sleep(delay)
@@ -435,7 +439,7 @@ class Runtime:
                 if delay == seconds:
                     _log.warning("%s failed (%s: %s); retrying with backoff", what,
                                  type(exc).__name__, exc)
-                delay = min(max(delay * 2, 1.0), BACKOFF_MAX)
+                delay = min(max(delay * 2, 1.0), most)
             else:
                 if delay != seconds:
                     _log.warning("%s works again", what)

@@ -28,7 +28,7 @@ from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableEr
 from kit_pg import store_from_url
 from kit_store import SQLiteStore
 from test_kit import CountingStore
-from test_kit_control import Gate
+from test_kit_control import Gate, multi_turn_agent, start_in_background
 from test_kit_http import served
 from test_kit_observers import Recorder
 from test_kit_workflows import State, durable_approval
@@ -43,7 +43,7 @@ class FaultyStore(SQLiteStore):
 
     ``fail_appends`` appends raise ``OSError`` before writing anything (a disk or network gone
     for a moment); ``down`` makes every append raise until cleared; ``fail_background`` renewals
-    and control-request reads raise that many times; ``fail_requests`` control-request reads
+    and control-request reads raise that many times, ``fail_renewals`` renewals alone; ``fail_requests`` control-request reads
     alone, and ``fail_reads`` lookups of a run (``run_info``), raise that many times. While
     ``stall()`` holds, appends wait (a slow disk or network: the writer's batch in flight, the
     next one gathering); ``stalled`` is set once one waits.
@@ -54,6 +54,7 @@ class FaultyStore(SQLiteStore):
         self.fail_appends = 0
         self.down = False
         self.fail_background = 0
+        self.fail_renewals = 0
         self.fail_reads = 0
         self.fail_requests = 0
         self.failures = 0
@@ -88,7 +89,7 @@ class FaultyStore(SQLiteStore):
                 raise OSError("injected: the store went away")
 
     async def renew(self, owner, lease_seconds, run_ids=None):
-        self._fault("fail_background")
+        self._fault("fail_renewals", "fail_background")
         await super().renew(owner, lease_seconds, run_ids)
 
     async def requests(self, after=0):
@@ -387,6 +388,29 @@ async def test_a_resume_request_that_meets_a_store_blip_is_taken_up_once_it_pass
                     return (await cli.run_info(run_id)).status is RunStatus.COMPLETED
                 await until(completed, timeout=20)
             assert store.failures == 1 and await deck.status(run_id) is RunStatus.COMPLETED
+
+
+async def test_a_renewal_that_fails_is_tried_again_within_the_lease(tmp_path, monkeypatch):
+    """A renewal failed twice (a dropped connection, a locked file) backed off past the lease:
+    the renewals came 1 s, then 2 s apart, and another process reaped the live run as abandoned
+    (its caller got LogConflictError, the turn was lost)."""
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "1.5")
+    gate = Gate()
+    async with FaultyStore(tmp_path / "kit.db") as store, SQLiteStore(tmp_path / "kit.db") as other:
+        async with Deck([multi_turn_agent(gate)], store=store) as deck:
+            results: list = []
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    await start_in_background(tg, deck, results, "worker", "go", run_id="live")
+                    await gate.until_entered()
+                    store.fail_renewals = 2
+                    reaped: list[str] = []
+                    for _ in range(30):  # three leases of another process reaping
+                        reaped += await other.reap()
+                        await anyio.sleep(0.1)
+                    gate.release.set()
+            assert store.failures == 2 and reaped == []
+            assert results[0].output == "all done", results
 
 
 async def test_a_value_the_store_cannot_hold_costs_only_its_own_run(shared_url):

@@ -783,6 +783,17 @@ def kill_connections(url: str, name: str = "kit-listen") -> int:
                                 "WHERE application_name = %s", (f"{name}:{schema}",)).fetchall())
 
 
+async def test_lease_renewal_and_reaping_survive_dropped_pool_connections(postgres_url):
+    """A pool whose connections the server dropped (a failover, an idle timeout) failed the
+    next renewal on a dead one: with the deck's backoff, another replica then reaped this one's
+    live runs as abandoned (their callers got LogConflictError, the turns were lost)."""
+    async with PostgresStore(postgres_url) as store:
+        await store.runs()  # the pool's connection is made, and sits idle
+        for call in (lambda: store.renew("owner", 5.0), store.reap):
+            assert await anyio.to_thread.run_sync(kill_connections, postgres_url, "kit") >= 1
+            await call()  # used to raise AdminShutdown
+
+
 async def test_a_lost_listener_reconnects_and_its_followers_miss_nothing(postgres_url):
     got: list[Event] = []
     async with store_from_url(postgres_url) as writer, store_from_url(postgres_url) as reader:
