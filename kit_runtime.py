@@ -810,6 +810,8 @@ class Runtime:
             return
         if info.status is not RunStatus.CANCELLED:
             last = (await self.store.read(req.run_id))[-1]
+            if last.payload.ends != "parking":  # resumed since: its player hears the request
+                return
             try:
                 with self._fence(req.run_id, last.seq + 1):
                     await self._write(None, [
@@ -852,6 +854,8 @@ class Runtime:
         if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
             return None
         paused = (await self.store.read(run_id))[-1]
+        if paused.kind != "run.paused":  # resumed since the index was read: not ours to take
+            return None
         run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
         if spec.kind == "workflow":
             await self._check_thread(run)

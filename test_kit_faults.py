@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import kit_writer
 from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableError, TextDelta, Workflow
 from kit_pg import store_from_url
 from kit_store import SQLiteStore
-from test_kit import CountingStore
+from test_kit import CountingStore, kinds
 from test_kit_control import Gate, multi_turn_agent, start_in_background
 from test_kit_http import served
 from test_kit_observers import Recorder
@@ -411,6 +412,89 @@ async def test_a_renewal_that_fails_is_tried_again_within_the_lease(tmp_path, mo
                     gate.release.set()
             assert store.failures == 2 and reaped == []
             assert results[0].output == "all done", results
+
+
+class HeldReads(SQLiteStore):
+    """The real SQLite store whose next read of a run's log waits while ``hold`` is set: a
+    caller that read the run index, then lost the CPU before reading the log."""
+
+    hold: anyio.Event | None = None
+    holding: anyio.Event | None = None
+
+    async def read(self, run_id, after=-1):
+        if self.hold is not None:
+            hold, self.hold = self.hold, None
+            self.holding.set()
+            await hold.wait()
+        return await super().read(run_id, after)
+
+
+RESUMER = """
+import os, sys, time, anyio, kit
+from kit_store import SQLiteStore
+
+def wait(step: int) -> str:
+    \"\"\"Wait for the test.\"\"\"
+    print("entered", flush=True)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return f"step {step} done"
+
+async def main():  # another replica resumes the paused run; its tool waits for the test
+    agent = kit.Agent("worker", tools=[wait], model=kit.ScriptedModel(
+        [{"tool": "wait", "args": {"step": 1}}, "all done"]))
+    async with SQLiteStore(sys.argv[1]) as store:
+        async with kit.Deck([agent], store=store) as deck:
+            print(kit.RunStatus(await deck.status(sys.argv[2])).value
+                  if not await deck.resume(sys.argv[2]) else "resumed", flush=True)
+
+anyio.run(main)
+"""
+
+
+async def test_a_paused_run_resumed_meanwhile_elsewhere_is_not_taken_again(tmp_path):
+    """A replica saw the run PAUSED in the index, then read its log after another replica had
+    resumed it: it wrote its own resume after the other's events and played the run too (the
+    tool ran in both processes, and the first player's next event was refused)."""
+    run_id, release = kit.new_run_id(), tmp_path / "release"
+    gate = Gate()
+    async with HeldReads(tmp_path / "kit.db") as store:
+        await store.append([  # a paused agent run, as another process left it
+            Event(run_id, 0, kit.RunStarted("worker", "agent", None, None, (kit.TextBlock("go"),)),
+                  "worker"),
+            Event(run_id, 1, kit.ControlRequested("pause", None, "api"), "worker"),
+            Event(run_id, 2, kit.RunPaused(None, [{"role": "user", "content": "go"}]), "worker")])
+        async with Deck([multi_turn_agent(gate)], store=store) as deck:
+            results: list = []
+            child = subprocess.Popen([sys.executable, "-c", RESUMER, str(tmp_path / "kit.db"),
+                                      run_id, str(release)], cwd=HERE, stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, "PYTHONPATH": str(HERE)})
+            try:
+                with anyio.fail_after(60):
+                    async with anyio.create_task_group() as tg:
+                        store.hold, store.holding = anyio.Event(), anyio.Event()
+                        hold = store.hold
+
+                        async def resume() -> None:
+                            results.append(await deck.resume(run_id))
+                        tg.start_soon(resume)
+                        await store.holding.wait()  # this deck saw PAUSED, and waits to read
+                        line = await anyio.to_thread.run_sync(child.stdout.readline)
+                        assert line.strip() == "entered"  # the other replica plays it
+                        hold.set()
+                    release.touch()
+                    gate.release.set()
+                    out = await anyio.to_thread.run_sync(child.communicate)
+            finally:
+                release.touch()
+                gate.release.set()
+                child.kill()
+            assert out[0].strip() == "resumed" and child.returncode == 0
+            log = await store.read(run_id)
+            assert results == [[]] and not gate.entered.is_set()  # nothing played here
+            assert kinds(log).count("run.resumed") == 1 and kinds(log)[-1] == "run.completed"
+            assert [e.seq for e in log] == list(range(len(log)))
 
 
 async def test_a_value_the_store_cannot_hold_costs_only_its_own_run(shared_url):
