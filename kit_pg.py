@@ -104,6 +104,8 @@ _LOCK_PATIENCE = 60.0
 #: Takeovers of lapsed sessions one append tries before calling the session busy.
 _TAKEOVERS = 3
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,58}$")
+#: What precedes the user info of a URL whose ``://`` is misspelt: a scheme, a colon, slashes.
+_SCHEME_TYPO = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]*:?/+)?")
 _log = logging.getLogger("kit.pg")
 
 
@@ -116,14 +118,21 @@ def masked(url: str) -> str:
     ``@``, whatever ``urlsplit`` makes of it: an unencoded ``/``, ``?`` or ``#`` in a password
     ends ``urlsplit``'s host early (it then sees no user info at all), and an ``@`` in it is
     libpq's end of the user info, so a narrower cut would show a fragment. A user name that
-    holds such a character is hidden too (``scheme://***@host``)."""
+    holds such a character is hidden too (``scheme://***@host``). A URL whose ``://`` is
+    misspelt (``postgresql:/``, ``redis//``) is masked the same way after its scheme and
+    slashes, which stay as typed: the reader must see the typo, never the password."""
     scheme, sep, rest = url.partition("://")
+    if not sep:
+        prefix = _SCHEME_TYPO.match(url)
+        scheme, sep, rest = "", url[:prefix.end()], url[prefix.end():]
+    else:
+        sep = f"{scheme}://"
     userinfo, at, host = rest.rpartition("@")
-    if not (sep and at and ":" in userinfo):
+    if not (at and ":" in userinfo):
         return url
     user = userinfo.partition(":")[0]
     shown = "" if set(user) & set("/?#@[") else f"{user}:"
-    return f"{scheme}://{shown}***@{host}"
+    return f"{sep}{shown}***@{host}"
 
 
 def pg_url(url: str) -> tuple[str, str]:

@@ -1157,6 +1157,26 @@ async def test_a_password_with_unencoded_url_characters_never_reaches_an_error()
     assert kit_pg.masked("postgresql://bob:PW1%2FPW2@h/x") == "postgresql://bob:***@h/x"
 
 
+async def test_a_url_whose_scheme_separator_is_misspelt_shows_the_typo_never_the_password(
+        monkeypatch):
+    typos = {"postgresql:/bob:PW1@h/x": "postgresql:/bob:***@h/x",
+             "postgresql//bob:PW1@h/x": "postgresql//bob:***@h/x",
+             "redis//:PW1@h:6379/0": "redis//:***@h:6379/0",
+             "postgresql:bob:PW1@h/x": "postgresql:***@h/x", "bob:PW1@h/x": "bob:***@h/x"}
+    for url, shown in typos.items():
+        assert kit_pg.masked(url) == shown
+        with pytest.raises(kit.ConfigError) as info:
+            store_from_url(url)
+        assert "PW" not in str(info.value) and shown in str(info.value), url
+    code, err = await kit_runs_list("postgresql:/bob:PW1@h/x")
+    assert code == 2 and "PW" not in err and "postgresql:/bob:***@h/x" in err, err
+    monkeypatch.setenv("KIT_SESSION", "redis//:PW1@h:6379/0")
+    with pytest.raises(kit.ConfigError) as info:
+        async with kit.Deck([kit.Agent("a", model=kit.ScriptedModel(["hi"]))]):
+            pass
+    assert "PW" not in str(info.value) and "redis//:***@h" in str(info.value)
+
+
 async def test_a_malformed_url_is_a_config_error_never_a_traceback():
     for url in ("foo://[x", "postgresql://[::1/x", "postgresql://u:PW1@[::1", "sqlite://[x"):
         assert "PW" not in kit_pg.masked(url)  # never raises either
