@@ -289,26 +289,41 @@ def _compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
 
     The schema is the SDK's own (``function_schema``, docstring descriptions included) built
     over the function's signature without its context parameters, so the model never sees them.
-    The tool's exception goes back to the model as an error string, not a failed run.
+    Annotations are resolved in the function's own module first (``from __future__ import
+    annotations`` leaves them as strings, which the schema would look up in this module). A
+    ``functools.partial`` is its function's tool, less the arguments it binds. The tool's
+    exception goes back to the model as an error string, not a failed run. Raises
+    ``ConfigError`` naming the tool when it has no name or its schema cannot be built.
     """
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(target, "__name__", None)
+    if not isinstance(name, str):
+        raise ConfigError(f"agent {agent!r}: tool {fn!r} has no __name__ to call it by; make it "
+                          "a function (def), or an SDK FunctionTool")
     sig = inspect.signature(fn)
-    ctx_names = [p.name for p in sig.parameters.values() if is_context(p.annotation)]
-    if ctx_names and any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
-        raise ConfigError(f"agent {agent!r}: tool {fn.__name__} takes *args and a Context parameter")
-    visible = [p for p in sig.parameters.values() if p.name not in ctx_names]
+    try:
+        hints = typing.get_type_hints(target, include_extras=True)
+    except Exception:  # e.g. a Context[T] whose T is imported for type checkers only: the
+        hints = {}  # schema reads the rest as written, and names one it cannot resolve
+    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
+    ctx_names = [p.name for p in params if is_context(p.annotation)]
+    if ctx_names and any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(f"agent {agent!r}: tool {name} takes *args and a Context parameter")
+    visible = [p for p in params if p.name not in ctx_names]
 
     def proxy(*a: Any, **k: Any) -> Any:  # only its signature and docs are read
         raise AssertionError
 
-    proxy.__name__, proxy.__qualname__, proxy.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    proxy.__module__ = fn.__module__
-    proxy.__signature__ = sig.replace(parameters=visible)  # type: ignore[attr-defined]
-    proxy.__annotations__ = {k: v for k, v in getattr(fn, "__annotations__", {}).items()
-                             if k not in ctx_names}
+    proxy.__name__, proxy.__doc__ = name, target.__doc__
+    proxy.__qualname__ = getattr(target, "__qualname__", name)
+    proxy.__module__ = getattr(target, "__module__", None)
+    proxy.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=visible, return_annotation=hints.get("return", sig.return_annotation))
+    proxy.__annotations__ = {p.name: p.annotation for p in visible if p.annotation is not p.empty}
     try:
         schema = function_schema(proxy)
     except Exception as exc:
-        raise ConfigError(f"agent {agent!r}: cannot build a schema for tool {fn.__name__}: {exc}") from None
+        raise ConfigError(f"agent {agent!r}: cannot build a schema for tool {name}: {exc}") from None
     names = [p.name for p in visible]
     is_async = inspect.iscoroutinefunction(fn)
 
@@ -316,7 +331,7 @@ def _compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
         run = tool_ctx.context
         try:
             if ctx_names and not isinstance(run, RunHandle):  # SPEC 7: refused, the model is told
-                raise ConfigError(f"tool {fn.__name__} requires a kit run context, but the run "
+                raise ConfigError(f"tool {name} requires a kit run context, but the run "
                                   f"carries {type(run).__name__} rather than a run context "
                                   "(headless Agent.run?)")
             parsed = schema.params_pydantic_model(**json.loads(args_json or "{}"))
@@ -490,10 +505,17 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
     tools = [t if isinstance(t, SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
     if skills:
         tools.append(_skill_tool(agent.name, skills))
+    tools += extra_tools
+    names = [getattr(t, "name", None) for t in tools]
+    twice = sorted({n for n in names if n is not None and names.count(n) > 1})
+    if twice:  # the model would see both, and every call would reach one of them
+        raise ConfigError(f"agent {agent.name!r} has more than one tool named "
+                          f"{', '.join(map(repr, twice))} (its tools, its workflows' tools and "
+                          "load_skill share one namespace); rename one")
     try:
         return sdk.Agent(
             name=agent.name, instructions=_instructions(agent, _skill_catalog(skills)),
-            tools=tools + list(extra_tools),
+            tools=tools,
             hooks=_UserHooks(agent.hooks) if agent.hooks is not None else None, model=model,
             model_settings=agent.model_settings or sdk.ModelSettings(),
             output_type=agent.output_type,

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import base64
+import enum
+import functools
 import inspect
 import json
 import os
@@ -10,6 +12,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Literal
 
 import agents
 import anyio
@@ -392,6 +395,55 @@ async def test_sdk_tool_objects_pass_through(store):
         result = await deck.run("a", "x")
         [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
         assert done.payload.output == 42
+
+
+class Finish(enum.Enum):
+    MATTE = "matte"
+    GLOSS = "gloss"
+
+
+def paint(color: Literal["red", "blue"], finish: Finish = Finish.MATTE) -> str:
+    """Paint something."""
+    return f"{color} {finish.value}"
+
+
+def scale(factor: int, x: int) -> int:
+    """Scale x."""
+    return factor * x
+
+
+async def test_tools_of_postponed_annotations_and_partials_build_and_play(store):
+    """This module has ``from __future__ import annotations``: a tool naming its own module's
+    types (an Enum, a Literal) failed to build ("name 'Finish' is not defined"), and a
+    ``functools.partial`` failed with a bare AttributeError."""
+    model = ScriptedModel([{"tool": "paint", "args": {"color": "red", "finish": "gloss"}},
+                           {"tool": "scale", "args": {"x": 21}}, "done"])
+    agent = Agent("a", tools=[paint, functools.partial(scale, 2)], model=model)
+    async with Deck([agent], store=store) as deck:
+        result = await deck.run("a", "go")
+        done = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert [(d.tool, d.output, d.is_error) for d in done] == [
+            ("paint", "red gloss", False), ("scale", 42, False)]
+
+    class Doubler:
+        def __call__(self, x: int) -> int:
+            return 2 * x
+
+    with pytest.raises(ConfigError, match="has no __name__"):
+        async with Deck([Agent("b", tools=[Doubler()], model=ScriptedModel(["x"]))], store=store):
+            pass
+
+
+async def test_two_tools_of_one_name_are_refused_when_the_deck_opens(store):
+    """The model was sent both, and every call reached only one of them."""
+    def lookup(q: str) -> str:
+        """Look up."""
+        return q
+
+    with pytest.raises(ConfigError, match="more than one tool named 'lookup'"):
+        async with Deck([Agent("b", tools=[lookup, agents.function_tool(lookup)],
+                               model=ScriptedModel(["x"]))], store=store):
+            pass
 
 
 async def test_blocks_map_to_model_input_and_unsendable_ones_are_recorded(store):
