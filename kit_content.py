@@ -36,7 +36,7 @@ __all__ = (
 #: Inline data (image, audio, data blocks) is capped because its base64 sits in the log forever.
 #: Larger content goes in a ``ResourceBlock`` that references it (SPEC 8).
 MAX_INLINE_BYTES = 1_000_000
-_MEDIA_TYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*$")
+_MEDIA_TYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*\Z")
 
 
 def _check_media_type(block: str, media_type: object, family: str | None) -> None:

@@ -511,7 +511,7 @@ class EventStorePort(Protocol):
 
 # ======================================================================================= runs ====
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 
 
 def check_name(what: str, name: object) -> str:

@@ -103,7 +103,7 @@ _LOCK_RETRY = 0.05
 _LOCK_PATIENCE = 60.0
 #: Takeovers of lapsed sessions one append tries before calling the session busy.
 _TAKEOVERS = 3
-_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,58}$")
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,58}\Z")
 #: What precedes the user info of a URL whose ``://`` is misspelt: a scheme, a colon, slashes.
 _SCHEME_TYPO = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]*:?/+)?")
 _log = logging.getLogger("kit.pg")

@@ -78,7 +78,7 @@ EXPORT_TIMEOUT = 10.0
 #: (``kit.unfinished``): an observer that misses runs' ends (dropped events) must not grow forever.
 MAX_OPEN_RUNS = 10_000
 
-_SDK_TRACE = re.compile(r"^trace_([0-9a-f]{32})$")
+_SDK_TRACE = re.compile(r"^trace_([0-9a-f]{32})\Z")
 _CONTENT = frozenset({"input", "output", "type"})  # SDK span fields never exported as attributes
 #: The model settings a generation span's ``model_config`` may export: the SDK fills it with all
 #: of ``ModelSettings`` and the client's ``base_url``, where a gateway's key rides in
