@@ -119,6 +119,15 @@ class Deck:
         self._observers = observers
         self._default_store = "memory"  # from_project: a SQLite file inside the project
         self.context_type = context
+        if session_factory is not None and not callable(session_factory):
+            raise ConfigError(f"Deck(session_factory=...) takes a callable (key -> an SDK "
+                              f"session), got {type(session_factory).__name__}")
+        if store is not None and not (callable(getattr(store, "append", None))
+                                      and callable(getattr(store, "read", None))):
+            hint = (": set KIT_STORE to a URL, or pass kit_runtime.store_from_url(url)"
+                    if isinstance(store, (str, os.PathLike)) else "")
+            raise ConfigError(f"Deck(store=...) takes an event store (SQLiteStore(path), "
+                              f"PostgresStore(url), ...), got {type(store).__name__}{hint}")
         self._session_factory, self._store = session_factory, store
         self._specs: dict[str, InvocableSpec] = {}
         self._mcp_servers: dict[str, Any] = {}
@@ -488,7 +497,7 @@ def _load_bundle(file: Path, attr: str, kind: type) -> Any:
         # under `from __future__ import annotations` are resolved through it.
         sys.modules[name] = module
         spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a bundle that exits (argparse at import) too
         sys.modules.pop(name, None)
         raise ConfigError(f"{file} failed to import: {type(exc).__name__}: {exc}") from exc
     found = getattr(module, attr, None)

@@ -19,6 +19,7 @@ them, never back (the engines know these classes only under ``TYPE_CHECKING``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import types
@@ -80,6 +81,9 @@ class Agent:
                             ("workflows", workflows)):
             if isinstance(names, (str, bytes)):  # each character would be taken for a name
                 raise ConfigError(f"agent {name!r}: {what} takes a list, got the string {names!r}")
+            if not isinstance(names, Iterable):
+                raise ConfigError(f"agent {name!r}: {what} takes a list, "
+                                  f"got {type(names).__name__}")
         for t in tools:
             if not callable(t) and not _is_sdk_tool(t):
                 raise ConfigError(f"agent {name!r}: tool {t!r} is neither a function nor an SDK tool")
@@ -173,7 +177,7 @@ class Workflow:
 
 
 #: SKILL.md limits of the Agent Skills spec (agentskills.io; notes/CONVENTIONS.md B2).
-_SKILL_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_SKILL_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*\Z")
 _SKILL_NAME_MAX, _SKILL_DESCRIPTION_MAX, _SKILL_COMPATIBILITY_MAX = 64, 1024, 500
 #: A SKILL.md is read whole and served to a model in one tool result; the spec recommends a body
 #: under 5,000 tokens, so a file this large is a mistake, not a skill.
@@ -210,8 +214,12 @@ class Skills(Mapping):
     def __init__(self, paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = ()) -> None:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
+        if not isinstance(paths, Iterable):
+            raise ConfigError(f"skills takes a path or a list of paths, got {type(paths).__name__}")
         self._skills: dict[str, Skill] = {}
         for p in paths:
+            if not isinstance(p, (str, os.PathLike)):
+                raise ConfigError(f"a skills path must be a str or a path, got {type(p).__name__}")
             root = Path(p)
             if (root / "SKILL.md").exists() or (root / "SKILL.md").is_symlink():
                 files = [root / "SKILL.md"]  # one that is not a regular file is refused there
@@ -319,7 +327,7 @@ MCP_TIMEOUT = 30.0
 _MCP_KINDS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
               "streamableHttp": "http", "sse": "sse"}
 _VAR = re.compile(r"\$\{([^}]*)\}")
-_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class MCP:
@@ -410,8 +418,10 @@ def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
     if not isinstance(kind, str) or kind not in _MCP_KINDS:
         raise ConfigError(f"{where} has unknown type {kind!r}; expected stdio, http or sse")
     timeout = raw.get("timeout", MCP_TIMEOUT)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            0 < timeout < math.inf):
+        raise ConfigError(f"{where}: timeout must be a positive, finite number of seconds, "
+                          f"got {timeout!r}")
     out: dict[str, Any] = {"type": _MCP_KINDS[kind], "timeout": float(timeout)}
 
     def strings(key: str, shape: type) -> Any:

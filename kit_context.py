@@ -66,13 +66,18 @@ def context_fits(required: Any, provided: Any) -> bool | None:
     True or False, or None when the runtime cannot rule (deferred to invocation): ``Any`` and
     a bare ``Context`` fit anything; a class fits its subclasses (exact type or supertype); a
     parameterised ABC such as ``Mapping[str, Any]`` is checked as the ABC, parameters ignored; a
-    runtime-checkable protocol with only methods is checked structurally; a union fits when an
-    arm does; a TypeVar, another protocol, or an annotation kit cannot read is deferred.
+    runtime-checkable protocol with only methods is checked structurally; a required union fits
+    when an arm does, a provided one (``Deps | None``) when each of its arms fits (its exact
+    type always does); a TypeVar, another protocol, or an annotation kit cannot read is
+    deferred.
     """
-    if required is Any:
+    if required is Any or required == provided:
         return True
     if required is _UNREADABLE or isinstance(required, typing.TypeVar):
         return None
+    if typing.get_origin(provided) in (typing.Union, types.UnionType):  # each arm must fit
+        verdicts = [context_fits(required, arm) for arm in typing.get_args(provided)]
+        return False if False in verdicts else True if all(verdicts) else None
     origin = typing.get_origin(required)
     if origin in (typing.Union, types.UnionType):
         verdicts = [context_fits(arm, provided) for arm in typing.get_args(required)]

@@ -32,6 +32,7 @@ import sqlite3
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import agents as sdk
@@ -231,10 +232,14 @@ class Sessions:
             except ImportError:
                 raise ConfigError(f"KIT_SESSION={url.split('://')[0]}://... needs the redis extra: "
                                   "pip install 'kit[redis]'") from None
-            self._redis = redis.asyncio.from_url(url, client_name="kit-session",
-                                                 health_check_interval=REDIS_CHECK,
-                                                 socket_timeout=REDIS_TIMEOUT,
-                                                 socket_connect_timeout=REDIS_TIMEOUT)
+            try:
+                self._redis = redis.asyncio.from_url(url, client_name="kit-session",
+                                                     health_check_interval=REDIS_CHECK,
+                                                     socket_timeout=REDIS_TIMEOUT,
+                                                     socket_connect_timeout=REDIS_TIMEOUT)
+            except ValueError as exc:  # a port that is not a number, an unknown option, ...
+                raise ConfigError(f"KIT_SESSION={masked(url)!r} is not a Redis URL redis-py "
+                                  f"can use: {exc}") from None
             # The URL's scheme picks the connection class (TCP, TLS, Unix socket), so it is
             # wrapped once the pool has it; no connection exists before the first command.
             pool = self._redis.connection_pool
@@ -248,8 +253,18 @@ class Sessions:
                               f"URL, got {masked(url)!r}")
 
     async def open(self) -> None:
-        """Engine side: with ``postgresql://``, the SQLAlchemy engine, and the SDK's tables in
-        the URL's schema, created once even when replicas open together."""
+        """Engine side: with ``sqlite:///path``, the file's connection (its directory made, as
+        ``KIT_STORE``'s); with ``postgresql://``, the SQLAlchemy engine, and the SDK's tables in
+        the URL's schema, created once even when replicas open together. Raises ``ConfigError``
+        naming ``KIT_SESSION`` for a file that cannot be opened."""
+        if self._sqlite is not None:  # the SDK's settings for its connections
+            try:
+                Path(self._sqlite).parent.mkdir(parents=True, exist_ok=True)
+                self._sqlite_conn = sqlite3.connect(self._sqlite, check_same_thread=False)
+                self._sqlite_conn.execute("PRAGMA journal_mode=WAL")
+            except (OSError, sqlite3.Error) as exc:
+                raise ConfigError(f"KIT_SESSION=sqlite:///{self._sqlite}: cannot open the file "
+                                  f"({type(exc).__name__}: {exc})") from None
         if self._postgres is None:
             return
         try:
@@ -291,10 +306,7 @@ class Sessions:
             elif self._redis is not None:
                 from agents.extensions.memory.redis_session import RedisSession
                 session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
-            elif self._sqlite is not None:
-                if self._sqlite_conn is None:  # the SDK's settings for its connections
-                    self._sqlite_conn = sqlite3.connect(self._sqlite, check_same_thread=False)
-                    self._sqlite_conn.execute("PRAGMA journal_mode=WAL")
+            elif self._sqlite_conn is not None:
                 session = _FileSession(key, self._sqlite, self._sqlite_conn)
             elif self._engine is not None:
                 session = _pg_session_class()(key, self._engine, self._pg_tables)

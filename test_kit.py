@@ -25,6 +25,7 @@ from kit import (
     Agent, AudioBlock, ConfigError, ContentError, Context, DataBlock, Deck, DeckStateError, Event,
     ImageBlock, ResourceBlock, RunStatus, ScriptedModel, SessionBusyError, TextBlock,
 )
+import kit_pg
 from kit_bridge import on_asyncio
 from kit_pg import store_from_url
 from kit_store import MemoryStore, SQLiteStore
@@ -97,6 +98,7 @@ def test_inline_blocks_are_capped_at_construction():
     (lambda: ImageBlock("audio/wav", PNG), "image/"),
     (lambda: AudioBlock("image/png", PNG), "audio/"),
     (lambda: ImageBlock("png", PNG), "type/subtype"),
+    (lambda: ImageBlock("image/png\n", PNG), "type/subtype"),  # ($ matched before a newline)
     (lambda: ResourceBlock("", "text/plain"), "uri"),
     (lambda: DataBlock({1: object()}), "JSON"),
     (lambda: DataBlock(float("nan")), "JSON"),
@@ -104,6 +106,18 @@ def test_inline_blocks_are_capped_at_construction():
 ])
 def test_malformed_blocks_name_what_is_wrong(make, match):
     with pytest.raises(ContentError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Agent("calc\n"), lambda: kit.Workflow("flow\n", StateGraph(dict)),
+    lambda: kit.MCP({"time\n": {"command": "x"}}),
+    lambda: kit_pg.pg_url("postgresql://h/x?schema=kit%0A"),
+])
+def test_a_name_with_a_trailing_newline_is_refused(make):
+    """The name patterns ended in ``$``, which also matches before a final newline: such names
+    were accepted and recorded."""
+    with pytest.raises(ConfigError):
         make()
 
 
@@ -224,6 +238,16 @@ def test_build_refuses_unknown_names_and_instances():
         Agent("a", tools=[42])
     with pytest.raises(ConfigError, match="model"):
         Agent("a", model=3)
+    # Arguments of the wrong type are ConfigErrors saying what was expected, not bare
+    # TypeErrors (or a store URL's AttributeError at open, a factory's TypeError every turn).
+    for make, match in ((lambda: Agent("a", tools=None), "tools takes a list, got NoneType"),
+                        (lambda: Agent("a", skills=None), "skills takes a list"),
+                        (lambda: Deck(skills=123), "skills takes a path or a list of paths"),
+                        (lambda: Deck(skills=[123]), "a skills path must be a str or a path"),
+                        (lambda: Deck(store="sqlite:///kit.db"), "set KIT_STORE to a URL"),
+                        (lambda: Deck(session_factory=1), "session_factory=.... takes a callable")):
+        with pytest.raises(ConfigError, match=match):
+            make()
 
 
 def test_a_single_agent_or_workflow_is_refused_with_the_fix():
@@ -600,6 +624,26 @@ async def test_durable_sessions_outlive_the_deck(monkeypatch, store, tmp_path, r
         await deck.run("a", "Who am I?", session_id="conv-1")
     said = [(i.get("role"), str(i.get("content"))) for i in model.calls[-1]["input"]]
     assert [r for r, _ in said] == ["user", "assistant", "user"] and "I am Ana" in said[0][1]
+
+
+async def test_a_session_setting_that_cannot_work_is_named_when_the_deck_opens(
+        monkeypatch, store, tmp_path):
+    """A sqlite:/// file in a missing directory failed every session turn with a bare
+    OperationalError (a 500), and a Redis URL with a bad port the open with a bare ValueError."""
+    monkeypatch.setenv("KIT_SESSION", f"sqlite:///{tmp_path / 'new' / 'dir' / 'sessions.db'}")
+    async with Deck([Agent("a", model=ScriptedModel(["ok"], cycle=True))], store=store) as deck:
+        await deck.run("a", "hi", session_id="s")  # its directory is made, as KIT_STORE's
+    assert (tmp_path / "new" / "dir" / "sessions.db").is_file()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KIT_SESSION", f"sqlite:///{tmp_path / 'file' / 'sessions.db'}")
+    with pytest.raises(ConfigError, match="KIT_SESSION=sqlite:///.*cannot open the file"):
+        async with Deck([Agent("a", model=ScriptedModel(["ok"]))], store=store):
+            pass
+    monkeypatch.setenv("KIT_SESSION", "redis://:PW1@127.0.0.1:notaport/0")
+    with pytest.raises(ConfigError, match="not a Redis URL") as info:
+        async with Deck([Agent("a", model=ScriptedModel(["ok"]))], store=store):
+            pass
+    assert "PW1" not in str(info.value)
 
 
 async def test_a_session_file_takes_no_descriptor_per_conversation(monkeypatch, store, tmp_path):

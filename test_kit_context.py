@@ -6,7 +6,7 @@ import collections.abc
 import operator
 import sqlite3
 from datetime import datetime, timezone
-from typing import Annotated, Any, Protocol, TypedDict, TypeVar, runtime_checkable
+from typing import Annotated, Any, Optional, Protocol, TypedDict, TypeVar, runtime_checkable
 
 import agents
 import anyio
@@ -76,6 +76,10 @@ ROWS = [
     ("method-only runtime protocol, missing method", Context[Named], Other, "incompatible"),
     ("union, one arm fits", Context[Other | Deps], Deps, "compatible"),
     ("union, no arm fits", Context[Other | int], Deps, "incompatible"),
+    ("a declared union, its exact type", Context[Deps | None], Deps | None, "compatible"),
+    ("a declared Optional, its exact type", Context[Optional[Deps]], Optional[Deps], "compatible"),
+    ("a declared union, each arm fits", Context[Base | None], Deps | None, "compatible"),
+    ("a declared union, an arm misfits", Context[Deps], Deps | None, "incompatible"),
     ("protocol the runtime refuses to rule on", Context[Unchecked], Other, "deferred"),
     ("protocol with a data member", Context[WithData], Other, "deferred"),
     ("a TypeVar", Context[T], Other, "deferred"),

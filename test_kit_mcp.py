@@ -229,6 +229,7 @@ def test_mcp_json_formats_and_transports(tmp_path, monkeypatch):
     ({"mcpServers": {"a": {"args": []}}}, "needs a 'command'"),
     ({"mcpServers": {"a": {"type": "sse", "url": "ftp://h"}}}, "http\\(s\\) 'url'"),
     ({"mcpServers": {"a": {"command": "x", "timeout": 0}}}, "timeout must be a positive"),
+    ({"mcpServers": {"a": {"command": "x", "timeout": float("inf")}}}, "finite"),  # JSON Infinity
     ({"mcpServers": {"a": {"command": "x", "args": "one"}}}, "list of strings"),
     ({"mcpServers": {"a b": {"command": "x"}}}, "MCP server name"),
     ({"mcpServers": []}, "name -> config"),

@@ -47,6 +47,7 @@ async def test_discovers_bundles_and_keeps_its_log_in_the_project(tmp_path, monk
 @pytest.mark.parametrize("source, match", [
     ("import no_such_module_anywhere\n", "ModuleNotFoundError"),
     ("raise RuntimeError('boom')\n", "boom"),
+    ("import sys\nsys.exit(2)\n", "SystemExit"),  # argparse at import: it exited kit-serve
     ("agent = 42\n", "module-level 'agent'"),
 ])
 def test_a_broken_bundle_is_a_config_error_naming_its_file(tmp_path, source, match):
