@@ -254,19 +254,34 @@ class WorkflowEngine:
                 inp = None
         elif isinstance(inp, dict) and await graph.checkpointer.aget_tuple(config) is not None:
             await self.forget(graph, run.thread_key)  # a new run starts afresh, whatever was left
+        # A node's empty update waits for the stream's next chunk: LangGraph also reports one
+        # for a resumed node that then fails (its resume write hides its error write), and
+        # raises right after it, so no failed node is recorded as updated.
+        empty: list[str] = []
         async for mode, chunk in graph.astream(
                 inp, config, context=run.data, control=control,
                 stream_mode=["updates", "values"], durability="sync" if self.durable else "async"):
+            self._updated(run, empty)
             if mode == "values":
                 final = chunk
                 continue
             for node, update in chunk.items():
                 if node == "__interrupt__":
                     interrupts = update
+                elif update is None:
+                    empty.append(node)
                 else:
                     run.emit(NodeUpdated(node, jsonable(update)), origin=f"{run.origin}/{node}")
             await run.pace()  # never far ahead of the log
+        self._updated(run, empty)
         return final, interrupts
+
+    @staticmethod
+    def _updated(run: RunHandle, nodes: list[str]) -> None:
+        """Record the empty updates of ``nodes`` (the stream went on past them), and forget them."""
+        for node in nodes:
+            run.emit(NodeUpdated(node, None), origin=f"{run.origin}/{node}")
+        nodes.clear()
 
 
 def resume_command(interrupt_id: str, value: Any) -> Any:

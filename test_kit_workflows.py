@@ -774,6 +774,31 @@ async def test_a_cancel_asked_while_the_run_heads_for_an_interrupt_cancels_it(st
             assert (await deck.answer(parked.run_id, "yes"))["log"][-2:] == ["answer=yes", "done"]
 
 
+async def test_a_node_that_fails_is_never_recorded_as_updated(store):
+    """LangGraph reports an empty update for a resumed node that then fails: it was recorded as
+    node.updated (update None) right before run.failed. A node that returns nothing still is."""
+    async def ask_then_fail(state: State) -> dict:
+        raise ValueError(f"bad answer {kit.interrupt({'question': 'amount?'})!r}")
+
+    def noop(state: State) -> None:
+        return None
+
+    flows = [Workflow("fails", graph(plan, ask_then_fail)), Workflow("noop", graph(noop, done))]
+    async with Deck(workflows=flows, store=store) as deck:
+        parked = await deck.run("fails", {"log": []})
+        with pytest.raises(ValueError, match="bad answer 'lots'"):
+            await deck.answer(parked.run_id, "lots")
+        log = await store.read(parked.run_id)
+        assert [(e.kind, getattr(e.payload, "node", None)) for e in log] == [
+            ("run.started", None), ("node.updated", "plan"), ("run.interrupted", None),
+            ("run.resumed", None), ("run.failed", None)]
+        result_log = []
+        async for event in deck.stream("noop", {"log": []}):
+            result_log.append((event.kind, getattr(event.payload, "node", None)))
+        assert result_log == [("run.started", None), ("node.updated", "noop"),
+                              ("node.updated", "done"), ("run.completed", None)]
+
+
 async def test_an_interrupt_shaped_like_a_sleep_but_not_one_is_a_question(store):
     async def odd_question(state: State) -> dict:
         return {"log": [kit.interrupt({"kind": "sleep", "until": "after lunch?"})]}
