@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     import kit_sessions
 
 __all__ = ("Runtime", "CONTROL_RETRY", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT",
-           "BACKOFF_MAX", "ACT_TRIES")
+           "BACKOFF_MAX", "ACT_TRIES", "ORPHAN_SCAN")
 
 #: The control-request watcher follows the store (``follow_requests``), so a pause or cancel
 #: written anywhere reaches the run's next safe point as soon as the store hears of it; when
@@ -90,6 +90,10 @@ BACKOFF_MAX = 30.0
 #: of a store gone for a moment is ridden out; then the request is logged and passed over, so
 #: one that can never be acted on does not hold up the ones after it.
 ACT_TRIES = 5
+#: How often (seconds) ``tick`` scans the checkpointers whole for threads asleep that no run of
+#: the log parks (a process died between a sleep's checkpoint and its ``run.sleeping``); every
+#: other tick reads only the sleeping runs' threads, whatever the checkpointers' history.
+ORPHAN_SCAN = 600.0
 _PARKED = (RunStatus.PAUSED, RunStatus.WAITING_HUMAN, RunStatus.SLEEPING)
 _SKIPPED = object()  # a due thread another ticker has
 _log = logging.getLogger("kit.runtime")
@@ -267,6 +271,8 @@ class Runtime:
         self._seen_request = 0  # the newest control request this deck has acted on
         self._handled: set[int] = set()  # requests made here, acted on already
         self._failing = (0, 0)  # (request id, failed tries) of a request the store failed
+        self._orphans: dict[str, str] = {}  # sleeping thread keys no log run parks -> workflow
+        self._orphans_at = 0.0  # when tick next scans the checkpointers for them
 
     # ------------------------------------------------------------------------ lifecycle --
     async def open(self) -> None:
@@ -1026,20 +1032,37 @@ class Runtime:
         return out
 
     async def _due(self, now: datetime) -> list[tuple[Due, str, str | None]]:
-        """Due threads with the interrupt to resume and their namespace, read from each
-        workflow's checkpointer, matched with the parked runs of the log."""
-        parked: dict[str, str] = {}
+        """Due threads, the longest overdue first, with the interrupt to wake and their
+        namespace: each sleeping run of the log, checked on its thread's latest checkpoint, and the threads asleep that no run parks
+        (``_orphans``), which the checkpointers are scanned whole for every ``ORPHAN_SCAN``
+        seconds (the scan reads every checkpoint of every thread ever played: seconds, once
+        there are thousands)."""
+        out: list[tuple[Due, str, str | None]] = []
+        parked: set[str] = set()
         for info in await self.store.runs(status=RunStatus.SLEEPING):
-            last = (await self.store.read(info.run_id))[-1]
             spec = self.specs.get(info.name)
-            if spec is not None and isinstance(last.payload, RunSleeping):
-                parked[spec.engine.key(info.namespace, last.payload.thread_id or "")] = info.run_id
-        out = []
-        for key, name, until, interrupt_id in await self._on_engine(
-                kit_workflows.due_threads, self.graphs, now):
-            _, namespace, thread_id = key.split(":", 2)
-            out.append((Due(name, thread_id, until, parked.get(key)), interrupt_id, namespace or None))
-        return out
+            last = (await self.store.read(info.run_id))[-1] if spec is not None else None
+            if last is None or spec.kind != "workflow" or not isinstance(last.payload, RunSleeping):
+                continue
+            thread = last.payload.thread_id or ""
+            key = spec.engine.key(info.namespace, thread)
+            parked.add(key)
+            found = await self._on_engine(kit_workflows.sleeping_until, self.graphs[spec.name], key)
+            if found is not None and found[0] <= now:
+                out.append((Due(info.name, thread, found[0], info.run_id), found[1], info.namespace))
+        if anyio.current_time() >= self._orphans_at:
+            self._orphans_at = anyio.current_time() + ORPHAN_SCAN
+            self._orphans = {key: name for key, name in await self._on_engine(
+                kit_workflows.sleeping_threads, self.graphs)}
+        for key, name in list(self._orphans.items()):
+            found = None if key in parked else await self._on_engine(
+                kit_workflows.sleeping_until, self.graphs[name], key)
+            if found is None:  # woken, or parked by a run of the log now
+                del self._orphans[key]
+            elif found[0] <= now:
+                _, namespace, thread = key.split(":", 2)
+                out.append((Due(name, thread, found[0], None), found[1], namespace or None))
+        return sorted(out, key=lambda due: due[0].until)  # the longest overdue first
 
     async def due_resumes(self, now: datetime) -> list[Due]:
         return [due for due, _, _ in await self._due(now)]

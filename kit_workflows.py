@@ -6,8 +6,9 @@ workflows on a SQLite file beside the log or in the Postgres schema of the log, 
 memory, where a run that ended leaves no thread behind) and the locks that keep two tickers off
 one thread (``ThreadLocks``), what an input or an answer may hold (``WorkflowEngine.to_input``
 and ``check_answer``: ``INT_RANGE``, ``MAX_DEPTH``), playing and resuming a run
-(``WorkflowEngine.play``), reading parked threads off a checkpointer (``due_threads``), the
-headless ``Workflow.run``/``resume`` (``run_headless``) and workflow-as-tool (``workflow_tool``).
+(``WorkflowEngine.play``), reading sleeping threads off a checkpointer (``sleeping_until``,
+``sleeping_threads``), the headless ``Workflow.run``/``resume`` (``run_headless``) and
+workflow-as-tool (``workflow_tool``).
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     from kit_catalog import Workflow
 
 __all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "MAX_DEPTH", "open_graphs",
-           "checkpoint_path", "due_threads", "still_due", "holds_thread", "ThreadLocks", "PgThreadLocks",
+           "checkpoint_path", "sleeping_until", "sleeping_threads", "still_due", "holds_thread", "ThreadLocks", "PgThreadLocks",
            "run_headless", "workflow_tool", "child_tool", "memory_saver", "CHECKPOINT_POOL")
 
 #: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
@@ -562,9 +563,19 @@ def _pending_interrupts(ct: Any) -> list[Any]:
     return [i for t, found in asked.items() if t not in finished for i in found]
 
 
-async def due_threads(graphs: dict[str, Any], now: datetime) -> list[tuple[str, str, datetime, str]]:
+async def sleeping_until(graph: Any, key: str) -> tuple[datetime, str] | None:
+    """Engine side: when thread ``key`` of ``graph`` sleeps until, and the interrupt that wakes
+    it, read off its latest checkpoint; None when it does not sleep."""
+    ct = await graph.checkpointer.aget_tuple(_config(key))
+    for intr in _pending_interrupts(ct) if ct is not None else ():
+        if (until := _sleeps_until(intr.value)) is not None:
+            return until, intr.id
+    return None
+
+
+async def sleeping_threads(graphs: dict[str, Any]) -> list[tuple[str, str]]:
     """Engine side: every thread of the graphs' checkpointers whose latest root checkpoint
-    sleeps until ``now`` or earlier: ``(thread key, workflow, until, interrupt id)``."""
+    sleeps, as ``(thread key, workflow)``: a scan of every checkpoint they hold."""
     savers = {id(g.checkpointer): g.checkpointer for g in graphs.values()}
     out = []
     for saver in savers.values():
@@ -575,10 +586,10 @@ async def due_threads(graphs: dict[str, Any], now: datetime) -> list[tuple[str, 
             if conf.get("checkpoint_ns", "") or key in seen:
                 continue
             seen.add(key)
-            for intr in _pending_interrupts(ct):
-                until, name = _sleeps_until(intr.value), key.split(":", 1)[0]
-                if until is not None and name in graphs and until <= now:
-                    out.append((key, name, until, intr.id))
+            name = key.split(":", 1)[0]
+            if name in graphs and any(_sleeps_until(i.value) is not None
+                                      for i in _pending_interrupts(ct)):
+                out.append((key, name))
     return out
 
 

@@ -338,10 +338,11 @@ async def test_a_thread_that_fails_on_waking_does_not_hold_up_the_others(store):
             raise ValueError("node exploded")
         return {"log": ["done"]}
     sleeper = Workflow("sleeper", graph(plan, nap, fragile), durable=True)
-    wake_at = (NOW - timedelta(minutes=5)).isoformat()
     async with Deck(workflows=[sleeper], store=store) as deck:
-        for thread, log in (("fine", []), ("doomed", ["explode"])):  # the newest is due first
+        for thread, log, ago in (("fine", [], 5), ("doomed", ["explode"], 10)):
+            wake_at = (NOW - timedelta(minutes=ago)).isoformat()
             await deck.run("sleeper", {"log": log, "wake_at": wake_at}, session_id=thread)
+        # the longest overdue first: the doomed one wakes (and fails) before the fine one
         assert [d.thread_id for d in await deck.due_resumes(NOW)] == ["doomed", "fine"]
         with pytest.raises(ValueError, match="node exploded"):
             await deck.tick(NOW)
@@ -349,6 +350,29 @@ async def test_a_thread_that_fails_on_waking_does_not_hold_up_the_others(store):
         assert {i.session_id: i.status for i in await store.runs()} == {
             "fine": RunStatus.COMPLETED, "doomed": RunStatus.FAILED}
         assert await deck.tick(NOW) == []
+
+
+async def test_tick_reads_the_sleeping_runs_threads_not_every_checkpoint(store, monkeypatch):
+    """Every tick read every checkpoint of every durable thread ever played (1.4 s a tick at
+    2,000 finished threads, measured): now only the sleeping runs' threads, and the whole
+    checkpointer once per ``ORPHAN_SCAN`` for threads no run of the log parks."""
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+    scans: list[object] = []
+    whole = AsyncSqliteSaver.alist
+
+    def counted(self, config, **kw):
+        scans.append(config)
+        return whole(self, config, **kw)
+    monkeypatch.setattr(AsyncSqliteSaver, "alist", counted)
+    async with Deck(workflows=[durable_sleeper()], store=store) as deck:
+        for thread in ("a", "b", "c"):
+            await deck.run("sleeper", {"log": [], "wake_at": NOW.isoformat()}, session_id=thread)
+        assert await deck.tick(NOW - timedelta(hours=1)) == []  # none due yet: the one scan
+        assert sorted(t.thread_id for t in await deck.tick(NOW)) == ["a", "b", "c"]
+        await deck.run("sleeper", {"log": [], "wake_at": NOW.isoformat()}, session_id="d")
+        assert [t.thread_id for t in await deck.tick(NOW)] == ["d"]
+        assert await deck.tick(NOW) == []
+    assert scans == [None]
 
 
 async def test_two_concurrent_tickers_resume_a_thread_once(store):
