@@ -305,7 +305,8 @@ def _compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
         hints = typing.get_type_hints(target, include_extras=True)
     except Exception:  # e.g. a Context[T] whose T is imported for type checkers only: the
         hints = {}  # schema reads the rest as written, and names one it cannot resolve
-    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
+    params = [p.replace(annotation=hints.get(p.name, p.annotation))
+              for p in sig.parameters.values()]
     ctx_names = [p.name for p in params if is_context(p.annotation)]
     if ctx_names and any(p.kind is p.VAR_POSITIONAL for p in params):
         raise ConfigError(f"agent {agent!r}: tool {name} takes *args and a Context parameter")

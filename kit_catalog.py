@@ -127,8 +127,8 @@ class Workflow:
     ``run``, ``resume`` and ``as_tool`` are headless: no deck, no log, no observers; they use a
     private in-memory checkpointer kept by this object. A run given no ``thread_id`` plays on a
     thread of its own, which is deleted when it ends (kept while it waits for ``resume``); a
-    ``thread_id`` of yours keeps its state between runs, as LangGraph's own. Raises ``ConfigError`` for a bad name or
-    a graph that is not an uncompiled ``StateGraph``.
+    ``thread_id`` of yours keeps its state between runs, as LangGraph's own. Raises
+    ``ConfigError`` for a bad name or a graph that is not an uncompiled ``StateGraph``.
     """
     durable: bool = False
 

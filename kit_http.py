@@ -411,7 +411,8 @@ class App:
 
     async def _agent_chat(self, req: Request, name: str) -> None:
         body = await req.json(("message", "session_id"), ("message",))
-        message, session_id = body_field(body, "message", str, required=True), body_id(body, "session_id")
+        message = body_field(body, "message", str, required=True)
+        session_id = body_id(body, "session_id")
         self._check(name, "agent")
         if _flag(req, "stream"):
             events = self.deck.stream(name, message, session_id=session_id, committed=True)

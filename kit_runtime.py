@@ -1003,7 +1003,8 @@ class Runtime:
         checkpointer holds the thread that parked workflow ``run`` goes on from: without it,
         LangGraph would start the graph over with an empty state and the answer would be lost."""
         spec = run.spec
-        if not await self._on_engine(kit_workflows.holds_thread, self.graphs[spec.name], run.thread_key):
+        graph = self.graphs[spec.name]
+        if not await self._on_engine(kit_workflows.holds_thread, graph, run.thread_key):
             self._unstream(run)
             raise CheckpointMissingError(run.run_id, spec.name, spec.engine.durable)
 
@@ -1033,10 +1034,10 @@ class Runtime:
 
     async def _due(self, now: datetime) -> list[tuple[Due, str, str | None]]:
         """Due threads, the longest overdue first, with the interrupt to wake and their
-        namespace: each sleeping run of the log, checked on its thread's latest checkpoint, and the threads asleep that no run parks
-        (``_orphans``), which the checkpointers are scanned whole for every ``ORPHAN_SCAN``
-        seconds (the scan reads every checkpoint of every thread ever played: seconds, once
-        there are thousands)."""
+        namespace: each sleeping run of the log, checked on its thread's latest checkpoint, and
+        the threads asleep that no run parks (``_orphans``), which the checkpointers are scanned
+        whole for every ``ORPHAN_SCAN`` seconds (the scan reads every checkpoint of every
+        thread ever played: seconds, once there are thousands)."""
         out: list[tuple[Due, str, str | None]] = []
         parked: set[str] = set()
         for info in await self.store.runs(status=RunStatus.SLEEPING):
@@ -1052,8 +1053,7 @@ class Runtime:
                 out.append((Due(info.name, thread, found[0], info.run_id), found[1], info.namespace))
         if anyio.current_time() >= self._orphans_at:
             self._orphans_at = anyio.current_time() + ORPHAN_SCAN
-            self._orphans = {key: name for key, name in await self._on_engine(
-                kit_workflows.sleeping_threads, self.graphs)}
+            self._orphans = dict(await self._on_engine(kit_workflows.sleeping_threads, self.graphs))
         for key, name in list(self._orphans.items()):
             found = None if key in parked else await self._on_engine(
                 kit_workflows.sleeping_until, self.graphs[name], key)
