@@ -54,9 +54,9 @@ import kit_workflows
 from kit_bridge import Bridge
 from kit_core import (
     CheckpointMissingError, Claim, ConfigError, ControlRequest, ControlRequested, DeckStateError,
-    Due, Event, InterruptResult, InvocableSpec, LogConflictError, Pending, RunCancelled,
-    RunCompleted, RunInterrupted, RunNotWaitingError, RunPaused, RunHandle, RunResumed,
-    RunSleeping, RunStarted, NewRunId, RunStatus, RunStoppedError, SessionBusyError,
+    Due, Event, InterruptResult, InvocableSpec, LogConflictError, ModelCompleted, Pending,
+    RunCancelled, RunCompleted, RunInterrupted, RunNotWaitingError, RunPaused, RunHandle,
+    RunResumed, RunSleeping, RunStarted, NewRunId, RunStatus, RunStoppedError, SessionBusyError,
     StoreUnavailableError, Ticked, TurnResult, UnknownNameError, UnknownRunError, as_blocks,
     as_history, check_id, check_name, check_text, count_setting, new_run_id,
 )
@@ -859,10 +859,15 @@ class Runtime:
         spec = self.specs.get(info.name) if info is not None else None
         if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
             return None
-        paused = (await self.store.read(run_id))[-1]
+        log = await self.store.read(run_id)
+        paused = log[-1]
         if paused.kind != "run.paused":  # resumed since the index was read: not ours to take
             return None
         run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
+        for event in log:  # its usage so far: run.completed totals the whole run
+            if isinstance(event.payload, ModelCompleted):
+                p = event.payload
+                run.add_usage(p.input_tokens, p.output_tokens, p.usd)
         if spec.kind == "workflow":
             await self._check_thread(run)
         try:

@@ -91,6 +91,12 @@ async def test_pause_stops_before_the_next_model_call_keeps_the_session_and_resu
         assert [e.seq for e in full] == list(range(len(full)))
         assert full[-len(produced):] == produced
         assert await deck.resume(run_id) == []  # nothing left to resume
+        # run.completed totals the whole run, the model calls before the pause too (it used to
+        # count only those after the resume)
+        calls = [e.payload for e in full if e.kind == "model.completed"]
+        assert len(calls) == 3
+        assert (full[-1].payload.usage.input_tokens, full[-1].payload.usage.output_tokens) == (
+            sum(c.input_tokens for c in calls), sum(c.output_tokens for c in calls))
 
 
 async def test_a_paused_sessionless_run_resumes_from_its_recorded_conversation(store):
