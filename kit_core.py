@@ -29,7 +29,7 @@ import re
 import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -123,8 +123,8 @@ MAX_INT_BITS = 14_000
 
 
 def jsonable(v: Any) -> Any:
-    """``v`` as JSON-ready data: blocks, usage, enums, datetimes and pydantic models converted,
-    anything else unknown as its ``str``. Every payload field goes through it, when its event is
+    """``v`` as JSON-ready data: blocks, usage, enums, datetimes, pydantic models and dataclass
+    instances converted, anything else unknown as its ``str``. Every payload field goes through it, when its event is
     made. Raises ``ContentError`` for an integer past ``MAX_INT_BITS``, which no JSON text the
     log could write holds (the run that made it fails; the store never sees it)."""
     if v is None or type(v) in (str, float, bool):
@@ -155,6 +155,8 @@ def jsonable(v: Any) -> Any:
     dump = getattr(v, "model_dump", None)  # pydantic models (structured outputs)
     if callable(dump):
         return dump(mode="json")
+    if is_dataclass(v) and not isinstance(v, type):  # dataclass outputs too
+        return jsonable({f.name: getattr(v, f.name) for f in fields(v)})
     return str(v)
 
 

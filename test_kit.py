@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import functools
 import inspect
@@ -371,9 +372,19 @@ class Answer(pydantic.BaseModel):
     temp: int
 
 
-async def test_structured_output(store):
-    model = ScriptedModel([{"json": {"city": "Oslo", "temp": 3}}])
-    async with Deck([Agent("a", model=model, output_type=Answer)], store=store) as deck:
+@dataclasses.dataclass
+class AnswerData:
+    city: str
+    temp: int
+
+
+@pytest.mark.parametrize("output_type", [Answer, AnswerData])
+async def test_structured_output(store, output_type):
+    """A pydantic model or a dataclass: JSON data in the result and the log (a dataclass used
+    to be its repr string)."""
+    data = {"city": "Oslo", "temp": 3}  # the SDK wraps a type that is not a pydantic model
+    model = ScriptedModel([{"json": data if output_type is Answer else {"response": data}}])
+    async with Deck([Agent("a", model=model, output_type=output_type)], store=store) as deck:
         result = await deck.run("a", "weather?")
         assert result.output == {"city": "Oslo", "temp": 3}
         [msg] = [e for e in await store.read(result.run_id) if e.kind == "message.completed"]
