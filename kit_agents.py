@@ -507,6 +507,11 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
     if skills:
         tools.append(_skill_tool(agent.name, skills))
     tools += extra_tools
+    for t in tools:  # the SDK would end the turn "completed", the call unmade, nothing said
+        if getattr(t, "needs_approval", False) is not False:
+            raise ConfigError(f"agent {agent.name!r}: tool {getattr(t, 'name', t)!r} needs "
+                              "approval (needs_approval), which a kit run cannot grant; for a "
+                              "human's approval, play a workflow that asks with kit.interrupt")
     names = [getattr(t, "name", None) for t in tools]
     twice = sorted({n for n in names if n is not None and names.count(n) > 1})
     if twice:  # the model would see both, and every call would reach one of them
@@ -596,6 +601,11 @@ class AgentEngine:
             raise
         finally:
             _CURRENT_RUN.reset(token)
+        if result.interruptions:  # a tool approval the SDK waits for (a tool kit did not build)
+            run.error = ConfigError(f"the turn stopped for a tool approval kit cannot grant: "
+                                    f"{', '.join(i.name or '?' for i in result.interruptions)}")
+            await run.durable(run.failure(run.error))
+            raise run.error
         return await run.durable(RunCompleted(jsonable(result.final_output), run.usage()))
 
 

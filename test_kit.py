@@ -469,6 +469,19 @@ async def test_tools_of_postponed_annotations_and_partials_build_and_play(store)
             pass
 
 
+async def test_an_sdk_tool_that_needs_approval_is_refused_when_the_deck_opens(store):
+    """The SDK stopped the turn for an approval nobody could grant: the run was recorded
+    COMPLETED with output None, no tool event, and the unmade call left in the session."""
+    @agents.function_tool(needs_approval=True)
+    def delete_all(table: str) -> str:
+        """Delete every row."""
+        return "deleted"
+
+    with pytest.raises(ConfigError, match="tool 'delete_all' needs approval"):
+        async with Deck([Agent("b", tools=[delete_all], model=ScriptedModel(["x"]))], store=store):
+            pass
+
+
 async def test_two_tools_of_one_name_are_refused_when_the_deck_opens(store):
     """The model was sent both, and every call reached only one of them."""
     def lookup(q: str) -> str:
