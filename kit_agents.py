@@ -222,7 +222,11 @@ class _TapModel(sdk.Model):
                      message_id=ids.get(i))
         model = self.model_name()
         u = response.usage
-        usd = _price(model, u.input_tokens, u.output_tokens)
+        # No tokens at all is a server that reported no usage (Chat Completions streamed from a
+        # server other than OpenAI's, without ModelSettings(include_usage=True)): the cost is
+        # unknown, not zero.
+        reported = u.input_tokens or u.output_tokens
+        usd = _price(model, u.input_tokens, u.output_tokens) if reported else None
         run.add_usage(u.input_tokens, u.output_tokens, usd)
         run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd), origin=origin)
 

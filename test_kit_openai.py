@@ -263,6 +263,24 @@ async def test_usd_is_priced_and_sums_model_calls(stub, store, model_cls):
     assert (usage.input_tokens, usage.output_tokens) == (2700, 340)
 
 
+async def test_a_server_that_reports_no_usage_costs_unknown_not_zero(stub, store):
+    """Chat Completions streamed from a server other than OpenAI's URL: the SDK asks for usage
+    only on OpenAI's own (stream_options.include_usage), so none comes back. The call was
+    logged as 0 tokens costing $0.0, a paid call recorded as free."""
+    stub.script.append(text("Hello.", usage=(1200, 300)))
+    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
+    agent = kit.Agent("bot", "Be brief.", model=agents.OpenAIChatCompletionsModel("gpt-4o", client))
+    try:
+        with anyio.fail_after(10):
+            async with kit.Deck([agent], store=store) as deck:
+                events = [e async for e in deck.stream("bot", "hi")]
+    finally:
+        await client.close()
+    [call_] = [e.payload for e in events if e.kind == "model.completed"]
+    assert (call_.input_tokens, call_.output_tokens, call_.usd) == (0, 0, None)
+    assert events[-1].payload.usage.usd is None
+
+
 @pytest.mark.parametrize("model_cls", MODELS)
 async def test_image_block_reaches_the_api(stub, store, model_cls):
     stub.script.append(text("A tiny image."))
