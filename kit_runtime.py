@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import socket
@@ -178,6 +179,24 @@ class _Run(RunHandle):
                 yield ev
                 if ev.payload.ends:
                     return
+
+
+class _OnEngine:
+    """A session handed to a caller under trio: its coroutine methods run on the engine's
+    asyncio loop, where the SDK's sessions and their connections live (the SDK's file session
+    calls ``asyncio.to_thread``, which needs that loop); ``session`` is the SDK's object."""
+
+    def __init__(self, session: Any, on_engine: Callable[..., Any]) -> None:
+        self.session, self._on_engine = session, on_engine
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.session, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+
+        async def on_engine(*args: Any, **kwargs: Any) -> Any:
+            return await self._on_engine(functools.partial(attr, *args, **kwargs))
+        return on_engine
 
 
 def _check_ids(session_id: Any, run_id: Any) -> None:
@@ -1128,4 +1147,5 @@ class Runtime:
         check_id("session_id", session_id)  # (an int would be another session than its str)
         if namespace is not None:
             check_name("namespace", namespace)
-        return self.sessions.get(session_id, namespace)
+        session = self.sessions.get(session_id, namespace)
+        return session if self.bridge is None else _OnEngine(session, self._on_engine)
