@@ -215,6 +215,7 @@ class App:
         self._mcp_streams: set[anyio.CancelScope] = set()  # GET /mcp: idle until the client leaves
         self._inflight: set[anyio.CancelScope] = set()
         self._idle: anyio.Event | None = None
+        self._grace: anyio.CancelScope | None = None  # shutdown's wait for in-flight requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -291,12 +292,17 @@ class App:
             scope.cancel()
         if self._inflight:
             self._idle = anyio.Event()
-            with anyio.move_on_after(kit_sse.STOP_GRACE):
+            with anyio.move_on_after(kit_sse.STOP_GRACE) as self._grace:
                 await self._idle.wait()
             for scope in list(self._inflight):
                 scope.cancel()
             with anyio.move_on_after(kit_sse.STOP_GRACE):
                 await self._idle.wait()
+
+    def hurry(self) -> None:
+        """End ``shutdown``'s grace now: in-flight requests are cancelled (a second signal)."""
+        if self._grace is not None:
+            self._grace.cancel()
 
     # ----------------------------------------------------------------------------- http --
     async def _http(self, req: Request) -> None:
@@ -313,7 +319,8 @@ class App:
                 if self._idle is not None and not self._inflight:
                     self._idle.set()
         if scope.cancelled_caught and not req.started:  # cancelled by shutdown()
-            await self._fail(req, ServerStoppingError("the server is shutting down"))
+            run = f"; run {req.run_id} was cancelled (its log has it)" if req.run_id else ""
+            await self._fail(req, ServerStoppingError(f"the server is shutting down{run}"))
 
     async def _dispatch(self, req: Request) -> None:
         origin = req.header(b"origin")
@@ -390,6 +397,10 @@ class App:
             req.run_id = None if status is None else run_id
             if status is RunStatus.FAILED:
                 raise _RunFailed(run_id, exc) from None
+            raise
+        except anyio.get_cancelled_exc_class():  # by shutdown(): its 503 names the run
+            with anyio.CancelScope(shield=True):
+                req.run_id = None if await self.deck.status(run_id) is None else run_id
             raise
         req.run_id = run_id
         return result
@@ -670,11 +681,20 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     async def trigger() -> None:
         if shutdown_trigger is not None:
             await shutdown_trigger()
-        else:
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    break
-        await app.shutdown()
+            await app.shutdown()
+            return
+        # Held through the shutdown: a second signal ends the grace at once, where Python's
+        # default handler would raise KeyboardInterrupt in the middle of it.
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+            async with anyio.create_task_group() as tg:
+                async def hurry() -> None:
+                    async for _ in signals:
+                        app.hurry()
+                tg.start_soon(hurry)
+                await app.shutdown()
+                tg.cancel_scope.cancel()
 
     backend = sniffio.current_async_library()
     if backend == "trio":

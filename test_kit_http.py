@@ -649,6 +649,9 @@ async def test_shutdown_answers_in_flight_requests_503_after_the_grace(monkeypat
                 await app.shutdown()  # waits STOP_GRACE, cancels, waits STOP_GRACE
             gate.release.set()  # a tool in a worker thread finishes before its run can stop
         assert (got[0].status_code, got[0].json()["error"]) == (503, "ServerStoppingError")
+        run_id = got[0].headers["x-kit-run-id"]  # the run it cancelled, named as every run's is
+        assert run_id in got[0].json()["message"]
+        assert await app.deck.status(run_id) is RunStatus.CANCELLED
 
 
 # -------------------------------------------------------------------- ASGI, no server ----

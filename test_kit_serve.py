@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,8 +55,8 @@ def kit_serve(root: Path, *args: str, **env: str) -> tuple[subprocess.Popen, str
     """``kit-serve`` (as ``python -m kit_http``, which runs it) serving ``root`` on a free loopback
     port, once its /health answers; its stderr is a text pipe."""
     port = free_port()
-    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", PORT=str(port),
-               HOST="127.0.0.1", **env)
+    env = {**os.environ, "KIT_PROJECT": str(root), "KIT_STORE": "memory", "PORT": str(port),
+           "HOST": "127.0.0.1", **env}
     proc = subprocess.Popen([sys.executable, "-m", "kit_http", *args], cwd=HERE, env=env,
                             stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -97,6 +98,41 @@ def test_kit_serve_serves_the_project_and_stops_its_streams_on_sigterm(tmp_path,
     finally:
         stderr = stop(proc)
     assert f"{base}" in stderr and "unauthenticated" in stderr
+
+
+@pytest.mark.parametrize("worker", ["asyncio", "trio"])
+def test_a_second_signal_ends_the_grace_and_the_process_exits(tmp_path, worker):
+    """Ctrl-C twice while a JSON turn is in flight: the second raised KeyboardInterrupt in the
+    middle of the shutdown, the deck was never closed, and a durable workflow's checkpointer
+    thread held the process hung (a third signal ended it). Now the second ends the grace."""
+    root = project(tmp_path, sleepy=AGENT_BUNDLE)
+    approval = root / "workflows" / "approval" / "workflow.py"  # durable: its checkpointer thread
+    approval.parent.mkdir(parents=True)
+    approval.write_text((HERE / ".kit" / "workflows" / "approval" / "workflow.py").read_text())
+    proc, base = kit_serve(root, KIT_WORKER=worker, KIT_STORE=f"sqlite:///{tmp_path / 'kit.db'}")
+    try:
+        with httpx.Client(timeout=30) as client:
+            sent = client.build_request("POST", f"{base}/agents/sleepy/chat", json={"message": "hi"})
+            got: list[httpx.Response] = []
+            caller = threading.Thread(target=lambda: got.append(client.send(sent)))
+            caller.start()
+            time.sleep(1.0)  # the turn sleeps in its tool
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            started = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == 0
+            assert time.monotonic() - started < 4.0  # not the 5 s grace: the second cut it
+            caller.join(10)
+        [r] = got
+        run_id = r.headers["x-kit-run-id"]  # the 503 names the run it cancelled
+        assert (r.status_code, r.json()["error"]) == (503, "ServerStoppingError")
+        assert run_id in r.json()["message"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
 
 
 @pytest.mark.parametrize("worker, how", [("asyncio", "--access-log"), ("trio", "KIT_ACCESS_LOG=1")])
