@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import anyio
 import mcp.types as types
 from mcp.server.lowlevel import Server
 from mcp.server.lowlevel.helper_types import ReadResourceContents
@@ -213,8 +214,11 @@ class MCPSurface:
                         end = ev
                     elif token is not None and (message := _progress(ev)) is not None:
                         sent += 1
-                        await ctx.session.send_progress_notification(
-                            token, sent, message=message, related_request_id=ctx.request_id)
+                        try:
+                            await ctx.session.send_progress_notification(
+                                token, sent, message=message, related_request_id=ctx.request_id)
+                        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                            token = None  # the client left: the run plays on to its end
         except Exception:
             if end is None or not isinstance(end.payload, RunFailed):
                 raise  # refused before it started, or broke: _call answers it
