@@ -43,10 +43,12 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 ANY_HOST = "*"
 #: A preflight answer (``OPTIONS`` with ``Access-Control-Request-Method``) to a listed origin,
 #: beside ``Guard.cors_headers``: every route is a GET or a POST; ``content-type`` for JSON
-#: bodies, ``last-event-id`` to resume a stream with ``fetch``; browsers may keep the answer
-#: 10 minutes (Chromium caps it at 2 hours).
+#: bodies, ``last-event-id`` to resume a stream with ``fetch``, ``x-kit-session-id`` to name the
+#: conversation on the Chat Completions wire, ``mcp-protocol-version`` for MCP clients; browsers
+#: may keep the answer 10 minutes (Chromium caps it at 2 hours).
 PREFLIGHT_HEADERS = ((b"access-control-allow-methods", b"GET, POST"),
-                     (b"access-control-allow-headers", b"content-type, last-event-id"),
+                     (b"access-control-allow-headers",
+                      b"content-type, last-event-id, x-kit-session-id, mcp-protocol-version"),
                      (b"access-control-max-age", b"600"))
 #: The header a CORS response exposes to the page: the run a response belongs to.
 _EXPOSED = "x-kit-run-id"

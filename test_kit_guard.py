@@ -104,7 +104,8 @@ async def test_listed_origins_get_cors_answers_and_a_preflight():
         assert (r.status_code, r.content) == (204, b"")
         assert r.headers["access-control-allow-origin"] == FRONT
         assert r.headers["access-control-allow-methods"] == "GET, POST"
-        assert r.headers["access-control-allow-headers"] == "content-type, last-event-id"
+        assert r.headers["access-control-allow-headers"] == (  # a page can name a conversation
+            "content-type, last-event-id, x-kit-session-id, mcp-protocol-version")
         assert r.headers["access-control-max-age"] == "600" and r.headers["vary"] == "origin"
         r = await client.post("/agents/echo/chat", json={"message": "hi"}, headers={"origin": FRONT})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == FRONT
