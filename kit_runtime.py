@@ -1130,8 +1130,9 @@ class Runtime:
         if not await self._on_engine(self._thread_locks.acquire, key):
             return _SKIPPED
         try:
-            if not await self._on_engine(kit_workflows.still_due, self.graphs[due.workflow], key,
-                                         interrupt_id):
+            graph = self.graphs[due.workflow]
+            asleep = await self._on_engine(kit_workflows.sleeping_until, graph, key)
+            if asleep is None or asleep[1] != interrupt_id:  # another ticker woke it since
                 return _SKIPPED
             run, job, _ = await self._begin(spec, {}, None, due.thread_id, namespace, None, False,
                                             command=kit_workflows.resume_command(interrupt_id, woke))

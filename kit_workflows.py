@@ -29,10 +29,11 @@ a human, asleep, paused) they stay, for the run that resumes it, so only the pro
 it can (``holds_thread``). A durable run that is cancelled or fails drops the tasks it stopped
 at, so the next run on its thread applies its input and no tick wakes its sleep; only a run
 whose process died leaves them, for the next run to carry on. A sleep is an interrupt of
-exactly ``{"kind": "sleep", "until": <aware ISO time>}``; any other is a human's question. A value a checkpoint cannot
-store fails the run at its first checkpoint, once the run is in the log (an answered one for
-good: its interrupt cannot be answered again), so an input or an answer is checked before
-anything is written (``to_input``, ``check_answer``) and refused as a ``ContentError``. The
+exactly ``{"kind": "sleep", "until": <aware ISO time>}``; any other is a human's question. A
+value a checkpoint cannot store fails the run at its first checkpoint, once the run is in the
+log (an answered one for good: its interrupt cannot be answered again), so an input or an
+answer is checked before anything is written (``to_input``, ``check_answer``) and refused as a
+``ContentError``. The
 Postgres checkpointer's pool (``kit-checkpoints:<schema>`` in ``pg_stat_activity``) tests each
 connection when taken, so a durable step after the server dropped them (a restart, a failover)
 reconnects instead of failing its run.
@@ -67,8 +68,9 @@ if TYPE_CHECKING:
     from kit_catalog import Workflow
 
 __all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "MAX_DEPTH", "open_graphs",
-           "checkpoint_path", "sleeping_until", "sleeping_threads", "still_due", "holds_thread", "ThreadLocks", "PgThreadLocks",
-           "run_headless", "workflow_tool", "child_tool", "memory_saver", "CHECKPOINT_POOL")
+           "checkpoint_path", "sleeping_until", "sleeping_threads", "holds_thread", "ThreadLocks",
+           "PgThreadLocks", "run_headless", "workflow_tool", "child_tool", "memory_saver",
+           "CHECKPOINT_POOL")
 
 #: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
 #: share them, and a ticker holds one per thread it is resuming.
@@ -538,13 +540,6 @@ async def holds_thread(graph: Any, key: str) -> bool:
     """Engine side: whether ``graph``'s checkpointer has thread ``key`` (a parked run's thread
     lives in the memory of the process that parked it when its workflow is not durable)."""
     return await graph.checkpointer.aget_tuple(_config(key)) is not None
-
-
-async def still_due(graph: Any, key: str, interrupt_id: str) -> bool:
-    """Engine side: whether thread ``key`` of ``graph`` still waits on ``interrupt_id`` (a
-    ticker that listed it may find another one resumed it since)."""
-    ct = await graph.checkpointer.aget_tuple(_config(key))
-    return ct is not None and any(i.id == interrupt_id for i in _pending_interrupts(ct))
 
 
 def _pending_interrupts(ct: Any) -> list[Any]:
