@@ -323,6 +323,12 @@ class App:
             await self._fail(req, ServerStoppingError(f"the server is shutting down{run}"))
 
     async def _dispatch(self, req: Request) -> None:
+        path = route_path(req.scope)
+        # Under /v1/ an OpenAI client is asking: it reads OpenAI's error shape only, so every
+        # refusal (the guard's, the lifecycle's, an endpoint kit lacks: /v1/embeddings) comes in
+        # that shape when the surface is served.
+        if "openai" in self.surfaces and (path == "/v1" or path.startswith("/v1/")):
+            req.surface = "openai"
         origin = req.header(b"origin")
         self.guard.check(host=req.header(b"host"), origin=origin, scheme=req.scope.get("scheme", "http"))
         if cors := self.guard.cors_headers(origin):
@@ -330,9 +336,11 @@ class App:
             if req.scope["method"] == "OPTIONS" and req.header(b"access-control-request-method"):
                 return await respond(req, 204, None, _PREFLIGHT)
         if not self._open or self._stopping:
-            await respond(req, 503, {"status": "stopping" if self._stopping else "starting"})
+            state = "stopping" if self._stopping else "starting"
+            await respond(req, 503, kit_openai.error_body(
+                503, "ServerStoppingError" if self._stopping else "DeckStateError",
+                f"the server is {state}") if req.surface == "openai" else {"status": state})
             return
-        path = route_path(req.scope)
         method, allowed, concrete = req.scope["method"], [], False
         for route_method, template, pattern, handler, mount in self._routes:
             match = pattern.fullmatch(path)
@@ -348,10 +356,6 @@ class App:
                     checked_id(key, params[key])
                 return await getattr(self, handler)(req, **params)
             allowed.append(route_method)
-        # Under /v1/ an OpenAI client is asking (an endpoint kit lacks: /v1/embeddings): it
-        # reads OpenAI's error shape only, so it gets that when the surface is served.
-        if "openai" in self.surfaces and (path == "/v1" or path.startswith("/v1/")):
-            req.surface = "openai"
         if allowed:
             raise MethodNotAllowedError(method, allowed)
         raise RouteNotFoundError(f"no route {path!r}")

@@ -404,6 +404,14 @@ async def test_an_unknown_v1_path_answers_in_openais_shape():
         assert (r.status_code, r.json()["error"]["code"]) == (405, "MethodNotAllowedError")
         r = await client.get("/v2/models")  # outside /v1/ kit's own shape stays
         assert r.json() == {"error": "RouteNotFoundError", "message": "no route '/v2/models'"}
+        # The guard's refusals under /v1/ too (they came in kit's shape, which OpenAI clients
+        # cannot read)
+        r = await client.get("/v1/models", headers={"origin": "https://elsewhere.example"})
+        assert (r.status_code, r.json()["error"]["code"]) == (403, "OriginNotAllowedError")
+        r = await client.get("/v1/models", headers={"host": "rebound.example"})
+        assert (r.status_code, r.json()["error"]["code"]) == (421, "HostNotAllowedError")
+        r = await client.get("/models", headers={"origin": "https://elsewhere.example"})
+        assert r.json()["error"] == "OriginNotAllowedError"
         await aio.close()
 
 
