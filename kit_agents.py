@@ -25,6 +25,7 @@ handle travels as the SDK's run context (``context=run``); the caller's object i
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -107,6 +108,10 @@ def _message_text(item: Any) -> str:
     return "".join(getattr(part, "text", "") or "" for part in getattr(item, "content", ()) or ())
 
 
+#: Set on an exception of a model call whose streamed text reached the log before it failed.
+_PARTIAL = "_kit_partial_reply"
+
+
 class _TapModel(sdk.Model):
     """Wraps an agent's model so its output is recorded as it is produced.
 
@@ -138,6 +143,16 @@ class _TapModel(sdk.Model):
         inner = self.inner()
         return str(getattr(inner, "model", None) or self._model or type(inner).__name__)
 
+    def get_retry_advice(self, request: Any) -> Any:
+        """The inner model's retry advice, unless the failed attempt streamed text to the log
+        already: a retry would record the reply twice (the attempt's deltas, then the whole
+        reply), so it is unsafe, as the SDK's own streaming path rules."""
+        if getattr(request.error, _PARTIAL, False):
+            from agents.retry import ModelRetryAdvice
+            return ModelRetryAdvice(suggested=False, replay_safety="unsafe",
+                                    reason="the failed attempt's text is in the log already")
+        return self.inner().get_retry_advice(request)
+
     def known_name(self) -> str:
         """The model's name as far as it is known without building a client (which needs
         settings, an API key): the name it was given, its model object's own, or the SDK's
@@ -162,7 +177,13 @@ class _TapModel(sdk.Model):
             return await inner.get_response(*args, **kw)
         ids: dict[int, str] = {}
         if run.streaming:
-            response = await self._stream(run, inner.stream_response(*args, **kw), ids)
+            try:
+                response = await self._stream(run, inner.stream_response(*args, **kw), ids)
+            except Exception as exc:
+                if ids:  # this attempt's text is in the log: not to be retried (get_retry_advice)
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(exc, _PARTIAL, True)
+                raise
         else:
             response = await inner.get_response(*args, **kw)
             for i, item in enumerate(response.output):

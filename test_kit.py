@@ -336,6 +336,38 @@ async def test_a_failed_run_is_in_the_log_and_reaches_the_caller(store):
         assert seen == ["run.started", "run.failed"]
 
 
+class FlakyStream(ScriptedModel):
+    """A model whose first stream drops after its second word (a connection cut mid-reply)."""
+    failed = False
+
+    async def stream_response(self, *args, **kw):
+        async for ev in super().stream_response(*args, **kw):
+            if not self.failed and getattr(ev, "delta", "").strip() == "world":
+                self.failed = True
+                raise ConnectionError("peer closed connection mid-stream")
+            yield ev
+
+
+async def test_a_streamed_reply_cut_after_its_text_is_logged_is_not_retried(store):
+    """With the SDK's runner-managed retries, the cut attempt was retried: the stream and the
+    log held its partial text, then the whole reply (a message with no message.completed)."""
+    from agents.retry import ModelRetrySettings
+    retry = agents.ModelSettings(retry=ModelRetrySettings(max_retries=2, policy=lambda ctx: True))
+    agent = Agent("a", model=FlakyStream(["Hello world from the model"], cycle=True),
+                  model_settings=retry)
+    async with Deck([agent], store=store) as deck:
+        seen: list[Event] = []
+        with pytest.raises(ConnectionError):
+            async for event in deck.stream("a", "hi"):
+                seen.append(event)
+        assert "".join(e.payload.text for e in seen if e.kind == "text.delta").strip() == "Hello"
+        assert kinds(await store.read(seen[0].run_id))[-1] == "run.failed"
+    agent = Agent("b", model=FlakyStream(["Hello world from the model"], cycle=True),
+                  model_settings=retry)
+    async with Deck([agent], store=store) as deck:  # not streamed: nothing logged, retried
+        assert (await deck.run("b", "hi")).output == "Hello world from the model"
+
+
 async def test_a_tool_error_goes_back_to_the_model(store):
     def boom(x: int) -> int:
         raise ValueError("bad x")
