@@ -1066,8 +1066,10 @@ class Runtime:
         parked: set[str] = set()
         for info in await self.store.runs(status=RunStatus.SLEEPING):
             spec = self.specs.get(info.name)
-            last = (await self.store.read(info.run_id))[-1] if spec is not None else None
-            if last is None or spec.kind != "workflow" or not isinstance(last.payload, RunSleeping):
+            if spec is None or spec.kind != "workflow":
+                continue
+            last = (await self.store.read(info.run_id))[-1]
+            if not isinstance(last.payload, RunSleeping):
                 continue
             thread = last.payload.thread_id or ""
             key = spec.engine.key(info.namespace, thread)

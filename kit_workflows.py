@@ -199,9 +199,8 @@ class WorkflowEngine:
                 final, interrupts = await self._stream(run, graph, inp, control)
             except GraphDrained:  # stopped at a superstep boundary, as asked; checkpoint saved
                 action, reason, source = run.take_request() or ("pause", None, None)
-                run.emit(ControlRequested(action, reason, source))
                 parks = action != "cancel"
-                return await run.durable(RunPaused(reason) if parks else RunCancelled(reason))
+                return await _stopped(run, action, reason, source)
             except anyio.get_cancelled_exc_class():
                 if (end := run.ending()) is not None:
                     run.emit(end)
@@ -213,9 +212,7 @@ class WorkflowEngine:
             finally:
                 run.on_request = None
             if interrupts and run.requested is not None and run.requested[0] == "cancel":
-                _, reason, source = run.take_request()  # type: ignore[misc]
-                run.emit(ControlRequested("cancel", reason, source))
-                return await run.durable(RunCancelled(reason))
+                return await _stopped(run, *run.take_request())  # type: ignore[misc]
             parks, completed = bool(interrupts), not interrupts
             return await run.durable(_parked(run, interrupts) if parks
                                      else RunCompleted(jsonable(final), Usage()))
@@ -285,6 +282,12 @@ class WorkflowEngine:
         for node in nodes:
             run.emit(NodeUpdated(node, None), origin=f"{run.origin}/{node}")
         nodes.clear()
+
+
+async def _stopped(run: RunHandle, action: str, reason: str | None, source: str | None) -> Event:
+    """End ``run`` as asked: its request recorded, then ``run.paused`` or ``run.cancelled``."""
+    run.emit(ControlRequested(action, reason, source))
+    return await run.durable(RunCancelled(reason) if action == "cancel" else RunPaused(reason))
 
 
 def resume_command(interrupt_id: str, value: Any) -> Any:
