@@ -1,11 +1,11 @@
 """kit_runtime: the Runtime that plays runs and records them in the log.
 
-Owns: runs (a ``_Run`` per run: its seqs, its live buffer for streams), the one write path of
+Owns: runs (a ``Run`` per run: its seqs, its live buffer for streams), the one write path of
 events (``Runtime._put`` / ``Runtime._write``: the writer's group commit to the store, then the
-observers, with the run's live readers fed on the way), session claims (through the store), run
-control (pause, cancel, resume; parked runs), parked workflows (answer, pending, due, tick), child
-runs, and the lifecycle of what a deck holds open: the store it built, the observers, the engines'
-graphs and sessions, the MCP servers, the trio bridge.
+observers, with the run's live readers fed on the way), session claims (through the store), child
+runs, run control and parked runs (their half of the Runtime is ``kit_control.RunControl``, a
+mixin that writes through this path), and the lifecycle of what a deck holds open: the store it
+built, the observers, the engines' graphs and sessions, the MCP servers, the trio bridge.
 
 Must never: speak HTTP or read argv; print, log or persist the application context; hand an
 engine anything but a ``RunHandle`` (engines never see the Runtime or the store).
@@ -43,7 +43,6 @@ import socket
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -53,13 +52,12 @@ import sniffio
 import kit_observers
 import kit_workflows
 from kit_bridge import Bridge
+from kit_control import BACKOFF_MAX, RunControl
 from kit_core import (
-    CheckpointMissingError, Claim, ConfigError, ControlRequest, ControlRequested, DeckStateError,
-    Due, Event, InterruptResult, InvocableSpec, LogConflictError, ModelCompleted, Pending,
-    RunCancelled, RunCompleted, RunInterrupted, RunNotWaitingError, RunPaused, RunHandle,
-    RunResumed, RunSleeping, RunStarted, NewRunId, RunStatus, RunStoppedError, SessionBusyError,
-    StoreUnavailableError, Ticked, TurnResult, UnknownNameError, UnknownRunError, as_blocks,
-    as_history, check_id, check_name, check_text, count_setting, new_run_id,
+    Claim, ConfigError, DeckStateError, Event, InterruptResult, InvocableSpec, LogConflictError,
+    NewRunId, RunCompleted, RunHandle, RunInterrupted, RunPaused, RunSleeping, RunStarted,
+    RunStatus, RunStoppedError, StoreUnavailableError, TurnResult, as_blocks, as_history, check_id,
+    check_name, count_setting, new_run_id,
 )
 from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
@@ -67,8 +65,7 @@ from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
 if TYPE_CHECKING:
     import kit_sessions
 
-__all__ = ("Runtime", "CONTROL_RETRY", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT",
-           "BACKOFF_MAX", "ACT_TRIES", "ORPHAN_SCAN")
+__all__ = ("Runtime", "Run", "CONTROL_RETRY", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT")
 
 #: The control-request watcher follows the store (``follow_requests``), so a pause or cancel
 #: written anywhere reaches the run's next safe point as soon as the store hears of it; when
@@ -83,26 +80,12 @@ DEFAULT_LEASE_SECONDS = 30.0
 #: How long closing the deck waits for cancelled runs to record their end; also how long a
 #: cancelled run waits for its ``run.cancelled`` to commit before its caller goes on.
 CLOSE_TIMEOUT = 10.0
-#: A background loop (lease renewal, the control watcher) that fails backs off up to this long
-#: between tries (seconds), logging once per burst; it never takes the deck down.
-BACKOFF_MAX = 30.0
-#: How many times in a row the deck tries to act on one control request recorded elsewhere (a
-#: parked run's cancel, a resume) while the store fails: with the backoff above, half a minute
-#: of a store gone for a moment is ridden out; then the request is logged and passed over, so
-#: one that can never be acted on does not hold up the ones after it.
-ACT_TRIES = 5
-#: How often (seconds) ``tick`` scans the checkpointers whole for threads asleep that no run of
-#: the log parks (a process died between a sleep's checkpoint and its ``run.sleeping``); every
-#: other tick reads only the sleeping runs' threads, whatever the checkpointers' history.
-ORPHAN_SCAN = 600.0
-_PARKED = (RunStatus.PAUSED, RunStatus.WAITING_HUMAN, RunStatus.SLEEPING)
-_SKIPPED = object()  # a due thread another ticker has
 _log = logging.getLogger("kit.runtime")
 
 
 # ======================================================================================= runs ====
 
-class _Run(RunHandle):
+class Run(RunHandle):
     """One run being played: the engine's handle, plus the kit side's live buffer and end.
 
     ``feed`` and ``events`` are called on the kit side; the rest is the engine's (``RunHandle``).
@@ -229,7 +212,7 @@ def _count_upto(live: deque[Event], seq: int) -> int:
     return n
 
 
-def _result(run: _Run, end: Event) -> Any:
+def _result(run: Run, end: Event) -> Any:
     """What a run returns to its caller, from its last event."""
     p = end.payload
     if isinstance(p, RunCompleted):
@@ -247,7 +230,7 @@ def _result(run: _Run, end: Event) -> Any:
 
 # ==================================================================================== runtime ====
 
-class Runtime:
+class Runtime(RunControl):
     """Plays the deck's runs on one event store; created and opened by ``Deck``.
 
     Settings are read at ``open()``: ``KIT_STORE`` (when no store is passed in; else
@@ -279,19 +262,15 @@ class Runtime:
         self.sessions: kit_sessions.Sessions | None = None
         self.bridge: Bridge | None = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.active: dict[str, _Run] = {}
+        self.active: dict[str, Run] = {}
         self._fenced: set[str] = set()  # run ids a fenced write is in flight for (``_fence``)
         self._closing = False
-        self._streams: dict[str, _Run] = {}  # streamed runs: their commits wake their readers
+        self._streams: dict[str, Run] = {}  # streamed runs: their commits wake their readers
         self._tg: Any = None
         self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
         self._close_graphs: Any = None
         self._thread_locks: Any = None  # kit_workflows.ThreadLocks: one ticker per thread
-        self._seen_request = 0  # the newest control request this deck has acted on
-        self._handled: set[int] = set()  # requests made here, acted on already
-        self._failing = (0, 0)  # (request id, failed tries) of a request the store failed
-        self._orphans: dict[str, str] = {}  # sleeping thread keys no log run parks -> workflow
-        self._orphans_at = 0.0  # when tick next scans the checkpointers for them
+        self._init_control()
 
     # ------------------------------------------------------------------------ lifecycle --
     async def open(self) -> None:
@@ -484,14 +463,14 @@ class Runtime:
             self._committed((await self.store.read(run_id))[-1:])
 
     # ------------------------------------------------------------------ the write path --
-    def _put(self, run: _Run | None, event: Event, claim: Claim | None = None) -> None:
+    def _put(self, run: Run | None, event: Event, claim: Claim | None = None) -> None:
         """Kit side: the one way an event enters the log: the writer's next batch (observers and
         committed readers get it once it is durable), and the run's live buffer at once."""
         self.writer.put(event, claim)
         if run is not None:
             run.feed(event)
 
-    async def _write(self, run: _Run | None, events: Sequence[Event], claim: Claim | None = None) -> None:
+    async def _write(self, run: Run | None, events: Sequence[Event], claim: Claim | None = None) -> None:
         """Kit side: ``_put`` the events (the claim with the first), then commit now. Raises what
         the store refused for this run (``SessionBusyError``, ``LogConflictError``): then none of
         its buffered events is in the log."""
@@ -581,7 +560,7 @@ class Runtime:
         else:
             await anyio.lowlevel.checkpoint()
 
-    async def _on_mail(self, item: tuple[tuple[_Run, Event, Claim | None] | None, Any]) -> None:
+    async def _on_mail(self, item: tuple[tuple[Run, Event, Claim | None] | None, Any]) -> None:
         """Kit side (trio): one item from the bridge's mailbox: an event to put, and a reply to
         settle once it is committed (or, for ``None``, once the writer has room). Never waits
         itself, so the pump keeps every run's events flowing in order."""
@@ -601,10 +580,10 @@ class Runtime:
             self.bridge.settle(reply, None)  # type: ignore[union-attr]
 
     def _new_run(self, spec: InvocableSpec, run_id: str, data: Any, session_id: str | None,
-                 namespace: str | None, streaming: bool = False) -> _Run:
+                 namespace: str | None, streaming: bool = False) -> Run:
         if self._closing:  # a stream made while open, iterated after: refused before any write
             raise DeckStateError("CLOSED", "start or resume a run")
-        run = _Run(spec, run_id, data, session_id, namespace, streaming, deliver=self._deliver,
+        run = Run(spec, run_id, data, session_id, namespace, streaming, deliver=self._deliver,
                    commit=self._commit, pace=self._pace, read=self._read_committed,
                    writer=self.writer)
         run.start_child = self._child
@@ -615,7 +594,7 @@ class Runtime:
             self._streams.setdefault(run_id, run)
         return run
 
-    def _hold(self, run: _Run, seq: int) -> None:
+    def _hold(self, run: Run, seq: int) -> None:
         """``run`` holds its id now (its fenced start or take-over committed at ``seq``): it is
         the run the id's commits wake, even if a caller that lost the race registered first."""
         self.active[run.run_id] = run
@@ -623,12 +602,12 @@ class Runtime:
             self._streams[run.run_id] = run
             run.on_commit(seq)
 
-    def _unstream(self, run: _Run) -> None:
+    def _unstream(self, run: Run) -> None:
         """``run`` ended, or never got its id: its commits wake no reader any more."""
         if self._streams.get(run.run_id) is run:
             del self._streams[run.run_id]
 
-    def _claim(self, run: _Run) -> Claim:
+    def _claim(self, run: Run) -> Claim:
         return Claim(run.run_id, self.owner, self.lease, run.session_id, run.namespace)
 
     @contextlib.contextmanager
@@ -650,7 +629,7 @@ class Runtime:
     async def _begin(self, spec: InvocableSpec, input: Any, context: Any, session_id: str | None,
                      namespace: str | None, run_id: str | None, streaming: bool,
                      command: Any = None, history: Any = None
-                     ) -> tuple[_Run, Callable[[], Any], Event]:
+                     ) -> tuple[Run, Callable[[], Any], Event]:
         """Check a new run's arguments, write its start (with its claim) and return the run,
         the engine-side job that plays it and its ``run.started``. Refused runs write nothing.
         The caller's ids are checked by ``run``/``stream`` (``_check_ids``); a tick's thread id
@@ -687,7 +666,7 @@ class Runtime:
         self.active[run.run_id] = run
         return run, job, started
 
-    async def _start_run(self, run: _Run, started: Event, fenced: bool) -> None:
+    async def _start_run(self, run: Run, started: Event, fenced: bool) -> None:
         """Write a run's start, with its claim. A start that something could refuse (a session
         to hold, a caller's run id that is not a ``NewRunId``) is committed now, so a refusal
         writes nothing and reaches the caller; any other rides in the run's first group commit
@@ -714,7 +693,7 @@ class Runtime:
                 raise error  # will be written: so is its end
         self._put(run, started, self._claim(run))
 
-    async def _play(self, run: _Run, job: Callable[[], Any]) -> Event:
+    async def _play(self, run: Run, job: Callable[[], Any]) -> Event:
         try:
             with run.scope:
                 return await (job() if self.bridge is None else self._played(run, job))
@@ -733,7 +712,7 @@ class Runtime:
             run.done.set()
             run.wake.set()
 
-    async def _played(self, run: _Run, job: Callable[[], Any]) -> Event:
+    async def _played(self, run: Run, job: Callable[[], Any]) -> Event:
         """Trio: play ``run`` on the bridge, then commit its end here before the caller hears
         of it. Its end needs no round trip of its own (the engine side returns right after
         posting it): two thread crossings per run instead of four. Raises what the engine
@@ -756,13 +735,17 @@ class Runtime:
         _check_ids(session_id, run_id)
         run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False,
                                         history=history)
+        return await self._finish(run, job)
+
+    async def _finish(self, run: Run, job: Callable[[], Any]) -> Any:
+        """Play ``run`` to its end; what it returns to its caller."""
         return _result(run, await self._play(run, job))
 
     async def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                      session_id: str | None = None, namespace: str | None = None,
                      run_id: str | None = None, committed: bool = False,
                      history: Any = None) -> AsyncIterator[Event]:
-        async def begin() -> tuple[_Run, Callable[[], Any], int]:
+        async def begin() -> tuple[Run, Callable[[], Any], int]:
             _check_ids(session_id, run_id)
             run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id,
                                             True, history=history)
@@ -771,11 +754,33 @@ class Runtime:
             async for event in events:
                 yield event
 
-    async def _play_in_background(self, run: _Run, job: Callable[[], Any]) -> None:
+    async def _play_in_background(self, run: Run, job: Callable[[], Any]) -> None:
         try:
             await self._play(run, job)
         except Exception:  # a failure reaches the stream's consumer (run.error), never the deck
             pass
+
+    async def _streamed(self, take: Callable[[], Any], committed: bool) -> AsyncIterator[Event]:
+        """Play the run ``take()`` started or took over in the deck's task group, yielding its
+        events live after the seq it continues from (nothing when ``take()`` gives None); with
+        ``committed``, each once it is durable. A failed run's error is raised after its
+        ``run.failed``. Leaving early ends the stream, never the run."""
+        taken = await take()
+        if taken is None:
+            return
+        run, job, after = taken
+        try:
+            self._tg.start_soon(self._play_in_background, run, job)
+            async with contextlib.aclosing(run.events(after, committed)) as events:
+                async for event in events:
+                    yield event
+            await run.done.wait()
+            if run.error is not None:
+                raise run.error
+            if run.abort_error is not None:
+                raise run.abort_error
+        finally:
+            self._unstream(run)
 
     async def status(self, run_id: str) -> RunStatus | None:
         check_id("run_id", run_id)
@@ -800,348 +805,6 @@ class Runtime:
         finally:
             self.active.pop(run.run_id, None)
             run.done.set()  # the deck's close waits for it (on the engine side, made there)
-
-    # -------------------------------------------------------------------- run control --
-    async def request(self, run_id: str, action: str, reason: str | None, source: str) -> None:
-        """Record a pause/cancel request and return: a run played here is told at once (from
-        the moment its id exists, child runs included), one played elsewhere sees it through its
-        process's poll; a parked run is cancelled here."""
-        check_id("run_id", run_id)
-        check_text("reason", reason)
-        run = self.active.get(run_id)
-        if run is not None:
-            run.request(action, reason, source)
-            await self.writer.flush()  # its start may wait in the buffer: the store must know it
-        request_id = await self.store.request(run_id, action, reason, source)
-        self._handled.add(request_id)
-        if run is None:
-            await self._act(ControlRequest(request_id, run_id, action, reason, source))
-
-    async def _act(self, req: ControlRequest) -> None:
-        run = self.active.get(req.run_id)
-        if run is not None:
-            if req.action != "resume":
-                run.request(req.action, req.reason, req.source)
-        elif req.action == "cancel":
-            await self._cancel_parked(req)
-
-    async def _cancel_parked(self, req: ControlRequest) -> None:
-        """A parked run has no writer: whoever handles its cancel becomes it (DESIGN 6); of two
-        processes racing, the unique ``(run_id, seq)`` lets one write. A workflow's thread goes
-        with it, in every deck that sees the cancel (a non-durable one's checkpoints live in the
-        memory of the deck that parked it, which may not be the one that wrote the cancel)."""
-        info = await self.store.run_info(req.run_id)
-        if info is None or info.status not in (*_PARKED, RunStatus.CANCELLED):
-            return
-        if info.status is not RunStatus.CANCELLED:
-            last = (await self.store.read(req.run_id))[-1]
-            if last.payload.ends != "parking":  # resumed since: its player hears the request
-                return
-            try:
-                with self._fence(req.run_id, last.seq + 1):
-                    await self._write(None, [
-                        Event(req.run_id, last.seq + 1,
-                              ControlRequested("cancel", req.reason, req.source), info.name),
-                        Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)])
-            except LogConflictError:  # another caller got there first: a cancel, or a resume
-                info = await self.store.run_info(req.run_id)
-                if info is None or info.status is not RunStatus.CANCELLED:
-                    return  # resumed: its thread is in use (a cancel elsewhere: forget ours too)
-        spec = self.specs.get(info.name)
-        if spec is None or spec.kind != "workflow":
-            return
-        key = spec.engine.key(info.namespace, info.session_id or req.run_id)  # _new_run's
-        if info.session_id is not None and (  # the session's thread: only if no run took it since
-                await self.store.session_holder(info.session_id, info.namespace) is not None
-                or any(run.thread_key == key for run in self.active.values())):
-            return
-        await self._on_engine(spec.engine.forget, self.graphs[spec.name], key)
-
-    async def _take_over(self, run: _Run, events: Sequence[Event]) -> None:
-        """Become the writer of a parked run: append ``events`` (the resume) with its claim,
-        fenced by seq (``LogConflictError`` when another caller got there first)."""
-        run.seq = events[-1].seq
-        try:
-            with self._fence(run.run_id, events[0].seq):
-                await self._write(run, events, self._claim(run))
-                self._hold(run, run.seq)
-        except BaseException:
-            self._unstream(run)
-            raise
-
-    async def _take_paused(self, run_id: str, context: Any, streaming: bool
-                           ) -> tuple[_Run, Callable[[], Any], int] | None:
-        """Become the writer of a paused run: the run, its job and the seq it paused at, or None
-        when there is nothing to resume here (unknown, not paused, playing, another caller
-        resumed it first, or this deck lacks its invocable: SPEC 3.2)."""
-        info = await self.store.run_info(run_id)
-        spec = self.specs.get(info.name) if info is not None else None
-        if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
-            return None
-        log = await self.store.read(run_id)
-        paused = log[-1]
-        if paused.kind != "run.paused":  # resumed since the index was read: not ours to take
-            return None
-        run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
-        for event in log:  # its usage so far: run.completed totals the whole run
-            if isinstance(event.payload, ModelCompleted):
-                p = event.payload
-                run.add_usage(p.input_tokens, p.output_tokens, p.usd)
-        if spec.kind == "workflow":
-            await self._check_thread(run)
-        try:
-            await self._take_over(run, [
-                Event(run_id, paused.seq + 1, ControlRequested("resume", None, "api"), spec.name),
-                Event(run_id, paused.seq + 2, RunResumed("resume"), spec.name)])
-        except LogConflictError:
-            return None  # another caller resumed it first
-        if spec.kind == "agent":
-            session = self.sessions.get(info.session_id, info.namespace) if info.session_id else None  # type: ignore[union-attr]
-            items = [] if session is not None else (paused.payload.items or [])
-            job = functools.partial(spec.engine.play, run, items, session,
-                                    self._agents.run_config(self._sdk_tracing, run_id, info.session_id))
-        else:
-            job = functools.partial(spec.engine.play, run, self.graphs[spec.name], None)
-        return run, job, paused.seq
-
-    async def resume(self, run_id: str, context: Any) -> list[Event]:
-        check_id("run_id", run_id)
-        taken = await self._take_paused(run_id, context, False)
-        if taken is None:
-            return []
-        run, job, after = taken
-        await self._play(run, job)
-        return await self.store.read(run_id, after=after)
-
-    def stream_resume(self, run_id: str, context: Any, committed: bool = False) -> AsyncIterator[Event]:
-        async def take() -> tuple[_Run, Callable[[], Any], int] | None:
-            check_id("run_id", run_id)
-            return await self._take_paused(run_id, context, True)
-        return self._streamed(take, committed)
-
-    async def _streamed(self, take: Callable[[], Any], committed: bool) -> AsyncIterator[Event]:
-        """Play the run ``take()`` started or took over in the deck's task group, yielding its
-        events live after the seq it continues from (nothing when ``take()`` gives None); with
-        ``committed``, each once it is durable. A failed run's error is raised after its
-        ``run.failed``. Leaving early ends the stream, never the run."""
-        taken = await take()
-        if taken is None:
-            return
-        run, job, after = taken
-        try:
-            self._tg.start_soon(self._play_in_background, run, job)
-            async with contextlib.aclosing(run.events(after, committed)) as events:
-                async for event in events:
-                    yield event
-            await run.done.wait()
-            if run.error is not None:
-                raise run.error
-            if run.abort_error is not None:
-                raise run.abort_error
-        finally:
-            self._unstream(run)
-
-    async def _watch_requests(self) -> None:
-        """Requests written by other processes (the CLI, replicas), as the store hears of them
-        (``follow_requests``: NOTIFY on Postgres; SQLite's poll): pause/cancel reach the runs
-        played here; a resume is taken up by any deck that has the run's invocable (the first
-        to write wins); a parked run's cancel is written by whichever deck sees it first. A
-        request is seen once it is acted on: one the store fails (``_act_or_raise``) is met
-        again when the watch starts over."""
-        requests = self.store.follow_requests(after=self._seen_request)
-        async with contextlib.aclosing(requests):
-            async for req in requests:
-                if req.id in self._handled:
-                    self._handled.discard(req.id)
-                elif req.action == "resume" and req.run_id not in self.active:
-                    self._tg.start_soon(self._resume_quietly, req.run_id)
-                else:
-                    await self._act_or_raise(req)
-                self._seen_request = req.id
-
-    async def _act_or_raise(self, req: ControlRequest) -> None:
-        """``_act``; a failure is raised (``_every`` starts the watch over after its backoff),
-        up to ``ACT_TRIES`` times in a row for one request, then logged and passed over."""
-        try:
-            await self._act(req)
-        except Exception as exc:
-            failing, tries = self._failing
-            tries = tries + 1 if failing == req.id else 1
-            self._failing = (req.id, tries)
-            if tries < ACT_TRIES:
-                raise
-            _log.error("control request %d (%s of run %s) passed over after %d tries: %s: %s",
-                       req.id, req.action, req.run_id, tries, type(exc).__name__, exc)
-
-    async def _resume_quietly(self, run_id: str) -> None:
-        """A resume request from the log (its run id, as old as the log, is not re-checked).
-        Taking the run over is tried ``ACT_TRIES`` times while the store fails; the run's own
-        failure is in its log (``run.failed``), with nobody here to tell."""
-        for tries in range(1, ACT_TRIES + 1):
-            try:
-                taken = await self._take_paused(run_id, None, False)
-                break
-            except CheckpointMissingError:
-                return  # a non-durable workflow's run: the process that parked it takes it up
-            except Exception as exc:
-                if tries == ACT_TRIES:
-                    _log.error("resuming run %s passed over after %d tries: %s: %s", run_id,
-                               tries, type(exc).__name__, exc)
-                    return
-                await anyio.sleep(min(2.0 ** tries, BACKOFF_MAX))
-        if taken is not None:
-            with contextlib.suppress(Exception):
-                await self._play(taken[0], taken[1])
-
-    # --------------------------------------------------------------- parked workflows --
-    async def _unpark(self, run_id: str, wanted: str, value: Any, by: str, context: Any,
-                      streaming: bool = False) -> tuple[_Run, Callable[[], Any], int]:
-        """Become the writer of a parked workflow run (``wanted``: the parking kind it must end
-        with): the run, the job that resumes it with ``value`` and the seq it parked at."""
-        status = {"run.interrupted": "WAITING_HUMAN", "run.sleeping": "SLEEPING"}[wanted]
-        info = await self.store.run_info(run_id)
-        if info is None:
-            raise UnknownRunError(run_id)
-        last = (await self.store.read(run_id))[-1]
-        if last.kind != wanted or run_id in self.active:
-            raise RunNotWaitingError(run_id, info.status, status)
-        spec = self.specs.get(info.name)
-        if spec is None or spec.kind != "workflow":
-            raise UnknownNameError(info.name, [n for n, s in self.specs.items() if s.kind == "workflow"])
-        if wanted == "run.interrupted":  # an answer: refused now, not by the run's checkpoint
-            spec.engine.check_answer(value)
-        parked = last.payload
-        run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
-        run.thread_id = parked.thread_id
-        run.thread_key = spec.engine.key(info.namespace, parked.thread_id)
-        await self._check_thread(run)
-        try:  # (run_id, seq) is unique: of two callers racing to resume, one gets this conflict
-            await self._take_over(run, [Event(run_id, last.seq + 1, RunResumed(by), spec.name)])
-        except LogConflictError:
-            raise RunNotWaitingError(run_id, "being resumed by another caller", status) from None
-        command = kit_workflows.resume_command(parked.interrupt_id, value)
-        return run, functools.partial(spec.engine.play, run, self.graphs[spec.name], command), last.seq
-
-    async def _check_thread(self, run: _Run) -> None:
-        """Raise ``CheckpointMissingError`` (the run stays parked) unless this deck's
-        checkpointer holds the thread that parked workflow ``run`` goes on from: without it,
-        LangGraph would start the graph over with an empty state and the answer would be lost."""
-        spec = run.spec
-        graph = self.graphs[spec.name]
-        if not await self._on_engine(kit_workflows.holds_thread, graph, run.thread_key):
-            self._unstream(run)
-            raise CheckpointMissingError(run.run_id, spec.name, spec.engine.durable)
-
-    async def _resume(self, run_id: str, wanted: str, value: Any, by: str, context: Any) -> Any:
-        run, job, _ = await self._unpark(run_id, wanted, value, by, context)
-        return _result(run, await self._play(run, job))
-
-    async def answer(self, run_id: str, value: Any, context: Any) -> Any:
-        check_id("run_id", run_id)
-        return await self._resume(run_id, "run.interrupted", value, "answer", context)
-
-    def stream_answer(self, run_id: str, value: Any, context: Any,
-                      committed: bool = False) -> AsyncIterator[Event]:
-        async def take() -> tuple[_Run, Callable[[], Any], int]:
-            check_id("run_id", run_id)
-            return await self._unpark(run_id, "run.interrupted", value, "answer", context, True)
-        return self._streamed(take, committed)
-
-    async def pending(self) -> list[Pending]:
-        out = []
-        for info in await self.store.runs(status=RunStatus.WAITING_HUMAN):
-            last = (await self.store.read(info.run_id))[-1]
-            if isinstance(last.payload, RunInterrupted):
-                out.append(Pending(info.run_id, info.name, last.payload.thread_id or "",
-                                   info.session_id, last.payload.payload, last.at))
-        return out
-
-    async def _due(self, now: datetime) -> list[tuple[Due, str, str | None]]:
-        """Due threads, the longest overdue first, with the interrupt to wake and their
-        namespace: each sleeping run of the log, checked on its thread's latest checkpoint, and
-        the threads asleep that no run parks (``_orphans``), which the checkpointers are scanned
-        whole for every ``ORPHAN_SCAN`` seconds (the scan reads every checkpoint of every
-        thread ever played: seconds, once there are thousands)."""
-        out: list[tuple[Due, str, str | None]] = []
-        parked: set[str] = set()
-        for info in await self.store.runs(status=RunStatus.SLEEPING):
-            spec = self.specs.get(info.name)
-            if spec is None or spec.kind != "workflow":
-                continue
-            last = (await self.store.read(info.run_id))[-1]
-            if not isinstance(last.payload, RunSleeping):
-                continue
-            thread = last.payload.thread_id or ""
-            key = spec.engine.key(info.namespace, thread)
-            parked.add(key)
-            found = await self._on_engine(kit_workflows.sleeping_until, self.graphs[spec.name], key)
-            if found is not None and found[0] <= now:
-                out.append((Due(info.name, thread, found[0], info.run_id), found[1], info.namespace))
-        if anyio.current_time() >= self._orphans_at:
-            self._orphans_at = anyio.current_time() + ORPHAN_SCAN
-            self._orphans = dict(await self._on_engine(kit_workflows.sleeping_threads, self.graphs))
-        for key, name in list(self._orphans.items()):
-            found = None if key in parked else await self._on_engine(
-                kit_workflows.sleeping_until, self.graphs[name], key)
-            if found is None:  # woken, or parked by a run of the log now
-                del self._orphans[key]
-            elif found[0] <= now:
-                _, namespace, thread = key.split(":", 2)
-                out.append((Due(name, thread, found[0], None), found[1], namespace or None))
-        return sorted(out, key=lambda due: due[0].until)  # the longest overdue first
-
-    async def due_resumes(self, now: datetime) -> list[Due]:
-        return [due for due, _, _ in await self._due(now)]
-
-    async def tick(self, now: datetime) -> list[Ticked]:
-        """Resume every due thread once. A thread whose parked run is in the log is resumed
-        through that run (two tickers race on its next seq: one wins); one without (its run
-        was never recorded) is resumed under the thread's lock (``ThreadLocks``: an advisory
-        lock with Postgres) by a new run that claims the thread, once the lock holder has seen
-        that the thread still waits, so a second ticker skips it, now or later. A thread whose
-        run fails (its ``run.failed`` is in the log) does not hold up the others: they are all
-        resumed, then the first failure is raised."""
-        woke = {"woke_at": now.isoformat()}
-        out, failed = [], []
-        for due, interrupt_id, namespace in await self._due(now):
-            try:
-                if due.run_id is not None:
-                    result = await self._resume(due.run_id, "run.sleeping", woke, "tick", None)
-                else:
-                    result = await self._tick_thread(due, interrupt_id, namespace, woke)
-            except (RunNotWaitingError, SessionBusyError):
-                continue  # another ticker (or a live run) has this thread
-            except Exception as exc:
-                failed.append(exc)
-                continue
-            if result is not _SKIPPED:
-                out.append(Ticked(due.workflow, due.thread_id, result))
-        if failed:
-            if len(failed) > 1:
-                failed[0].add_note(f"tick: {len(failed) - 1} more due thread(s) failed too (each "
-                                   "run's log has its run.failed)")
-            raise failed[0]
-        return out
-
-    async def _tick_thread(self, due: Due, interrupt_id: str, namespace: str | None,
-                           woke: Any) -> Any:
-        """Resume a thread only the checkpointer knows, holding its lock; ``_SKIPPED`` when
-        another ticker holds it or has resumed it already."""
-        spec = self.specs[due.workflow]
-        key = spec.engine.key(namespace, due.thread_id)
-        if not await self._on_engine(self._thread_locks.acquire, key):
-            return _SKIPPED
-        try:
-            graph = self.graphs[due.workflow]
-            asleep = await self._on_engine(kit_workflows.sleeping_until, graph, key)
-            if asleep is None or asleep[1] != interrupt_id:  # another ticker woke it since
-                return _SKIPPED
-            run, job, _ = await self._begin(spec, {}, None, due.thread_id, namespace, None, False,
-                                            command=kit_workflows.resume_command(interrupt_id, woke))
-            return _result(run, await self._play(run, job))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_engine(self._thread_locks.release, key)
 
     def session_for(self, session_id: str, namespace: str | None = None) -> Any:
         if self.sessions is None:

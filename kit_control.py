@@ -1,0 +1,394 @@
+"""kit_control: run control and parked runs, the Runtime's second half.
+
+Owns: control requests (pause, cancel, resume: recorded, acted on here, followed from other
+processes), taking over a paused run, a parked run's cancel, and parked workflows (answer,
+pending, due, tick, the orphan scan); ``RunControl``, a mixin only ``kit_runtime.Runtime`` uses.
+
+Must never: write to the store but through the Runtime's write path (``_write``, ``_take_over``
+here, the run's own ``_play``); speak HTTP or read argv; print, log or persist the application
+context.
+
+Theory of operation
+-------------------
+A parked run (paused, waiting for a human, sleeping) has no writer. Whoever goes on with it
+becomes its writer by appending its next events fenced by seq (``_take_over``): of two callers or
+processes racing, the store's unique ``(run_id, seq)`` lets one write, and the other hears it was
+resumed by someone else. Requests written elsewhere reach this deck through ``_watch_requests``
+(the store's ``follow_requests``); one the store fails is met again when the watch starts over,
+``ACT_TRIES`` times at most. ``RunControl`` uses the Runtime's state and write path; it holds only
+the watch's own bookkeeping (``_init_control``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+import kit_workflows
+from kit_core import (
+    CheckpointMissingError, ControlRequest, ControlRequested, Due, Event, LogConflictError,
+    ModelCompleted, Pending, RunCancelled, RunInterrupted, RunNotWaitingError, RunResumed,
+    RunSleeping, RunStatus, SessionBusyError, Ticked, UnknownNameError, UnknownRunError, check_id,
+    check_text,
+)
+
+if TYPE_CHECKING:
+    from kit_runtime import Run
+
+__all__ = ("RunControl", "BACKOFF_MAX", "ACT_TRIES", "ORPHAN_SCAN")
+
+#: A background loop (lease renewal, the control watcher) that fails backs off up to this long
+#: between tries (seconds), logging once per burst; it never takes the deck down.
+BACKOFF_MAX = 30.0
+#: How many times in a row the deck tries to act on one control request recorded elsewhere (a
+#: parked run's cancel, a resume) while the store fails: with the backoff above, half a minute
+#: of a store gone for a moment is ridden out; then the request is logged and passed over, so
+#: one that can never be acted on does not hold up the ones after it.
+ACT_TRIES = 5
+#: How often (seconds) ``tick`` scans the checkpointers whole for threads asleep that no run of
+#: the log parks (a process died between a sleep's checkpoint and its ``run.sleeping``); every
+#: other tick reads only the sleeping runs' threads, whatever the checkpointers' history.
+ORPHAN_SCAN = 600.0
+_PARKED = (RunStatus.PAUSED, RunStatus.WAITING_HUMAN, RunStatus.SLEEPING)
+_SKIPPED = object()  # a due thread another ticker has
+_log = logging.getLogger("kit.runtime")
+
+
+class RunControl:
+    """The Runtime's run control and parked runs: a mixin of ``kit_runtime.Runtime``, whose
+    state it reads (``specs``, ``store``, ``writer``, ``active``, ``graphs``, ``sessions``) and
+    whose write path it writes through (``_new_run``, ``_begin``, ``_write``, ``_fence``,
+    ``_hold``, ``_play``, ``_finish``, ``_streamed``, ``_on_engine``)."""
+
+    def _init_control(self) -> None:
+        self._seen_request = 0  # the newest control request this deck has acted on
+        self._handled: set[int] = set()  # requests made here, acted on already
+        self._failing = (0, 0)  # (request id, failed tries) of a request the store failed
+        self._orphans: dict[str, str] = {}  # sleeping thread keys no log run parks -> workflow
+        self._orphans_at = 0.0  # when tick next scans the checkpointers for them
+
+    # -------------------------------------------------------------------- run control --
+    async def request(self, run_id: str, action: str, reason: str | None, source: str) -> None:
+        """Record a pause/cancel request and return: a run played here is told at once (from
+        the moment its id exists, child runs included), one played elsewhere sees it through its
+        process's poll; a parked run is cancelled here."""
+        check_id("run_id", run_id)
+        check_text("reason", reason)
+        run = self.active.get(run_id)
+        if run is not None:
+            run.request(action, reason, source)
+            await self.writer.flush()  # its start may wait in the buffer: the store must know it
+        request_id = await self.store.request(run_id, action, reason, source)
+        self._handled.add(request_id)
+        if run is None:
+            await self._act(ControlRequest(request_id, run_id, action, reason, source))
+
+    async def _act(self, req: ControlRequest) -> None:
+        run = self.active.get(req.run_id)
+        if run is not None:
+            if req.action != "resume":
+                run.request(req.action, req.reason, req.source)
+        elif req.action == "cancel":
+            await self._cancel_parked(req)
+
+    async def _cancel_parked(self, req: ControlRequest) -> None:
+        """A parked run has no writer: whoever handles its cancel becomes it (DESIGN 6); of two
+        processes racing, the unique ``(run_id, seq)`` lets one write. A workflow's thread goes
+        with it, in every deck that sees the cancel (a non-durable one's checkpoints live in the
+        memory of the deck that parked it, which may not be the one that wrote the cancel)."""
+        info = await self.store.run_info(req.run_id)
+        if info is None or info.status not in (*_PARKED, RunStatus.CANCELLED):
+            return
+        if info.status is not RunStatus.CANCELLED:
+            last = (await self.store.read(req.run_id))[-1]
+            if last.payload.ends != "parking":  # resumed since: its player hears the request
+                return
+            try:
+                with self._fence(req.run_id, last.seq + 1):
+                    await self._write(None, [
+                        Event(req.run_id, last.seq + 1,
+                              ControlRequested("cancel", req.reason, req.source), info.name),
+                        Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)])
+            except LogConflictError:  # another caller got there first: a cancel, or a resume
+                info = await self.store.run_info(req.run_id)
+                if info is None or info.status is not RunStatus.CANCELLED:
+                    return  # resumed: its thread is in use (a cancel elsewhere: forget ours too)
+        spec = self.specs.get(info.name)
+        if spec is None or spec.kind != "workflow":
+            return
+        key = spec.engine.key(info.namespace, info.session_id or req.run_id)  # _new_run's
+        if info.session_id is not None and (  # the session's thread: only if no run took it since
+                await self.store.session_holder(info.session_id, info.namespace) is not None
+                or any(run.thread_key == key for run in self.active.values())):
+            return
+        await self._on_engine(spec.engine.forget, self.graphs[spec.name], key)
+
+    async def _take_over(self, run: Run, events: Sequence[Event]) -> None:
+        """Become the writer of a parked run: append ``events`` (the resume) with its claim,
+        fenced by seq (``LogConflictError`` when another caller got there first)."""
+        run.seq = events[-1].seq
+        try:
+            with self._fence(run.run_id, events[0].seq):
+                await self._write(run, events, self._claim(run))
+                self._hold(run, run.seq)
+        except BaseException:
+            self._unstream(run)
+            raise
+
+    async def _take_paused(self, run_id: str, context: Any, streaming: bool
+                           ) -> tuple[Run, Callable[[], Any], int] | None:
+        """Become the writer of a paused run: the run, its job and the seq it paused at, or None
+        when there is nothing to resume here (unknown, not paused, playing, another caller
+        resumed it first, or this deck lacks its invocable: SPEC 3.2)."""
+        info = await self.store.run_info(run_id)
+        spec = self.specs.get(info.name) if info is not None else None
+        if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
+            return None
+        log = await self.store.read(run_id)
+        paused = log[-1]
+        if paused.kind != "run.paused":  # resumed since the index was read: not ours to take
+            return None
+        run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
+        for event in log:  # its usage so far: run.completed totals the whole run
+            if isinstance(event.payload, ModelCompleted):
+                p = event.payload
+                run.add_usage(p.input_tokens, p.output_tokens, p.usd)
+        if spec.kind == "workflow":
+            await self._check_thread(run)
+        try:
+            await self._take_over(run, [
+                Event(run_id, paused.seq + 1, ControlRequested("resume", None, "api"), spec.name),
+                Event(run_id, paused.seq + 2, RunResumed("resume"), spec.name)])
+        except LogConflictError:
+            return None  # another caller resumed it first
+        if spec.kind == "agent":
+            session = self.sessions.get(info.session_id, info.namespace) if info.session_id else None  # type: ignore[union-attr]
+            items = [] if session is not None else (paused.payload.items or [])
+            job = functools.partial(spec.engine.play, run, items, session,
+                                    self._agents.run_config(self._sdk_tracing, run_id, info.session_id))
+        else:
+            job = functools.partial(spec.engine.play, run, self.graphs[spec.name], None)
+        return run, job, paused.seq
+
+    async def resume(self, run_id: str, context: Any) -> list[Event]:
+        check_id("run_id", run_id)
+        taken = await self._take_paused(run_id, context, False)
+        if taken is None:
+            return []
+        run, job, after = taken
+        await self._play(run, job)
+        return await self.store.read(run_id, after=after)
+
+    def stream_resume(self, run_id: str, context: Any, committed: bool = False) -> AsyncIterator[Event]:
+        async def take() -> tuple[Run, Callable[[], Any], int] | None:
+            check_id("run_id", run_id)
+            return await self._take_paused(run_id, context, True)
+        return self._streamed(take, committed)
+
+    async def _watch_requests(self) -> None:
+        """Requests written by other processes (the CLI, replicas), as the store hears of them
+        (``follow_requests``: NOTIFY on Postgres; SQLite's poll): pause/cancel reach the runs
+        played here; a resume is taken up by any deck that has the run's invocable (the first
+        to write wins); a parked run's cancel is written by whichever deck sees it first. A
+        request is seen once it is acted on: one the store fails (``_act_or_raise``) is met
+        again when the watch starts over."""
+        requests = self.store.follow_requests(after=self._seen_request)
+        async with contextlib.aclosing(requests):
+            async for req in requests:
+                if req.id in self._handled:
+                    self._handled.discard(req.id)
+                elif req.action == "resume" and req.run_id not in self.active:
+                    self._tg.start_soon(self._resume_quietly, req.run_id)
+                else:
+                    await self._act_or_raise(req)
+                self._seen_request = req.id
+
+    async def _act_or_raise(self, req: ControlRequest) -> None:
+        """``_act``; a failure is raised (``_every`` starts the watch over after its backoff),
+        up to ``ACT_TRIES`` times in a row for one request, then logged and passed over."""
+        try:
+            await self._act(req)
+        except Exception as exc:
+            failing, tries = self._failing
+            tries = tries + 1 if failing == req.id else 1
+            self._failing = (req.id, tries)
+            if tries < ACT_TRIES:
+                raise
+            _log.error("control request %d (%s of run %s) passed over after %d tries: %s: %s",
+                       req.id, req.action, req.run_id, tries, type(exc).__name__, exc)
+
+    async def _resume_quietly(self, run_id: str) -> None:
+        """A resume request from the log (its run id, as old as the log, is not re-checked).
+        Taking the run over is tried ``ACT_TRIES`` times while the store fails; the run's own
+        failure is in its log (``run.failed``), with nobody here to tell."""
+        for tries in range(1, ACT_TRIES + 1):
+            try:
+                taken = await self._take_paused(run_id, None, False)
+                break
+            except CheckpointMissingError:
+                return  # a non-durable workflow's run: the process that parked it takes it up
+            except Exception as exc:
+                if tries == ACT_TRIES:
+                    _log.error("resuming run %s passed over after %d tries: %s: %s", run_id,
+                               tries, type(exc).__name__, exc)
+                    return
+                await anyio.sleep(min(2.0 ** tries, BACKOFF_MAX))
+        if taken is not None:
+            with contextlib.suppress(Exception):
+                await self._play(taken[0], taken[1])
+
+    # --------------------------------------------------------------- parked workflows --
+    async def _unpark(self, run_id: str, wanted: str, value: Any, by: str, context: Any,
+                      streaming: bool = False) -> tuple[Run, Callable[[], Any], int]:
+        """Become the writer of a parked workflow run (``wanted``: the parking kind it must end
+        with): the run, the job that resumes it with ``value`` and the seq it parked at."""
+        status = {"run.interrupted": "WAITING_HUMAN", "run.sleeping": "SLEEPING"}[wanted]
+        info = await self.store.run_info(run_id)
+        if info is None:
+            raise UnknownRunError(run_id)
+        last = (await self.store.read(run_id))[-1]
+        if last.kind != wanted or run_id in self.active:
+            raise RunNotWaitingError(run_id, info.status, status)
+        spec = self.specs.get(info.name)
+        if spec is None or spec.kind != "workflow":
+            raise UnknownNameError(info.name, [n for n, s in self.specs.items() if s.kind == "workflow"])
+        if wanted == "run.interrupted":  # an answer: refused now, not by the run's checkpoint
+            spec.engine.check_answer(value)
+        parked = last.payload
+        run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
+        run.thread_id = parked.thread_id
+        run.thread_key = spec.engine.key(info.namespace, parked.thread_id)
+        await self._check_thread(run)
+        try:  # (run_id, seq) is unique: of two callers racing to resume, one gets this conflict
+            await self._take_over(run, [Event(run_id, last.seq + 1, RunResumed(by), spec.name)])
+        except LogConflictError:
+            raise RunNotWaitingError(run_id, "being resumed by another caller", status) from None
+        command = kit_workflows.resume_command(parked.interrupt_id, value)
+        return run, functools.partial(spec.engine.play, run, self.graphs[spec.name], command), last.seq
+
+    async def _check_thread(self, run: Run) -> None:
+        """Raise ``CheckpointMissingError`` (the run stays parked) unless this deck's
+        checkpointer holds the thread that parked workflow ``run`` goes on from: without it,
+        LangGraph would start the graph over with an empty state and the answer would be lost."""
+        spec = run.spec
+        graph = self.graphs[spec.name]
+        if not await self._on_engine(kit_workflows.holds_thread, graph, run.thread_key):
+            self._unstream(run)
+            raise CheckpointMissingError(run.run_id, spec.name, spec.engine.durable)
+
+    async def _resume(self, run_id: str, wanted: str, value: Any, by: str, context: Any) -> Any:
+        run, job, _ = await self._unpark(run_id, wanted, value, by, context)
+        return await self._finish(run, job)
+
+    async def answer(self, run_id: str, value: Any, context: Any) -> Any:
+        check_id("run_id", run_id)
+        return await self._resume(run_id, "run.interrupted", value, "answer", context)
+
+    def stream_answer(self, run_id: str, value: Any, context: Any,
+                      committed: bool = False) -> AsyncIterator[Event]:
+        async def take() -> tuple[Run, Callable[[], Any], int]:
+            check_id("run_id", run_id)
+            return await self._unpark(run_id, "run.interrupted", value, "answer", context, True)
+        return self._streamed(take, committed)
+
+    async def pending(self) -> list[Pending]:
+        out = []
+        for info in await self.store.runs(status=RunStatus.WAITING_HUMAN):
+            last = (await self.store.read(info.run_id))[-1]
+            if isinstance(last.payload, RunInterrupted):
+                out.append(Pending(info.run_id, info.name, last.payload.thread_id or "",
+                                   info.session_id, last.payload.payload, last.at))
+        return out
+
+    async def _due(self, now: datetime) -> list[tuple[Due, str, str | None]]:
+        """Due threads, the longest overdue first, with the interrupt to wake and their
+        namespace: each sleeping run of the log, checked on its thread's latest checkpoint, and
+        the threads asleep that no run parks (``_orphans``), which the checkpointers are scanned
+        whole for every ``ORPHAN_SCAN`` seconds (the scan reads every checkpoint of every
+        thread ever played: seconds, once there are thousands)."""
+        out: list[tuple[Due, str, str | None]] = []
+        parked: set[str] = set()
+        for info in await self.store.runs(status=RunStatus.SLEEPING):
+            spec = self.specs.get(info.name)
+            if spec is None or spec.kind != "workflow":
+                continue
+            last = (await self.store.read(info.run_id))[-1]
+            if not isinstance(last.payload, RunSleeping):
+                continue
+            thread = last.payload.thread_id or ""
+            key = spec.engine.key(info.namespace, thread)
+            parked.add(key)
+            found = await self._on_engine(kit_workflows.sleeping_until, self.graphs[spec.name], key)
+            if found is not None and found[0] <= now:
+                out.append((Due(info.name, thread, found[0], info.run_id), found[1], info.namespace))
+        if anyio.current_time() >= self._orphans_at:
+            self._orphans_at = anyio.current_time() + ORPHAN_SCAN
+            self._orphans = dict(await self._on_engine(kit_workflows.sleeping_threads, self.graphs))
+        for key, name in list(self._orphans.items()):
+            found = None if key in parked else await self._on_engine(
+                kit_workflows.sleeping_until, self.graphs[name], key)
+            if found is None:  # woken, or parked by a run of the log now
+                del self._orphans[key]
+            elif found[0] <= now:
+                _, namespace, thread = key.split(":", 2)
+                out.append((Due(name, thread, found[0], None), found[1], namespace or None))
+        return sorted(out, key=lambda due: due[0].until)  # the longest overdue first
+
+    async def due_resumes(self, now: datetime) -> list[Due]:
+        return [due for due, _, _ in await self._due(now)]
+
+    async def tick(self, now: datetime) -> list[Ticked]:
+        """Resume every due thread once. A thread whose parked run is in the log is resumed
+        through that run (two tickers race on its next seq: one wins); one without (its run
+        was never recorded) is resumed under the thread's lock (``ThreadLocks``: an advisory
+        lock with Postgres) by a new run that claims the thread, once the lock holder has seen
+        that the thread still waits, so a second ticker skips it, now or later. A thread whose
+        run fails (its ``run.failed`` is in the log) does not hold up the others: they are all
+        resumed, then the first failure is raised."""
+        woke = {"woke_at": now.isoformat()}
+        out, failed = [], []
+        for due, interrupt_id, namespace in await self._due(now):
+            try:
+                if due.run_id is not None:
+                    result = await self._resume(due.run_id, "run.sleeping", woke, "tick", None)
+                else:
+                    result = await self._tick_thread(due, interrupt_id, namespace, woke)
+            except (RunNotWaitingError, SessionBusyError):
+                continue  # another ticker (or a live run) has this thread
+            except Exception as exc:
+                failed.append(exc)
+                continue
+            if result is not _SKIPPED:
+                out.append(Ticked(due.workflow, due.thread_id, result))
+        if failed:
+            if len(failed) > 1:
+                failed[0].add_note(f"tick: {len(failed) - 1} more due thread(s) failed too (each "
+                                   "run's log has its run.failed)")
+            raise failed[0]
+        return out
+
+    async def _tick_thread(self, due: Due, interrupt_id: str, namespace: str | None,
+                           woke: Any) -> Any:
+        """Resume a thread only the checkpointer knows, holding its lock; ``_SKIPPED`` when
+        another ticker holds it or has resumed it already."""
+        spec = self.specs[due.workflow]
+        key = spec.engine.key(namespace, due.thread_id)
+        if not await self._on_engine(self._thread_locks.acquire, key):
+            return _SKIPPED
+        try:
+            graph = self.graphs[due.workflow]
+            asleep = await self._on_engine(kit_workflows.sleeping_until, graph, key)
+            if asleep is None or asleep[1] != interrupt_id:  # another ticker woke it since
+                return _SKIPPED
+            run, job, _ = await self._begin(spec, {}, None, due.thread_id, namespace, None, False,
+                                            command=kit_workflows.resume_command(interrupt_id, woke))
+            return await self._finish(run, job)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_engine(self._thread_locks.release, key)
+
