@@ -537,9 +537,13 @@ _NOT_IN_ID = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 def check_id(what: str, value: object) -> str:
     """``value`` if it is an id kit can store, index and show (a session, thread or run id): a
     non-empty str of at most ``MAX_ID_CHARS`` characters with no control character and no lone
-    surrogate. Raises ``ConfigError`` naming ``what`` otherwise, before anything is written."""
+    surrogate, nor ``.`` or ``..`` (a URL's dot segments, which HTTP clients resolve away: such a
+    run or session could never be named over HTTP). Raises ``ConfigError`` naming ``what``
+    otherwise, before anything is written."""
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
+    if value in (".", ".."):
+        raise ConfigError(f"{what} must not be {value!r}: HTTP clients resolve it away in a URL")
     if len(value) > MAX_ID_CHARS:
         raise ConfigError(f"{what} must be at most {MAX_ID_CHARS} characters, got {len(value)}")
     _refuse(what, value, _NOT_IN_ID, "a control character or a lone surrogate")

@@ -267,7 +267,9 @@ async def test_input_that_cannot_be_stored_is_refused_before_anything_is_written
 BAD_IDS = {"a\x00b": "must not hold a control character or a lone surrogate",
            "a\nb": "must not hold a control character or a lone surrogate",
            "a\ud800": "must not hold a control character or a lone surrogate",
-           "x" * 257: "must be at most 256 characters"}
+           "x" * 257: "must be at most 256 characters",
+           ".": "must not be '.': HTTP clients resolve it away",
+           "..": "must not be '..': HTTP clients resolve it away"}
 
 
 async def test_ids_a_store_cannot_hold_or_index_are_refused_before_anything_is_written(shared_url):
@@ -297,7 +299,10 @@ async def test_ids_a_store_cannot_hold_or_index_are_refused_before_anything_is_w
         r = await client.post("/agents/a/chat", json={"message": "hi", "session_id": "a\x00b"})
         assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError")
         assert r.json()["message"].startswith("'session_id' must not hold a control character")
+        r = await client.post("/agents/a/chat", json={"message": "hi", "session_id": ".."})
+        assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError")
         for method, path, says in (("GET", "/runs/a%00b/events", "run_id must not hold a control"),
+                                   ("GET", "/runs/%2E%2E/events", "run_id must not be '..'"),
                                    ("POST", f"/runs/{'x' * 257}/cancel", "run_id must be at most 256"),
                                    ("POST", "/workflows/w/a%0Ab/resume", "thread_id must not hold")):
             r = await client.request(method, path, json={"value": 1} if "resume" in path else None)
