@@ -124,11 +124,17 @@ MAX_INT_BITS = 14_000
 
 def jsonable(v: Any) -> Any:
     """``v`` as JSON-ready data: blocks, usage, enums, datetimes, pydantic models and dataclass
-    instances converted, anything else unknown as its ``str``. Every payload field goes through it, when its event is
-    made. Raises ``ContentError`` for an integer past ``MAX_INT_BITS``, which no JSON text the
-    log could write holds (the run that made it fails; the store never sees it)."""
-    if v is None or type(v) in (str, float, bool):
+    instances converted, anything else unknown as its ``str``. Every payload field goes through
+    it, when its event is made. Raises ``ContentError`` for what no JSON text the log could
+    write holds: an integer past ``MAX_INT_BITS``, a NaN or an infinity (JSON has neither; the
+    store's serialiser wrote them as null). The run that made it fails; the store never sees it."""
+    if v is None or type(v) is str or type(v) is bool:
         return v
+    if type(v) is float:
+        if v - v == 0.0:  # finite
+            return v
+        raise ContentError(f"a float {v!r} cannot be written to the log as JSON (it has no NaN "
+                           "nor infinity); return None or a string")
     if type(v) is int:
         if v.bit_length() > MAX_INT_BITS:
             raise ContentError(f"an integer of {v.bit_length():,} bits cannot be written to the "
@@ -138,7 +144,9 @@ def jsonable(v: Any) -> Any:
         return jsonable(v.value)
     if isinstance(v, int):
         return jsonable(int(v))
-    if isinstance(v, (str, float)):
+    if isinstance(v, float):
+        return jsonable(float(v))
+    if isinstance(v, str):
         return v
     if isinstance(v, Usage):
         return v.to_json()

@@ -100,7 +100,8 @@ MAX_DEPTH = 250
 
 def _check_data(what: str, value: Any) -> None:
     """Raise ``ContentError`` naming ``what`` for ``value`` holding an integer outside
-    ``INT_RANGE`` or nested deeper than ``MAX_DEPTH`` (a container that holds itself too)."""
+    ``INT_RANGE``, a NaN or an infinity (which the log cannot write as JSON, once a node passes
+    it on), or nested deeper than ``MAX_DEPTH`` (a container that holds itself too)."""
     low, high = INT_RANGE
     stack: list[tuple[Any, int]] = [((value,), 0)]  # containers to look into, and their depth
     while stack:  # iterative: an answer from Python may nest deeper than the recursion limit
@@ -110,6 +111,10 @@ def _check_data(what: str, value: Any) -> None:
                 if not low <= v <= high:
                     raise ContentError(f"{what} holds an integer beyond 64 bits, which "
                                        "LangGraph's checkpoints cannot store; send it as a string")
+            elif isinstance(v, float):
+                if v - v != 0.0:
+                    raise ContentError(f"{what} holds {v!r}, which the log cannot write as JSON "
+                                       "(it has no NaN nor infinity); send None or a string")
             elif isinstance(v, (typing.Mapping, list, tuple, set, frozenset)):
                 if depth == MAX_DEPTH:  # a container that holds itself ends here too
                     raise ContentError(f"{what} is nested too deep for LangGraph's checkpoints "
@@ -155,10 +160,10 @@ class WorkflowEngine:
         return block
 
     def check_answer(self, value: Any) -> None:
-        """Raise ``ContentError`` for an answer its checkpoint could not store: one holding an
-        integer beyond 64 bits, nested deeper than ``MAX_DEPTH`` (or holding itself), or an
-        object LangGraph's serializer has no encoding for (an instance of a plain class).
-        Checked before the parked run is taken over, so a bad answer leaves it waiting.
+        """Raise ``ContentError`` for an answer its checkpoint or the log could not store: one
+        holding an integer beyond 64 bits, a NaN or an infinity, nested deeper than
+        ``MAX_DEPTH`` (or holding itself), or an object LangGraph's serializer has no encoding
+        for (an instance of a plain class). Checked before the parked run is taken over, so a bad answer leaves it waiting.
 
         Anything the serializer stores is a good answer (JSON data, sets, tuples, bytes,
         datetimes, dataclasses, pydantic models, ...). The log needs nothing more: it holds the

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import agents
 import anyio
@@ -380,22 +380,28 @@ async def test_a_tool_error_goes_back_to_the_model(store):
         assert result.output == "sorry"
 
 
-async def test_a_tool_result_no_json_can_carry_fails_its_run_and_no_other(store):
+@pytest.mark.parametrize("value, says", [
+    (10 ** 5000, "an integer of 16,610 bits cannot be written to the log as JSON"),
+    (float("nan"), "a float nan cannot be written to the log as JSON"),
+    (float("-inf"), "a float -inf cannot be written to the log as JSON")],
+    ids=["huge-int", "nan", "infinity"])
+async def test_a_tool_result_no_json_can_carry_fails_its_run_and_no_other(store, value, says):
     """An integer past 4,300 digits: the store's serialiser failed on it, which the writer took
-    for an outage, so every run of the deck waited behind it and then failed."""
-    def huge() -> int:
-        """A number too long to write."""
-        return 10 ** 5000
+    for an outage, so every run of the deck waited behind it and then failed. A NaN or an
+    infinity: the log held null where the tool returned a number."""
+    def huge() -> Any:
+        """A number no JSON can carry."""
+        return value
 
     bad = Agent("bad", tools=[huge], model=ScriptedModel([{"tool": "huge", "args": {}}, "done"]))
     good = Agent("good", model=ScriptedModel(["hello"], cycle=True))
     async with Deck([bad, good], store=store) as deck:
         with anyio.fail_after(10):
-            with pytest.raises(Exception, match="cannot be written to the log as JSON"):
+            with pytest.raises(Exception, match=says):
                 await deck.run("bad", "go", run_id="bad-run")
             assert (await deck.run("good", "hi")).output == "hello"
         log = await store.read("bad-run")
-        assert log[-1].kind == "run.failed" and "cannot be written" in log[-1].payload.message
+        assert log[-1].kind == "run.failed" and says in log[-1].payload.message
         assert [e.seq for e in log] == list(range(len(log)))
 
 

@@ -269,7 +269,8 @@ CYCLIC.append(CYCLIC)
     ([nested(5_000)], "is nested too deep for LangGraph's checkpoints"),
     (nested(MAX_DEPTH + 1), rf"is nested too deep .* \(more than {MAX_DEPTH} levels\)$"),
     (CYCLIC, "is nested too deep for LangGraph's checkpoints"),  # a walk must not go round it
-], ids=["object", "past-the-recursion-limit", "past-max-depth", "holds-itself"])
+    ({"score": [float("nan")]}, r"holds nan, which the log cannot write as JSON"),  # was null
+], ids=["object", "past-the-recursion-limit", "past-max-depth", "holds-itself", "nan"])
 async def test_an_answer_its_checkpoint_cannot_store_is_refused_and_the_run_waits(
         store, durable, value, says):
     # Refused before the run is taken over: not a run.resumed then a run.failed that no
@@ -295,7 +296,7 @@ async def test_an_answer_its_checkpoint_cannot_store_is_refused_and_the_run_wait
 async def test_answers_a_checkpoint_can_store_are_taken(store, durable):
     good = {"none": None, "set": {1, 2}, "tuple": (1, "a"), "bytes": b"\x00\xff",
             "datetime": datetime(2030, 1, 1, tzinfo=timezone.utc), "keys": {1: "a", (1, 2): "b"},
-            "u64": 2**64 - 1, "nan": float("nan"), "3mb": "x" * 3_000_000,
+            "u64": 2**64 - 1, "3mb": "x" * 3_000_000,
             "deepest": nested(MAX_DEPTH)}  # stored as a state key, under a SQLite checkpoint too
     workflow = Workflow("w", graph(plan, ask, done), durable=durable)
     async with Deck(workflows=[workflow], store=store) as deck:
