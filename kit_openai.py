@@ -99,7 +99,9 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
     a last message that is not the user's; ``ContentError`` for a malformed image or audio
     payload. Either names the index of the message at fault (``messages[2]: ...``).
     """
-    model, messages, stream = body.get("model"), body.get("messages"), body.get("stream", False)
+    model, messages, stream = body.get("model"), body.get("messages"), body.get("stream")
+    if stream is None:  # absent or null: OpenAI's API reads both as not streamed
+        stream = False
     if not isinstance(model, str) or not model:
         raise ChatRequestError("'model' must name an agent (GET /v1/models lists them)")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):

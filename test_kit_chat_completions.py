@@ -105,6 +105,11 @@ async def test_a_completion_is_the_turn_and_its_log_is_a_v1_turn():
         want = await kinds(app.deck, v1.headers["x-kit-run-id"])
         assert await kinds(app.deck, run_id) == want
         assert await kinds(app.deck, again.id.removeprefix("chatcmpl-")) == want
+        # "stream": null is "not streamed", as OpenAI's API and kit's OpenAPI document read it
+        r = await client.post("/v1/chat/completions", json={"model": "echo", "messages": hi(),
+                                                             "stream": None})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == \
+            "hello there world"
         await aio.close()
 
 
