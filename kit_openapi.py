@@ -202,8 +202,9 @@ _SSE_COMMON = ("Every frame carries `id: <seq>` (the event's seq in the run's lo
 def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[str] = (), *,
         body: str | None = None, body_required: bool = True, params: Iterable[dict] = (),
         description: str = "", error_schema: str = "Error") -> dict[str, Any]:
-    """One operation; ``errors`` and, with a ``body``, its 400/413/415 as ``error_schema``
-    (403, 421, 500 and 503 come before a route answers: kit's ``Error`` always)."""
+    """One operation; its errors (403, 421, 500 and 503 for every route; ``errors`` and, with a
+    ``body``, 400/413/415) as ``error_schema``: kit's ``Error``, or ``OpenAIError`` for a route
+    of the Chat Completions wire, where kit_http answers every refusal in OpenAI's shape."""
     op: dict[str, Any] = {"operationId": op_id, "summary": summary}
     if description:
         op["description"] = description
@@ -213,8 +214,8 @@ def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[st
         op["requestBody"] = {"required": body_required, "content": {"application/json": {
             "schema": _ref(body)}}}
         errors = (*_BODY, *errors)
-    refs: dict[str, Any] = {code: {"$ref": f"#/components/responses/{code}"} for code in _ALWAYS}
-    for code in errors:
+    refs: dict[str, Any] = {}
+    for code in (*_ALWAYS, *errors):
         refs[code] = {"$ref": f"#/components/responses/{code}"} if error_schema == "Error" else {
             "description": _RESPONSES[code]["description"],
             "content": {"application/json": {"schema": _ref(error_schema)}}}
@@ -303,7 +304,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         ("404", "409"), body="OpenAIRequest", error_schema="OpenAIError"),
     ("GET", "/v1/models"): _op("models", "OpenAI model list: the agents (KIT_SURFACES=openai)",
                                {"200": {"description": "A list object", "content": {
-                                   "application/json": {"schema": {"type": "object"}}}}}),
+                                   "application/json": {"schema": {"type": "object"}}}}},
+                               error_schema="OpenAIError"),
     **{(method, "/mcp"): _op(
         f"mcp{method.title()}", "The MCP server, streamable HTTP transport (KIT_SURFACES=mcp)",
         {"200": {"description": "JSON-RPC, as MCP's streamable HTTP transport specifies",

@@ -83,6 +83,16 @@ async def test_an_app_documents_the_routes_it_serves_and_a_validator_accepts_it(
             r = await client.post("/v1/chat/completions", json={"model": "echo", "messages": []})
             assert r.status_code == 400
             jsonschema.validate(r.json(), schemas["OpenAIError"])
+            # So are the guard's refusals there, which come before any route: as documented.
+            for method, path, headers in [("post", "/v1/chat/completions", {"host": "rebound.example"}),
+                                          ("get", "/v1/models", {"host": "rebound.example"}),
+                                          ("get", "/v1/models", {"origin": "https://evil.example"})]:
+                r = await client.request(method, path, headers=headers)
+                response = doc["paths"][path][method]["responses"][str(r.status_code)]
+                if "$ref" in response:
+                    response = doc["components"]["responses"][response["$ref"].rpartition("/")[2]]
+                schema = response["content"]["application/json"]["schema"]
+                jsonschema.validate(r.json(), {**schema, "components": doc["components"]})
 
 
 def test_schemathesis_finds_no_5xx_and_no_response_that_breaks_the_document(tmp_path):
