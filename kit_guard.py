@@ -42,14 +42,17 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 #: turns DNS-rebinding protection off.
 ANY_HOST = "*"
 #: A preflight answer (``OPTIONS`` with ``Access-Control-Request-Method``) to a listed origin,
-#: beside ``Guard.cors_headers``: every route is a GET or a POST; ``content-type`` for JSON
-#: bodies, ``last-event-id`` to resume a stream with ``fetch``, ``x-kit-session-id`` to name the
-#: conversation on the Chat Completions wire, ``mcp-protocol-version`` for MCP clients; browsers
-#: may keep the answer 10 minutes (Chromium caps it at 2 hours).
+#: beside ``Guard.cors_headers`` and the request headers it allows (``Guard.preflight_headers``):
+#: every route is a GET or a POST; browsers may keep the answer 10 minutes (Chromium caps it at
+#: 2 hours).
 PREFLIGHT_HEADERS = ((b"access-control-allow-methods", b"GET, POST"),
-                     (b"access-control-allow-headers",
-                      b"content-type, last-event-id, x-kit-session-id, mcp-protocol-version"),
                      (b"access-control-max-age", b"600"))
+#: The request headers every preflight answer allows: ``content-type`` for JSON bodies,
+#: ``last-event-id`` to resume a stream with ``fetch``, ``x-kit-session-id`` to name the
+#: conversation on the Chat Completions wire, ``mcp-protocol-version`` for MCP clients.
+_ALLOWED_HEADERS = ("content-type", "last-event-id", "x-kit-session-id", "mcp-protocol-version")
+#: A header name (RFC 9110 section 5.6.2, a token), as ``Access-Control-Request-Headers`` lists them.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
 #: The header a CORS response exposes to the page: the run a response belongs to.
 _EXPOSED = "x-kit-run-id"
 _DEFAULT_PORT = {"http": "80", "https": "443"}
@@ -173,9 +176,23 @@ class Guard:
         """Whether ``origin`` was listed (and so gets CORS answers)."""
         return origin is not None and _origin(origin) in self.origins
 
+    def preflight_headers(self, requested: str | None) -> list[tuple[bytes, bytes]]:
+        """A listed origin's preflight answer beside ``cors_headers``: ``PREFLIGHT_HEADERS``, and
+        the request headers allowed: kit's own, and every other one the preflight asks for
+        (``requested``, its ``Access-Control-Request-Headers``). The origin was listed, so its
+        pages are trusted with the whole API, and a header grants nothing more; clients send
+        their own (an OpenAI client in a browser: ``authorization``, ``x-stainless-*``), which
+        the browser refuses to send unless named here (``*`` never covers ``authorization``)."""
+        names = list(_ALLOWED_HEADERS)
+        for name in (requested or "").lower().split(","):
+            name = name.strip()
+            if _TOKEN.fullmatch(name) and name not in names:
+                names.append(name)
+        return [*PREFLIGHT_HEADERS, (b"access-control-allow-headers", ", ".join(names).encode())]
+
     def cors_headers(self, origin: str | None) -> list[tuple[bytes, bytes]]:
         """The headers every response to a listed origin carries (a preflight adds
-        ``PREFLIGHT_HEADERS``); none for any other origin."""
+        ``preflight_headers``); none for any other origin."""
         if not self.allows_origin(origin):
             return []
         return [(b"access-control-allow-origin", origin.encode("latin-1")),

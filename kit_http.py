@@ -66,7 +66,7 @@ from kit_core import (
     StoreUnavailableError, UnknownNameError, UnknownRunError, block_from_json, control_refusal,
     new_run_id, printable,
 )
-from kit_guard import PREFLIGHT_HEADERS as _PREFLIGHT, Guard, HostNotAllowedError, OriginNotAllowedError
+from kit_guard import Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
 from kit_playground import load as load_playground
 from kit_request import MAX_BODY_BYTES as _MAX_BODY
@@ -334,7 +334,8 @@ class App:
         if cors := self.guard.cors_headers(origin):
             req.send = with_headers(req.send, cors)
             if req.scope["method"] == "OPTIONS" and req.header(b"access-control-request-method"):
-                return await respond(req, 204, None, _PREFLIGHT)
+                preflight = self.guard.preflight_headers(req.header(b"access-control-request-headers"))
+                return await respond(req, 204, None, tuple(preflight))
         if not self._open or self._stopping:
             state = "stopping" if self._stopping else "starting"
             await respond(req, 503, kit_openai.error_body(

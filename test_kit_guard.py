@@ -107,6 +107,14 @@ async def test_listed_origins_get_cors_answers_and_a_preflight():
         assert r.headers["access-control-allow-headers"] == (  # a page can name a conversation
             "content-type, last-event-id, x-kit-session-id, mcp-protocol-version")
         assert r.headers["access-control-max-age"] == "600" and r.headers["vary"] == "origin"
+        # The headers a client of its own sends are allowed too: an OpenAI client in a browser
+        # always sends authorization and x-stainless-* (the browser refuses it otherwise).
+        r = await client.options("/v1/chat/completions", headers={
+            "origin": FRONT, "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization,content-type,x-stainless-lang"})
+        assert r.status_code == 204 and r.headers["access-control-allow-headers"] == (
+            "content-type, last-event-id, x-kit-session-id, mcp-protocol-version, authorization, "
+            "x-stainless-lang")
         r = await client.post("/agents/echo/chat", json={"message": "hi"}, headers={"origin": FRONT})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == FRONT
         assert r.headers["access-control-expose-headers"] == "x-kit-run-id"
