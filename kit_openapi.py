@@ -171,6 +171,12 @@ _CHAT_SSE = _sse(_frame("Delta", "message"), _frame("ChatDone", "done"), _frame(
 _WORKFLOW_SSE = _sse(_frame("NodeUpdate", "message"), _frame("WorkflowDone", "done"),
                      _frame("Interrupt", "interrupt"), _frame("StreamError", "error"))
 _NATIVE_SSE = _sse(_frame("Event"), _frame("StreamError", "error"))
+#: A resumed run streams as the run that paused: an agent's frames or a workflow's (anyOf: both
+#: have a ``message`` and a ``done`` frame).
+_RESUME_SSE = {"schema": {"anyOf": [
+    _frame("Delta", "message"), _frame("ChatDone", "done"), _frame("NodeUpdate", "message"),
+    _frame("WorkflowDone", "done"), _frame("Interrupt", "interrupt"), _frame("StreamError", "error"),
+    _frame("Shutdown", "server.shutdown")]}}
 
 
 def _streams(json_schema: str, description: str, frames: dict[str, Any]) -> dict[str, Any]:
@@ -254,9 +260,13 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
             "`event: error` `data: {\"error\"}`. " + _SSE_COMMON)),
     ("POST", "/workflows/{name}/{thread_id}/resume"): _op(
         "workflowAnswer", "Answer the run waiting on a thread",
-        {"200": _json("WorkflowReply", "The final state, or the next interrupt", run=True)},
+        {"200": _streams("WorkflowReply", "The final state, or the next interrupt (JSON), or "
+                         "the stream of the run going on (SSE)", _WORKFLOW_SSE)},
         ("404", "409"), body="ResumeRequest",
-        params=[_param("name"), _param("thread_id", schema=_ID, description=_IN_PATH)]),
+        params=[_param("name"), _param("thread_id", schema=_ID, description=_IN_PATH), _STREAM],
+        description=("With `stream=true` the answer is `text/event-stream`, the frames of "
+                     "`POST /workflows/{name}?stream=true` from the answered interrupt on. "
+                     + _SSE_COMMON)),
     ("POST", "/runs/{run_id}/pause"): _op(
         "runPause", "Ask a running run to pause at its next safe point (409: it is parked or "
         "finished)",
@@ -269,8 +279,12 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         ("404", "409"), body="ControlRequest", body_required=False, params=[_RUN_ID_PARAM]),
     ("POST", "/runs/{run_id}/resume"): _op(
         "runResume", "Continue a paused run here, to its end or next stop",
-        {"200": _json("Resumed", "The events the run produced", run=True)}, ("404", "409"),
-        body="Empty", body_required=False, params=[_RUN_ID_PARAM]),
+        {"200": _streams("Resumed", "The events the run produced (JSON), or its stream (SSE)",
+                         _RESUME_SSE)}, ("404", "409"),
+        body="Empty", body_required=False, params=[_RUN_ID_PARAM, _STREAM], description=(
+            "With `stream=true` the answer is `text/event-stream`, the frames of the run that "
+            "paused: an agent's as `POST /agents/{name}/chat?stream=true`, a workflow's as "
+            "`POST /workflows/{name}?stream=true`. " + _SSE_COMMON)),
     ("GET", "/runs/{run_id}/events"): _op(
         "runEvents", "The run's log as server-sent events: replay, then live",
         {"200": {"description": "The events", "headers": _RUN_ID,

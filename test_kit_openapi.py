@@ -72,6 +72,16 @@ async def test_an_app_documents_the_routes_it_serves_and_a_validator_accepts_it(
         frames = doc["paths"]["/agents/{name}/chat"]["post"]["responses"]["200"]["content"]
         assert set(frames) == {"application/json", "text/event-stream"}
         assert "event: done" in doc["paths"]["/agents/{name}/chat"]["post"]["description"]
+        # Every route that answers ?stream=true with SSE documents the parameter and the stream.
+        for path in ("/agents/{name}/chat", "/workflows/{name}", "/workflows/{name}/{thread_id}/resume",
+                     "/runs/{run_id}/resume"):
+            op = doc["paths"][path]["post"]
+            assert "stream" in {p["name"] for p in op["parameters"]}, path
+            assert "text/event-stream" in op["responses"]["200"]["content"], path
+        r = await client.post("/workflows/approve?stream=true", json={"thread_id": "t"})
+        assert r.headers["content-type"] == "text/event-stream"
+        r = await client.post("/workflows/approve/t/resume?stream=true", json={"value": "yes"})
+        assert r.headers["content-type"] == "text/event-stream" and b"event: done" in r.content
         # Request bodies are as closed as kit reads them: an unknown key is a 400 naming it.
         schemas = doc["components"]["schemas"]
         assert schemas["ChatRequest"]["additionalProperties"] is False
