@@ -17,7 +17,9 @@ content (a string, or ``text``, ``image_url`` with a ``data:`` URL and ``input_a
 becomes the turn's input blocks. Every message is a role and its content, which is all a
 ``HistoryMessage`` holds: a ``tool`` or ``function`` message, or any other field with a value
 (``tool_calls``, ``function_call``, ``name``, ``audio``, ``refusal``, ...), is refused naming the
-message's index, never dropped (a field sent as null or empty carries nothing, and passes).
+message's index, never dropped (a field sent as null or empty carries nothing, and passes); so
+is a content part's field its block cannot hold (an image's ``detail`` other than ``auto``, a
+``cache_control``).
 kit's agents call their own tools, so a conversation holding another system's tool calls is not
 one they can carry on faithfully.
 
@@ -161,12 +163,20 @@ def _block(part: Any) -> ContentBlock:
         raise ChatRequestError(f"a content part must be an object with a 'type', got "
                                f"{type(part).__name__}")
     kind = part.get("type")
+    # As for a message's fields: one with a value that the block cannot hold is refused, never
+    # dropped (a text part's cache_control, an image's detail other than the "auto" kit sends).
+    image = part.get("image_url")
+    dropped = sorted(k for k, v in part.items() if k not in ("type", kind) and v not in (None, "", [], {}))
+    if kind == "image_url" and isinstance(image, Mapping):
+        dropped += [f"image_url.{k}" for k, v in image.items() if k != "url" and v not in (
+            None, "", [], {}) and (k, v) != ("detail", "auto")]
+    if dropped and kind in ("text", "image_url", "input_audio"):
+        raise ChatRequestError(f"kit cannot carry a {kind} part's {', '.join(map(repr, dropped))}")
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise ChatRequestError("a text part needs a string 'text'")
         return TextBlock(part["text"])
     if kind == "image_url":
-        image = part.get("image_url")
         url = image.get("url") if isinstance(image, Mapping) else image
         media_type, sep, data = (url[5:] if isinstance(url, str) and url.startswith("data:")
                                  else "").partition(";base64,")

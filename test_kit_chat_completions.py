@@ -267,8 +267,12 @@ async def test_a_busy_session_is_409_and_an_unknown_model_404_in_openais_shape()
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "a text part needs a string"),
     ([{"role": "user", "content": [{"type": "text"}]}], "a text part needs a string 'text'"),
     ([{"role": "user", "content": ["hi"]}], "a content part must be an object with a 'type', got str"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": f"data:image/png;base64,{PNG}", "detail": "low"}}]}], "'image_url.detail'"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {
+        "type": "ephemeral"}}]}], "a text part's 'cache_control'"),
 ], ids=["tool-role", "image-by-url", "assistant-last", "bad-base64", "text-not-str", "text-missing",
-        "part-not-object"])
+        "part-not-object", "image-detail", "part-field"])
 async def test_what_kit_cannot_carry_is_a_400_and_writes_nothing(messages, why):
     async with served(catalog(), surfaces=("openai",)) as (client, app):
         _, aio = clients(client)
