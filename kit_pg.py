@@ -734,11 +734,17 @@ class PostgresStore(StoreBase):
 
     async def _request(self, run_id: str, action: str, reason: str | None, source: str | None,
                        at: float) -> int:
+        # Ids must commit in their order: a watcher goes on from the last id it saw
+        # (``follow_requests``), so an id taken before another's and committed after it would
+        # never be seen (a CLI's cancel lost behind a replica's pause). The lock, held to the
+        # commit, is taken before the row's id (its row comes from the lock's): one round trip.
         rows = await self._fetch(
-            "WITH r AS (INSERT INTO controls(run_id, action, reason, source, at) "
-            "VALUES (%s, %s, %s, %s, %s) RETURNING id) "
+            "WITH l AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))), "
+            "r AS (INSERT INTO controls(run_id, action, reason, source, at) "
+            "SELECT %s, %s, %s, %s, %s FROM l RETURNING id) "
             "SELECT id, pg_notify(%s, 'c ' || id) FROM r",
-            (run_id, action, reason, source, at, self.channel), again=False)  # not twice
+            (f"kit:controls:{self.schema}", run_id, action, reason, source, at, self.channel),
+            again=False)  # not twice
         return rows[0][0]
 
     async def _requests(self, after: int) -> list[ControlRequest]:

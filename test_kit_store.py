@@ -773,6 +773,41 @@ async def test_postgres_wakes_other_stores_through_notify_not_a_poll(postgres_ur
     assert [(r.run_id, r.action, r.reason) for r in requests] == [("r1", "cancel", "enough")]
 
 
+
+async def test_postgres_a_request_that_commits_after_a_later_one_is_still_followed(postgres_url):
+    """A request's id comes from a sequence, taken before its commit: one whose commit was slow
+    (a busy server, a far replica) while a later request committed got an id below what a
+    watcher had seen already, and was never followed (a cancel from the CLI, lost)."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    seen: list[tuple[int, str]] = []
+    async with store_from_url(postgres_url) as slow, store_from_url(postgres_url) as fast, \
+            store_from_url(postgres_url) as watcher:
+        await slow.append([started("r1")])
+        with psycopg.connect(conninfo, autocommit=True) as conn:  # a slow commit, on demand
+            conn.execute(f'SET search_path TO "{schema}"')
+            conn.execute("CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                         "IF NEW.reason = 'slow' THEN PERFORM pg_sleep(0.5); END IF; "
+                         "RETURN NEW; END $$")
+            conn.execute("CREATE TRIGGER slow AFTER INSERT ON controls FOR EACH ROW "
+                         "EXECUTE FUNCTION slow()")
+
+        async def watch() -> None:
+            async for req in watcher.follow_requests():
+                seen.append((req.id, req.action))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                tg.start_soon(slow.request, "r1", "cancel", "slow")
+                await anyio.sleep(0.1)  # the slow one holds its id, uncommitted
+                await fast.request("r1", "pause", "fast")
+                while len(seen) < 2:
+                    await anyio.sleep(0.01)  # (the slow one's id used to be skipped: a hang)
+                tg.cancel_scope.cancel()
+        assert seen == [(r.id, r.action) for r in await watcher.requests()]
+        assert sorted(action for _, action in seen) == ["cancel", "pause"]
+
 def kill_connections(url: str, name: str = "kit-listen") -> int:
     """Terminate the store's Postgres connections named ``<name>:<schema>`` (``kit-listen``:
     the listeners; ``kit``: the pools; ``kit-session``: ``KIT_SESSION``'s); how many there were."""
