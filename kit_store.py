@@ -130,6 +130,28 @@ _SCHEMA = (
     "action TEXT NOT NULL, reason TEXT, source TEXT, at REAL NOT NULL)",
 )
 RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
+#: The columns of kit's tables, as ``_SCHEMA`` makes them. A file whose table of one of these
+#: names has others is another program's database: ``CREATE TABLE IF NOT EXISTS`` would add
+#: kit's other tables beside it, then every append fail (an outage to the writer, retried until
+#: the runs are stopped) or land in that program's table. It is refused before anything is
+#: written to it.
+_KIT_TABLES = {
+    "events": ("run_id", "seq", "kind", "body"),
+    "runs": ("run_id", "name", "invocable", "session_id", "namespace", "parent_run_id", "status",
+             "started_at", "last_seq"),
+    "leases": ("run_id", "namespace", "session_id", "owner", "lease_until"),
+    "controls": ("id", "run_id", "action", "reason", "source", "at"),
+}
+
+
+def _foreign_table(db: sqlite3.Connection) -> str | None:
+    """Why the database of ``db`` is not a kit log (its table of a kit table's name, with
+    other columns), or None."""
+    for table, columns in _KIT_TABLES.items():
+        found = tuple(row[1] for row in db.execute(f"PRAGMA table_info({table})").fetchall())
+        if found and found != columns:
+            return f"its table {table}({', '.join(found)}) is not kit's {table}({', '.join(columns)})"
+    return None
 
 
 def event_row(e: Event) -> tuple[str, int, str, str]:
@@ -332,6 +354,12 @@ class SQLiteStore(StoreBase):
         assert self._db is not None  # the public methods checked that the store is open
         return self._db
 
+    async def _opening(self) -> None:
+        try:
+            await super()._opening()
+        except sqlite3.Error as exc:  # "file is not a database", "unable to open database file"
+            raise type(exc)(f"cannot open {self.path} as an event log: {exc}") from None
+
     def _open(self) -> None:
         if self.read_only:  # no schema, no pragma that writes, no checkpointer
             db = read_only_log(self.path)
@@ -344,6 +372,9 @@ class SQLiteStore(StoreBase):
         try:
             # No busy handler: a locked file raises at once and _retrying backs off asynchronously.
             db.execute("PRAGMA busy_timeout=0")
+            if (foreign := _foreign_table(db)) is not None:  # before WAL mode, which writes too
+                raise ConfigError(f"{self.path} is not a kit event log: {foreign}; nothing was "
+                                  "written to it (give kit a file of its own)")
             db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them
             # NORMAL: a commit survives a crash of the process, not a power loss (the WAL is
             # synced at checkpoints only); FULL syncs it at every commit (KIT_SQLITE_SYNC).

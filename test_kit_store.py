@@ -1101,6 +1101,29 @@ async def test_a_read_only_sqlite_store_creates_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["kit.db", "other.db"]
 
 
+async def test_another_programs_database_is_refused_naming_it_and_left_as_it_is(tmp_path):
+    """A file whose ``events`` (or ``runs``...) table is another program's was opened: kit added
+    its other tables to it, then every append failed as an outage (the run stalled until the
+    store-down bound) or failed at open with "no such column", naming no file."""
+    for table in ("events(id INTEGER PRIMARY KEY, x TEXT)", "runs(id INTEGER, started_at TEXT)"):
+        other = tmp_path / "other.db"
+        other.unlink(missing_ok=True)
+        with contextlib.closing(sqlite3.connect(other)) as db:
+            db.execute(f"CREATE TABLE {table}")
+            db.commit()
+        before = other.read_bytes()
+        with pytest.raises(kit.ConfigError, match=f"{other} is not a kit event log: its table "
+                                                  f"{table.partition('(')[0]}"):
+            async with SQLiteStore(other):
+                pass
+        assert other.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["other.db"]
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not a database, " * 512)
+    with pytest.raises(sqlite3.DatabaseError, match=f"{garbage} .*not a database"):
+        async with SQLiteStore(garbage):
+            pass
+
+
 async def test_a_read_only_postgres_store_creates_nothing_and_reads_an_older_schema(postgres_url):
     import psycopg
     conninfo, schema = pg_url(postgres_url)
