@@ -162,8 +162,10 @@ class Writer:
                     self._drained.set()
 
     async def _append(self, batch: list[Event], claims: dict[str, Claim]) -> None:
-        """Append ``batch`` for good, removing from it what is done (committed, or refused for
-        its run), so a cancellation leaves in it exactly what still has to be written."""
+        """Append ``batch`` for good, removing from it (and its runs' ``claims``) what is done
+        (committed, or refused for its run), so a cancellation leaves in them exactly what still
+        has to be written: a refused run's claim put back would be refused again with the next
+        batch, costing the runs in it their events."""
         delay = RETRY_FIRST
         while True:
             try:
@@ -181,6 +183,7 @@ class Writer:
                     part = [e for e in batch if e.run_id == run_id]
                     await self._append(part, {run_id: claims[run_id]} if run_id in claims else {})
                     batch[:] = [e for e in batch if e.run_id != run_id]
+                    claims.pop(run_id, None)
                 return
             except Exception as exc:  # the store is down: wait and try the same batch again
                 self._outage(batch, exc)

@@ -221,6 +221,42 @@ async def test_a_cancelled_flush_puts_its_batch_back(tmp_path):
         assert seqs(await store.read("r1")) == list(range(50))
 
 
+class RunDownStore(FaultyStore):
+    """``down_run``'s appends alone fail (a batch of that run only, as the writer retries a
+    refused batch run by run): one run's events meet an outage after another run was refused."""
+
+    down_run: str | None = None
+
+    async def append(self, events, *, claims=()):
+        if self.down_run is not None and {e.run_id for e in events} == {self.down_run}:
+            self.failures += 1
+            raise OSError("injected: the disk is gone")
+        await super().append(events, claims=claims)
+
+
+async def test_a_cancelled_flush_puts_back_only_the_claims_of_what_it_puts_back(tmp_path):
+    """A batch one run's claim got refused is retried run by run; cancelled while another run
+    waited out an outage, the flush put every claim back, the refused one's too: the next
+    batch carried it, was refused for it, and cost the run alone in it all of its events."""
+    async with RunDownStore(tmp_path / "kit.db") as store:
+        await store.append([Event("holder", 0, kit.RunStarted("a", "agent", "s"))],
+                           claims=[kit.Claim("holder", "other", 60.0, "s")])
+        writer = kit_writer.Writer(store, lambda events: None, lambda *a: None)
+        writer.put(Event("r1", 0, kit.RunStarted("a", "agent", "s")),
+                   kit.Claim("r1", "me", 60.0, "s"))  # busy: "holder" has the session
+        writer.put(Event("r2", 0, kit.RunStarted("a", "agent")), kit.Claim("r2", "me", 60.0))
+        writer.put(Event("r2", 1, TextDelta("hi")))
+        store.down_run = "r2"
+        with anyio.move_on_after(0.2):
+            await writer.flush()  # r1 refused, r2 backing off, then cancelled
+        assert isinstance(writer.failed.get("r1"), kit.SessionBusyError)
+        store.down_run = None
+        await writer.flush()
+        assert "r2" not in writer.failed
+        assert seqs(await store.read("r2")) == [0, 1] and await store.read("r1") == []
+        assert await store.session_holder("s") == "holder"
+
+
 async def test_a_hurried_batch_takes_what_the_run_makes_meanwhile(tmp_path):
     """A reader waiting for an event hurries the writer: the commit comes within HURRY_DELAY,
     and the events the run makes in the loop passes before it ride along (a short streamed turn
