@@ -63,8 +63,8 @@ import sniffio
 from kit_bridge import Bridge, spawn
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunInfo,
                       RunStarted, RunStatus, SessionBusyError, fold_status)
-from kit_store import (RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, abandoned, by_run,
-                       event_of, event_row, run_row, runs_query)
+from kit_store import (KIT_COLUMNS, RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, abandoned,
+                       by_run, event_of, event_row, foreign_table, run_row, runs_query)
 from kit_storebase import StoreBase
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
@@ -531,7 +531,10 @@ class PostgresStore(StoreBase):
                                           "kit_meta table); a read-only store creates none")
                 return pool
             async with setup_lock(pool, f"kit:setup:{self.schema}") as conn:
-                version = await self._version(conn) or SCHEMA_VERSION
+                version = await self._version(conn)
+                if version is None:  # no kit log here yet: is any table of kit's names another's?
+                    await self._refuse_foreign(conn)
+                version = version or SCHEMA_VERSION
                 # One transaction: replicas see the old schema or the new one. CREATE INDEX on
                 # an existing runs table holds its writers for the build (~0.5 s per 100k runs).
                 async with conn.transaction():
@@ -547,6 +550,18 @@ class PostgresStore(StoreBase):
             await pool.close()
             raise
         return pool
+
+    async def _refuse_foreign(self, conn: Any) -> None:
+        """Raise ``ConfigError`` when the schema has a table of one of kit's tables' names with
+        other columns (another program's, ``kit_store.KIT_COLUMNS``), before anything is created
+        beside it."""
+        rows = await (await conn.execute(
+            "SELECT table_name::text, array_agg(column_name::text ORDER BY ordinal_position) "
+            "FROM information_schema.columns WHERE table_schema = %s AND table_name = ANY(%s) "
+            "GROUP BY table_name", (self.schema, list(KIT_COLUMNS)))).fetchall()
+        if (foreign := foreign_table(dict(rows))) is not None:
+            raise ConfigError(f"schema {self.schema!r} holds no kit event log: {foreign}; nothing "
+                              "was created in it (give kit a schema of its own: ?schema=name)")
 
     async def _version(self, conn: Any) -> int | None:
         """The version of the schema's tables (None: it has none); raises ``ConfigError`` for one

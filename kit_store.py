@@ -3,8 +3,9 @@
 Owns: ``SQLiteStore`` (one file, shared by every process that opens it; ``read_only_log`` opens
 one to read only), ``MemoryStore`` (one process, no persistence), the rows and run-index queries
 the SQL stores share with ``kit_pg`` (``event_row``, ``event_of``, ``runs_query``, ``run_row``,
-``RUN_INDEXES``), ``ENDED`` (the statuses of a run that takes no more events, in every store)
-and ``project_log_url`` (where a project's log lives); ``kit_pg`` holds the
+``RUN_INDEXES``), the shape of kit's tables that both check a database against
+(``KIT_COLUMNS``, ``foreign_table``), ``ENDED`` (the statuses of a run that takes no more
+events, in every store) and ``project_log_url`` (where a project's log lives); ``kit_pg`` holds the
 Postgres store and ``store_from_url``. Every store keeps the same three things: the log (events
 keyed by ``(run_id, seq)``), the run index (``runs``, folded from the log in the same
 transaction) and the claims (``leases``: one row per live or parked run, unique per
@@ -35,7 +36,7 @@ import operator
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -50,7 +51,7 @@ from kit_storebase import NotJSONError, StoreBase
 
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
            "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS",
-           "RUN_INDEXES", "WAL_LIMIT", "ENDED")
+           "RUN_INDEXES", "WAL_LIMIT", "ENDED", "KIT_COLUMNS", "foreign_table")
 
 #: WAL checkpoints run on a thread of their own, after this many commits: on the event loop, a
 #: checkpoint (page copies and an fsync) stalls every stream for milliseconds, and costs ~12 us
@@ -130,12 +131,12 @@ _SCHEMA = (
     "action TEXT NOT NULL, reason TEXT, source TEXT, at REAL NOT NULL)",
 )
 RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
-#: The columns of kit's tables, as ``_SCHEMA`` makes them. A file whose table of one of these
-#: names has others is another program's database: ``CREATE TABLE IF NOT EXISTS`` would add
-#: kit's other tables beside it, then every append fail (an outage to the writer, retried until
-#: the runs are stopped) or land in that program's table. It is refused before anything is
-#: written to it.
-_KIT_TABLES = {
+#: The columns of kit's tables, as ``_SCHEMA`` (and ``kit_pg``'s tables) make them. A database
+#: whose table of one of these names has others is another program's: ``CREATE TABLE IF NOT
+#: EXISTS`` would add kit's other tables beside it, then every append fail (an outage to the
+#: writer, retried until the runs are stopped) or land in that program's table. Both stores
+#: refuse it before writing anything to it (``foreign_table``).
+KIT_COLUMNS = {
     "events": ("run_id", "seq", "kind", "body"),
     "runs": ("run_id", "name", "invocable", "session_id", "namespace", "parent_run_id", "status",
              "started_at", "last_seq"),
@@ -144,13 +145,14 @@ _KIT_TABLES = {
 }
 
 
-def _foreign_table(db: sqlite3.Connection) -> str | None:
-    """Why the database of ``db`` is not a kit log (its table of a kit table's name, with
-    other columns), or None."""
-    for table, columns in _KIT_TABLES.items():
-        found = tuple(row[1] for row in db.execute(f"PRAGMA table_info({table})").fetchall())
-        if found and found != columns:
-            return f"its table {table}({', '.join(found)}) is not kit's {table}({', '.join(columns)})"
+def foreign_table(found: Mapping[str, Sequence[str]]) -> str | None:
+    """Why a database whose tables of ``KIT_COLUMNS``' names have the columns ``found`` (by
+    table; none for a table it lacks) is not a kit log, or None when it may be one."""
+    for table, columns in KIT_COLUMNS.items():
+        have = tuple(found.get(table, ()))
+        if have and have != columns:
+            return (f"its table {table}({', '.join(have)}) is not kit's "
+                    f"{table}({', '.join(columns)})")
     return None
 
 
@@ -372,7 +374,9 @@ class SQLiteStore(StoreBase):
         try:
             # No busy handler: a locked file raises at once and _retrying backs off asynchronously.
             db.execute("PRAGMA busy_timeout=0")
-            if (foreign := _foreign_table(db)) is not None:  # before WAL mode, which writes too
+            found = {t: [row[1] for row in db.execute(f"PRAGMA table_info({t})").fetchall()]
+                     for t in KIT_COLUMNS}
+            if (foreign := foreign_table(found)) is not None:  # before WAL mode (it writes)
                 raise ConfigError(f"{self.path} is not a kit event log: {foreign}; nothing was "
                                   "written to it (give kit a file of its own)")
             db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them

@@ -1124,6 +1124,25 @@ async def test_another_programs_database_is_refused_naming_it_and_left_as_it_is(
             pass
 
 
+async def test_postgres_another_programs_schema_is_refused_and_left_as_it_is(postgres_url):
+    """As in SQLite: ``?schema=public`` where an application keeps its own ``events`` table got
+    kit's tables (and a kit_meta that made it kit's from then on) beside it, then every append
+    failed as an outage ("INSERT has more expressions than target columns")."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+        conn.execute(f'CREATE TABLE "{schema}".events(id serial PRIMARY KEY, title text)')
+    with pytest.raises(kit.ConfigError, match=f"schema '{schema}' holds no kit event log: its "
+                                              r"table events\(id, title\)"):
+        async with PostgresStore(postgres_url):
+            pass
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        assert [r[0] for r in conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+            (schema,))] == ["events"]
+
+
 async def test_a_read_only_postgres_store_creates_nothing_and_reads_an_older_schema(postgres_url):
     import psycopg
     conninfo, schema = pg_url(postgres_url)
