@@ -359,6 +359,13 @@ async def test_a_session_id_no_store_can_hold_is_a_400_and_writes_nothing():
             with pytest.raises(openai.BadRequestError) as bad:
                 await aio.chat.completions.create(model="echo", messages=hi(), user=user)
             assert f"a session id (x-kit-session-id, metadata.session_id or user) {why}" in bad.value.message
+        # An empty one is refused wherever it comes from: it used to pass, from the header or
+        # the metadata, for a one-off turn that forgot the conversation without a word.
+        for named in ({"user": ""}, {"metadata": {"session_id": ""}},
+                      {"extra_headers": {"x-kit-session-id": ""}},
+                      {"extra_headers": {"x-kit-session-id": ""}, "user": "ana"}):
+            with pytest.raises(openai.BadRequestError, match="must be a non-empty str"):
+                await aio.chat.completions.create(model="echo", messages=hi(), **named)
         assert await app.deck.store.runs() == []
         await aio.close()
 
