@@ -170,6 +170,8 @@ class Stream:
                         "headers": _SSE_HEADERS + run_id_header(run_id)})
             async with anyio.create_task_group() as tg:
                 self.scope = tg.cancel_scope
+                if self.stopping:  # stopped before it played: the grace bounds it all the same
+                    self.scope.deadline = anyio.current_time() + STOP_GRACE
                 tg.start_soon(_watch, receive, tg.cancel_scope)
                 tg.start_soon(_read, first, events, frame_of, send_frames, self)
                 await _write(send, frames, self, functools.partial(closing, run_id))

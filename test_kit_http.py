@@ -654,6 +654,24 @@ async def test_shutdown_answers_in_flight_requests_503_after_the_grace(monkeypat
         assert await app.deck.status(run_id) is RunStatus.CANCELLED
 
 
+async def test_a_stream_stopped_before_it_plays_still_ends_within_the_grace(monkeypatch):
+    """The server may stop between letting a request in and its stream's ``play``: the grace
+    must bound that stream too (it had no deadline: a client that never reads held its last
+    write, and the shutdown, for good)."""
+    monkeypatch.setattr(kit_sse, "STOP_GRACE", 0.1)
+    stream = kit_sse.Stream()
+    stream.stop()
+
+    async def never_read(message) -> None:  # a client that never reads: every body write hangs
+        if message["type"] == "http.response.body":
+            await anyio.sleep_forever()
+
+    async def events():
+        yield  # never reached: the reader is stopped already
+    with anyio.fail_after(5):
+        await stream.play(never_read, anyio.sleep_forever, "r1", None, events(), lambda ev: b"")
+
+
 # -------------------------------------------------------------------- ASGI, no server ----
 
 class Scripted:
