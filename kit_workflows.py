@@ -534,12 +534,16 @@ class PgThreadLocks(ThreadLocks):
         return True
 
     async def release(self, key: str) -> None:
+        """Never raises for the unlock: a connection that fails it (the server dropped it while
+        the thread's run played) is closed, and the lock goes with it."""
         conn = self._conns.pop(key, None)
         await super().release(key)
         if conn is not None:
             try:
                 await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
                                    (f"kit:thread:{key}",))
+            except Exception:  # the pool then drops it, instead of lending a locked one out
+                await conn.close()
             finally:
                 await self._pool.putconn(conn)
 

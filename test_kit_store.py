@@ -808,6 +808,7 @@ async def test_postgres_a_request_that_commits_after_a_later_one_is_still_follow
         assert seen == [(r.id, r.action) for r in await watcher.requests()]
         assert sorted(action for _, action in seen) == ["cancel", "pause"]
 
+
 def kill_connections(url: str, name: str = "kit-listen") -> int:
     """Terminate the store's Postgres connections named ``<name>:<schema>`` (``kit-listen``:
     the listeners; ``kit``: the pools; ``kit-session``: ``KIT_SESSION``'s); how many there were."""
@@ -827,6 +828,35 @@ async def test_lease_renewal_and_reaping_survive_dropped_pool_connections(postgr
         for call in (lambda: store.renew("owner", 5.0), store.reap):
             assert await anyio.to_thread.run_sync(kill_connections, postgres_url, "kit") >= 1
             await call()  # used to raise AdminShutdown
+
+
+async def test_a_thread_lock_whose_connection_the_server_dropped_is_released_quietly(postgres_url):
+    """A ticker's advisory lock on a thread goes with its connection: a release on a connection
+    the server dropped mid-run used to raise, which failed the tick of a run that had
+    completed."""
+    from kit_bridge import on_asyncio
+    from kit_workflows import PgThreadLocks
+    conninfo, schema = pg_url(postgres_url)
+
+    async def trial() -> None:
+        from psycopg.rows import dict_row  # as the durable checkpointer's pool has it
+        mine, theirs = [await kit_pg.open_pool(conninfo, schema, max_size=1, name=name, check=True,
+                                               row_factory=dict_row)
+                        for name in ("kit-locks", "kit-other")]
+        try:
+            here, there = PgThreadLocks(mine), PgThreadLocks(theirs)
+            assert await here.acquire("w::t") and not await there.acquire("w::t")
+            assert await anyio.to_thread.run_sync(kill_connections, postgres_url, "kit-locks") == 1
+            await here.release("w::t")  # used to raise AdminShutdown
+            assert await there.acquire("w::t")  # the lock went with its connection
+            await there.release("w::t")
+            assert await here.acquire("w::t")  # and the pool lends a live connection again
+            await here.release("w::t")
+        finally:
+            await mine.close()
+            await theirs.close()
+    with anyio.fail_after(20):
+        await on_asyncio(trial)
 
 
 async def test_a_lost_listener_reconnects_and_its_followers_miss_nothing(postgres_url):
