@@ -71,36 +71,46 @@ SDK_TOOLS = tuple(typing.get_origin(t) or t for t in typing.get_args(sdk.Tool))
 #: The run a model call belongs to (set around Runner.run; the SDK's tasks inherit it).
 _CURRENT_RUN: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_run", default=None)
 _UNPRICED: set[str] = {SCRIPTED_NAME}  # known without genai-prices' table (0.1 s to load)
-#: model -> USD (per call, per input token, per output token), for a model whose price is one
-#: flat rate (no tiers, no dated or timed prices): genai-prices' general calculation costs
-#: 0.1-0.3 ms, on every model call; a flat rate is linear in the tokens, so three of its own
-#: answers give the rates, and each call after is exact Decimal arithmetic on them.
-_RATES: dict[str, tuple[Any, Any, Any]] = {}
+#: model -> USD (per call, per uncached input token, per cached input token, per output token),
+#: for a model whose price is one flat rate (no tiers, no dated or timed prices): genai-prices'
+#: general calculation costs 0.1-0.3 ms, on every model call; a flat rate is linear in the
+#: tokens, so four of its own answers give the rates, and each call after is exact Decimal
+#: arithmetic on them.
+_RATES: dict[str, tuple[Any, Any, Any, Any]] = {}
 
 
-def _price(model: str, input_tokens: int, output_tokens: int) -> float | None:
-    """Estimated USD from genai-prices' bundled data (offline); None for an unknown model."""
+def _price(model: str, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> float | None:
+    """Estimated USD from genai-prices' bundled data (offline); None for an unknown model.
+
+    ``input_tokens`` counts every input token, ``cached_tokens`` of them read from the
+    provider's prompt cache (OpenAI's ``cached_tokens``), which costs a fraction of the rest
+    (a tenth for gpt-5): an agent's turns resend the conversation, so most of a long one's
+    input is cached."""
     if model in _UNPRICED:
         return None
+    cached_tokens = min(max(cached_tokens, 0), input_tokens)
     if (rates := _RATES.get(model)) is not None:
-        per_call, per_input, per_output = rates
-        return float(per_call + per_input * input_tokens + per_output * output_tokens)
+        per_call, per_input, per_cached, per_output = rates
+        return float(per_call + per_input * (input_tokens - cached_tokens)
+                     + per_cached * cached_tokens + per_output * output_tokens)
     from genai_prices import Usage as PriceUsage, calc_price, types
 
-    def total(input_tokens: int, output_tokens: int) -> Any:
-        return calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens),
+    def total(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> Any:
+        return calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens,
+                                     cache_read_tokens=cached_tokens or None),
                           model_ref=model, provider_id="openai")
     try:
-        price = total(input_tokens, output_tokens)
+        price = total(input_tokens, output_tokens, cached_tokens)
     except LookupError:
         _UNPRICED.add(model)
         return None
     prices = price.model.prices
     if isinstance(prices, types.ModelPrice) and not any(
             isinstance(p, types.TieredPrices) for p in vars(prices).values()):
-        per_call = total(0, 0).total_price
-        _RATES[model] = (per_call, (total(1_000_000, 0).total_price - per_call) / 1_000_000,
-                         (total(0, 1_000_000).total_price - per_call) / 1_000_000)
+        per_call, m = total(0, 0).total_price, 1_000_000
+        _RATES[model] = (per_call, (total(m, 0).total_price - per_call) / m,
+                         (total(m, 0, m).total_price - per_call) / m,
+                         (total(0, m).total_price - per_call) / m)
     return float(price.total_price)
 
 
@@ -247,7 +257,8 @@ class _TapModel(sdk.Model):
         # server other than OpenAI's, without ModelSettings(include_usage=True)): the cost is
         # unknown, not zero.
         reported = u.input_tokens or u.output_tokens
-        usd = _price(model, u.input_tokens, u.output_tokens) if reported else None
+        cached = getattr(u.input_tokens_details, "cached_tokens", None) or 0
+        usd = _price(model, u.input_tokens, u.output_tokens, cached) if reported else None
         run.add_usage(u.input_tokens, u.output_tokens, usd)
         run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd), origin=origin)
 

@@ -33,8 +33,8 @@ WAV = base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(16)).decode()
 
 # ================================================================================ the stub ====
 
-def text(*deltas: str, usage: tuple[int, int] = (11, 7)) -> dict:
-    """A text reply, streamed as these deltas."""
+def text(*deltas: str, usage: tuple[int, ...] = (11, 7)) -> dict:
+    """A text reply, streamed as these deltas; ``usage`` is (input, output[, cached input])."""
     return {"text": list(deltas), "usage": usage}
 
 
@@ -55,9 +55,9 @@ def _resp_item(turn: dict, n: int) -> dict:
 
 
 def _response(turn: dict, n: int, items: list, status: str = "completed") -> dict:
-    i, o = turn["usage"]
+    i, o, cached = (*turn["usage"], 0)[:3]
     usage = {"input_tokens": i, "output_tokens": o, "total_tokens": i + o,
-             "input_tokens_details": {"cached_tokens": 0},
+             "input_tokens_details": {"cached_tokens": cached},
              "output_tokens_details": {"reasoning_tokens": 0}}
     return {"id": f"resp_{n}", "object": "response", "created_at": int(time.time()), "model": "stub",
             "status": status, "output": items, "parallel_tool_calls": True, "tool_choice": "auto",
@@ -85,8 +85,9 @@ def responses_body(turn: dict, n: int, stream: bool) -> list[dict] | dict:
 
 
 def chat_body(turn: dict, n: int, stream: bool, include_usage: bool) -> list[dict] | dict:
-    i, o = turn["usage"]
-    usage = {"prompt_tokens": i, "completion_tokens": o, "total_tokens": i + o}
+    i, o, cached = (*turn["usage"], 0)[:3]
+    usage = {"prompt_tokens": i, "completion_tokens": o, "total_tokens": i + o,
+             "prompt_tokens_details": {"cached_tokens": cached}}
     base = {"id": f"chatcmpl-{n}", "created": int(time.time()), "model": "stub"}
     call_ = None if "text" in turn else {"id": f"call_{n}", "type": "function", "function": {
         "name": turn["tool"], "arguments": json.dumps(turn["args"])}}
@@ -261,6 +262,25 @@ async def test_usd_is_priced_and_sums_model_calls(stub, store, model_cls):
     assert isinstance(usage.usd, float) and usage.usd > 0
     assert usage.usd == pytest.approx(sum(costs), rel=1e-9)
     assert (usage.input_tokens, usage.output_tokens) == (2700, 340)
+
+
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_input_read_from_the_prompt_cache_is_priced_at_its_own_rate(stub, store, model_cls):
+    """OpenAI bills the input tokens it read from its prompt cache at a fraction of the rest (a
+    tenth for gpt-5); a long conversation's turns are mostly cached. Every input token was
+    priced at the uncached rate: 90% cached cost five times what the call did."""
+    from genai_prices import Usage as PriceUsage, calc_price
+    stub.script += [text("Hi.", usage=(100_000, 100, 90_000)), text("Hi.", usage=(20_000, 10, 5_000))]
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store) as deck:
+            # Twice: the first call of a model, and one priced from its cached flat rates.
+            results = [await deck.run("bot", "hi"), await deck.run("bot", "hi")]
+    for result, (i, o, cached) in zip(results, [(100_000, 100, 90_000), (20_000, 10, 5_000)]):
+        [call_] = [e.payload for e in await store.read(result.run_id) if e.kind == "model.completed"]
+        price = calc_price(PriceUsage(input_tokens=i, output_tokens=o, cache_read_tokens=cached),
+                           model_ref="gpt-4o", provider_id="openai").total_price
+        assert call_.input_tokens == i and call_.usd == pytest.approx(float(price), rel=1e-9)
+        assert result.usage.usd == pytest.approx(float(price), rel=1e-9)
 
 
 async def test_a_server_that_reports_no_usage_costs_unknown_not_zero(stub, store):
