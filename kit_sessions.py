@@ -22,7 +22,9 @@ connections (``kit-session:<schema>`` in ``pg_stat_activity``) are pinged when t
 after the server dropped them (a restart, a failover) reconnects instead of failing. The Redis
 client's connections (``kit-session`` in ``CLIENT LIST``) are pinged before a command when they
 sat idle past ``REDIS_CHECK``, and reopened when the ping finds them dropped; a command itself
-is never retried, so a write whose reply was lost is never made twice (``_pinged``).
+is never retried, so a write whose reply was lost is never made twice (``_pinged``). A server
+of either that stops answering without closing its connections fails the turn after
+``REDIS_TIMEOUT`` / ``PG_TIMEOUT``, which frees its session.
 """
 from __future__ import annotations
 
@@ -36,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import agents as sdk
+import anyio
 from agents.memory import SessionABC
 
 from kit_core import ConfigError
 from kit_pg import masked, open_pool, pg_url, setup_lock
 
-__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "REDIS_CHECK", "REDIS_TIMEOUT")
+__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "REDIS_CHECK", "REDIS_TIMEOUT",
+           "PG_TIMEOUT")
 
 #: Conversations the in-process session store keeps (``KIT_SESSION_MAX``), least recently used
 #: dropped first: ~2 kB each measured, so ~20 MB at the default; bounded, unlike a process's life.
@@ -57,6 +61,12 @@ REDIS_CHECK = 1.0
 #: Redis that stops answering without closing its connections (a partition, a frozen server) held
 #: the turn, and its session busy, until it came back. Now the turn fails, and frees its session.
 REDIS_TIMEOUT = 10.0
+#: How long one Postgres session call (a read or a write of a turn's items, with the checkout
+#: and its ping, or a connect) may wait (seconds). SQLAlchemy and psycopg wait forever on a
+#: server that stops answering without closing its connections (a partition, a frozen server):
+#: the turn, and its session, were held until it came back. Now the turn fails, and frees its
+#: session; the connection it was on is closed (psycopg closes one whose query was cut short).
+PG_TIMEOUT = 10.0
 
 
 class _MemoryDB:
@@ -181,12 +191,32 @@ def _pg_session_class() -> type:
     from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
 
     class PgSession(SQLAlchemySession):
-        def __init__(self, session_id: str, engine: Any, shared: list[tuple[Any, ...]]) -> None:
+        def __init__(self, session_id: str, engine: Any, shared: list[tuple[Any, ...]],
+                     where: str) -> None:
             super().__init__(session_id, engine=engine)
             if not shared:
                 shared.append((self._metadata, self._sessions, self._messages,
                                self._session_factory))
             self._metadata, self._sessions, self._messages, self._session_factory = shared[0]
+            self._where = where  # the URL, masked
+
+        async def _answered(self, call: Any) -> Any:
+            with anyio.move_on_after(PG_TIMEOUT):
+                return await call
+            raise TimeoutError(f"KIT_SESSION={self._where!r} did not answer within "
+                               f"{PG_TIMEOUT:g} s")
+
+        async def get_items(self, limit: int | None = None) -> list[Any]:
+            return await self._answered(super().get_items(limit))
+
+        async def add_items(self, items: list[Any]) -> None:
+            await self._answered(super().add_items(items))
+
+        async def pop_item(self) -> Any:
+            return await self._answered(super().pop_item())
+
+        async def clear_session(self) -> None:
+            await self._answered(super().clear_session())
 
     return PgSession
 
@@ -309,7 +339,8 @@ class Sessions:
             elif self._sqlite_conn is not None:
                 session = _FileSession(key, self._sqlite, self._sqlite_conn)
             elif self._engine is not None:
-                session = _pg_session_class()(key, self._engine, self._pg_tables)
+                session = _pg_session_class()(key, self._engine, self._pg_tables,
+                                              masked(self._url))  # type: ignore[arg-type]
             else:
                 session = MemorySession(self.memory, key)  # type: ignore[arg-type]
             self._sessions[key] = session

@@ -5,12 +5,15 @@ and the record of a replica that died (asyncio and trio workers). And a replica'
 on Postgres (beside its log) or on Redis, outlive the server dropping their connections."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -339,6 +342,69 @@ async def test_a_redis_that_stops_answering_fails_the_turn_and_frees_its_session
         server.send_signal(signal.SIGCONT)
         server.kill()
         server.wait()
+
+
+class FreezingProxy:
+    """A TCP proxy in front of the machine's Postgres that, while ``frozen``, stops answering
+    without closing a connection (a partition, a frozen server): what it holds stays held, and a
+    new connection is accepted and never answered. A thread of its own."""
+
+    def __init__(self) -> None:
+        self.frozen = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # the listening socket was closed: done
+            while True:
+                client = self.server.accept()[0]
+                self.held.append(client)
+                if not self.frozen.is_set():
+                    upstream = socket.create_connection(("127.0.0.1", 5432))
+                    self.held.append(upstream)
+                    for a, b in ((client, upstream), (upstream, client)):
+                        threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                while self.frozen.is_set():
+                    time.sleep(0.02)
+                b.sendall(data)
+
+    def close(self) -> None:
+        self.frozen.clear()
+        self.server.close()
+        for conn in self.held:
+            conn.close()
+
+
+async def test_a_postgres_that_stops_answering_fails_the_turn_and_frees_its_session(
+        monkeypatch, store, postgres_url, anyio_backend):
+    """KIT_SESSION=postgresql://: a server that stops answering without closing its connections
+    (here a proxy that holds every byte) held the turn, and its session busy, until it came
+    back: SQLAlchemy and psycopg wait forever, as redis-py did before REDIS_TIMEOUT."""
+    import kit_sessions
+    proxy = FreezingProxy()
+    try:
+        monkeypatch.setenv("KIT_SESSION", postgres_url.replace("127.0.0.1:5432",
+                                                               f"127.0.0.1:{proxy.port}"))
+        monkeypatch.setattr(kit_sessions, "PG_TIMEOUT", 0.5)
+        model = kit.ScriptedModel(["one", "two"])
+        async with kit.Deck([kit.Agent("talk", model=model)], store=store) as deck:
+            with anyio.fail_after(30):
+                await deck.run("talk", "first", session_id="c")
+                proxy.frozen.set()
+                with pytest.raises(TimeoutError, match="KIT_SESSION=.* did not answer"):
+                    await deck.run("talk", "second", session_id="c")
+                proxy.frozen.clear()
+                assert (await deck.run("talk", "third", session_id="c")).output == "two"
+            assert [r.status for r in await store.runs()] == [
+                kit.RunStatus.COMPLETED, kit.RunStatus.FAILED, kit.RunStatus.COMPLETED]
+    finally:
+        proxy.close()
 
 
 async def test_redis_sessions_outlive_the_server_dropping_their_connections(
