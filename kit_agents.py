@@ -707,10 +707,25 @@ def use_api(api: str | None) -> None:
         sdk.set_default_openai_api(api)  # type: ignore[arg-type]
 
 
+#: The SDK's trace processors before a deck's tracing observer took its spans (the SDK's default
+#: exporter, one the application added), given back when the deck closes; None when not taken.
+_APP_PROCESSORS: list[Any] | None = None
+
+
 def use_trace_processors(processors: Sequence[Any]) -> bool:
-    """Send the SDK's own spans to ``processors`` (a tracing observer's ``sdk_spans``), or stop
-    sending them (``[]``). Returns whether any are set."""
-    sdk.set_trace_processors(list(processors))
+    """Send the SDK's own spans to ``processors`` (a tracing observer's ``sdk_spans``) in place
+    of the SDK's current ones, or give those back (``[]``, at close): they were dropped for the
+    rest of the process. Returns whether any are set."""
+    global _APP_PROCESSORS
+    if processors:
+        if _APP_PROCESSORS is None:  # the SDK has no getter: its provider's list, if it has one
+            from agents.tracing import get_trace_provider
+            multi = getattr(get_trace_provider(), "_multi_processor", None)
+            _APP_PROCESSORS = list(getattr(multi, "_processors", ()))
+        sdk.set_trace_processors(list(processors))
+    else:
+        sdk.set_trace_processors(_APP_PROCESSORS or [])
+        _APP_PROCESSORS = None
     return bool(processors)
 
 

@@ -2,6 +2,7 @@
 and the tracing observer end to end (asyncio and trio)."""
 from __future__ import annotations
 
+import agents
 import anyio
 import pytest
 from langgraph.graph import END, START, StateGraph
@@ -121,3 +122,48 @@ async def test_sdk_spans_through_a_deck_are_a_second_trace_per_run(receiver):  #
     [root] = [s for s in raw if not s.parent_span_id]
     tags = {a.key: a.value.string_value for a in root.attributes}
     assert (tags["kit.run_id"], tags["session.id"]) == (result.run_id, "s1")
+
+
+class AppTraces(agents.TracingProcessor):
+    """A trace processor of the application's own: the names of the traces it was given."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def on_trace_start(self, trace) -> None:
+        self.names.append(trace.name)
+
+    def on_trace_end(self, trace) -> None:
+        pass
+
+    def on_span_start(self, span) -> None:
+        pass
+
+    def on_span_end(self, span) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self) -> None:
+        pass
+
+
+async def test_sdk_spans_give_the_application_its_trace_processors_back_at_close(receiver):  # noqa: F811
+    """A deck with sdk_spans=True takes the SDK's (process-wide) trace processors for its own;
+    at close it left none: the SDK's default exporter and the application's own processors
+    were gone for the rest of the process."""
+    from agents.tracing import get_trace_provider
+    before = list(get_trace_provider()._multi_processor._processors)
+    app = AppTraces()
+    agents.set_trace_processors([app])
+    try:
+        observer = TracingObserver(sdk_spans=True, public_key=PK, secret_key=SK, host=receiver.host)
+        async with Deck(catalog()[0], observers=[observer]) as deck:
+            await deck.run("a", "1+2?")
+        assert app.names == []  # the deck's runs went to the observer only
+        with agents.trace("the application's own"):
+            pass
+        assert app.names == ["the application's own"]
+    finally:
+        agents.set_trace_processors(before)
