@@ -44,9 +44,13 @@ from agents.memory import SessionABC
 from kit_core import ConfigError
 from kit_pg import masked, open_pool, pg_url, setup_lock
 
-__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "REDIS_CHECK", "REDIS_TIMEOUT",
-           "PG_TIMEOUT")
+__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "NAMESPACE_SEP", "REDIS_CHECK",
+           "REDIS_TIMEOUT", "PG_TIMEOUT")
 
+#: Between a namespace and a session id in a session's key: a control character, which no id
+#: holds (``check_id``). With ``:``, a caller without a namespace (every HTTP caller) who named
+#: session ``tenant:s1`` had namespace ``tenant``'s conversation ``s1``.
+NAMESPACE_SEP = "\x1f"
 #: Conversations the in-process session store keeps (``KIT_SESSION_MAX``), least recently used
 #: dropped first: ~2 kB each measured, so ~20 MB at the default; bounded, unlike a process's life.
 MAX_SESSIONS = 10_000
@@ -229,7 +233,7 @@ class Sessions:
     several machines), ``SQLiteSession`` on a file (``sqlite:///path``: processes of one
     machine) or ``SQLAlchemySession`` on psycopg (``postgresql://...[?schema=name]``: replicas,
     beside a Postgres log); else ``MemorySession``s in one in-process database, lost on exit.
-    One object per key (``<namespace>:<session_id>``, or the session id). The SQLite file's
+    One object per key (``<namespace>\x1f<session_id>``, or the session id). The SQLite file's
     sessions share one connection (``_FileSession``), the Postgres ones their table objects
     (``_pg_session_class``): a conversation costs a small object, not a connection or ~31 kB.
 
@@ -326,7 +330,7 @@ class Sessions:
             await pool.close()
 
     def get(self, session_id: str, namespace: str | None = None) -> Any:
-        key = session_id if namespace is None else f"{namespace}:{session_id}"
+        key = session_id if namespace is None else f"{namespace}{NAMESPACE_SEP}{session_id}"
         session = self._sessions.get(key)
         if session is not None:
             self._sessions.move_to_end(key)

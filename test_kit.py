@@ -7,6 +7,7 @@ import enum
 import functools
 import inspect
 import json
+import uuid
 import os
 import sqlite3
 import subprocess
@@ -648,8 +649,29 @@ async def test_namespaces_separate_sessions_and_factory_overrides(store):
     async with Deck([Agent("a", model=model)], store=store, session_factory=factory) as deck:
         await deck.run("a", "x", session_id="s", namespace="t1")
         await deck.run("a", "y", session_id="s", namespace="t2")
-        assert made == ["t1:s", "t2:s"]
+        assert made == ["t1\x1fs", "t2\x1fs"]
         assert "x" not in json.dumps(model.calls[-1]["input"])
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "redis"])
+async def test_no_session_id_reaches_a_namespaced_conversation(monkeypatch, store, tmp_path,
+                                                                request, kind):
+    """A namespaced session's key was ``<namespace>:<session_id>``: a caller without one (every
+    HTTP caller) naming ``tenant-a:s1`` read and wrote tenant-a's conversation s1, and two turns
+    could play on it at once (claims are per namespace and id)."""
+    if kind != "memory":
+        prefix = f"t{uuid.uuid4().hex[:8]}"
+        monkeypatch.setenv("KIT_SESSION", f"sqlite:///{tmp_path / 's.db'}" if kind == "sqlite"
+                           else request.getfixturevalue("redis_url"))
+    else:
+        prefix = "tenant"
+    model = ScriptedModel(["noted", "who?"])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        await deck.run("a", "my PIN is 4321", session_id="s1", namespace=prefix)
+        await deck.run("a", "what is my PIN?", session_id=f"{prefix}:s1")
+        assert "4321" not in json.dumps(model.calls[-1]["input"])
+        assert len(await deck.session_for("s1", namespace=prefix).get_items()) == 2
+        assert len(await deck.session_for(f"{prefix}:s1").get_items()) == 2
 
 
 async def test_redis_session(monkeypatch, store, redis_url):
