@@ -299,7 +299,9 @@ class TracingObserver:
                     root.set_attribute("kit.usage.usd", p.usage.usd)
             elif isinstance(p, RunFailed):
                 root.set_attribute("error.type", p.error)
-                root.set_status(o.error(f"{p.error}: {p.message}"))
+                # Its type only: a message may hold content (the SDK's refusal of a reply that
+                # does not fit the output type quotes the whole reply); the log has the rest.
+                root.set_status(o.error(f"the run failed ({p.error}); kit.run_id's log has why"))
             elif isinstance(p, RunCancelled) and p.reason:
                 root.set_attribute("kit.cancel_reason", p.reason[:200])
             if p.status is not None:
