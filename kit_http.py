@@ -78,8 +78,8 @@ from kit_request import (
 )
 import kit_sse  # STOP_GRACE is read there at each shutdown: one knob for streams and requests
 from kit_sse import (
-    Closing, FrameOf, Message, Receive, Send, Stream, data_frames, dumps, native_frame,
-    shutdown_frame, sse_frame, v1_frame, v1_workflow_frame,
+    Ending, FrameOf, Message, Receive, Send, Stream, data_frames, dumps, native_frame,
+    ending_frame, sse_frame, v1_frame, v1_workflow_frame,
 )
 
 if typing.TYPE_CHECKING:
@@ -552,7 +552,7 @@ class App:
             chunks = kit_openai.Chunks(turn.model)
             events = self.deck.stream(turn.model, turn.input, committed=True, **args)
             return await self._stream_run(req, events, lambda ev: data_frames(chunks(ev), ev.seq),
-                                          _openai_closing)
+                                          _openai_ending)
         run_id = new_run_id()
         await self._run(req, run_id, self.deck.run(turn.model, turn.input, run_id=run_id, **args))
         # The content is a fold of the run's events, the very one its stream would have sent
@@ -591,36 +591,43 @@ class App:
 
     # ---------------------------------------------------------------------------- streams --
     async def _stream_run(self, req: Request, events: AsyncIterator[Event], frame_of: FrameOf,
-                          closing: Closing = shutdown_frame) -> None:
+                          ending: Ending = ending_frame) -> None:
         # The first event (run.started) gives the run id before the headers go out; a start
         # the deck refuses (409 busy session, 400 bad input) is still a JSON answer.
         first = await events.__anext__()
         req.run_id = first.run_id
-        await self._sse(req, first.run_id, first, events, frame_of, closing)
+        await self._sse(req, first.run_id, first, events, frame_of, ending)
 
     async def _sse(self, req: Request, run_id: str, first: Event | None,
                    events: AsyncIterator[Event], frame_of: FrameOf,
-                   closing: Closing = shutdown_frame) -> None:
+                   ending: Ending = ending_frame) -> None:
         """The SSE response helper: headers, then the frames of ``first`` and ``events``, kept
-        among the open streams that ``shutdown`` ends (with ``closing``, the wire's frame)."""
+        among the open streams that ``shutdown`` ends (with ``ending``, the wire's frame)."""
         stream = Stream()
         self._streams.add(stream)
         if self._stopping:  # shutdown() began after this request was let in
             stream.stop()
         try:
             req.started = True
-            await stream.play(req.send, req.receive, run_id, first, events, frame_of, closing)
+            await stream.play(req.send, req.receive, run_id, first, events, frame_of, ending)
         finally:
             self._streams.discard(stream)
 
 
-def _openai_closing(run_id: str) -> bytes:
-    """The Chat Completions wire's closing frame: OpenAI's error shape, which its clients raise
-    as ``APIError``. They ignore event names, so kit's ``event: server.shutdown`` frame would
-    reach them as one more chunk, one without ``choices``."""
-    stopping = ServerStoppingError(f"the server is shutting down before run {run_id} ended; "
-                                   f"its log has the rest: GET /runs/{run_id}/events")
-    return sse_frame(dumps(kit_openai.error_body(503, type(stopping).__name__, str(stopping))))
+def _openai_ending(run_id: str, error: Exception | None) -> bytes:
+    """The Chat Completions wire's frame that ends a stream before its run ended: OpenAI's error
+    shape, which its clients raise as ``APIError``. They ignore event names, so kit's
+    ``event: server.shutdown`` frame would reach them as one more chunk, one without
+    ``choices``, and its ``event: error`` as an error with no message."""
+    if error is None:
+        error = ServerStoppingError(f"the server is shutting down before run {run_id} ended; "
+                                    f"its log has the rest: GET /runs/{run_id}/events")
+        return sse_frame(dumps(kit_openai.error_body(503, type(error).__name__, str(error))))
+    kind = type(error).__name__  # its type only: a message may hold content
+    return sse_frame(dumps(kit_openai.error_body(
+        503 if isinstance(error, StoreUnavailableError) else 500, kind,
+        f"the stream of run {run_id} ended before the run did ({kind}); its log has the rest: "
+        f"GET /runs/{run_id}/events")))
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -3,8 +3,8 @@
 Owns: SSE framing (``sse_frame``), compact one-line JSON (``dumps``), the translation of a run's
 events into frames (``native_frame`` for kit's own wire, ``v1_frame`` and ``v1_workflow_frame``
 for the v1.2.1 wire, ``data_frames`` for bare ``data:`` frames such as the Chat Completions
-chunks), kit's closing frame of a stream the server stops (``shutdown_frame``) and one open SSE
-response (``Stream``: its reader, writer and disconnect watcher).
+chunks), kit's frame that ends a stream before its run ended (``ending_frame``: the server
+stopping, or the run's events failing) and one open SSE response (``Stream``: its reader, writer and disconnect watcher).
 
 Must never: route, read a request body, answer with JSON or know a deck (kit_http does), hold a
 frame it could send, or end the run it streams: a disconnect ends the stream, never the run.
@@ -19,10 +19,11 @@ dominates, not bytes: notes/PERF.md section 4) and pings every ``PING_INTERVAL``
 quiet. Whichever of writer and watcher ends first cancels the rest. ``Stream.stop`` (the server
 shutting down) ends it within ``STOP_GRACE`` with a closing frame naming the run, which the
 client picks up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every frame's ``id`` is its
-event's seq). That frame is the wire's, as every other frame is (``play``'s ``closing``): kit's
-own wires send ``shutdown_frame`` (``event: server.shutdown``); a wire whose clients ignore event
-names, such as OpenAI's, sends what its clients read as an ending, never a frame they would take
-for one more chunk.
+event's seq). That frame is the wire's, as every other frame is (``play``'s ``ending``), and so is
+the one that ends a stream whose events failed before the run's end (the store down past its
+bound): kit's own wires send ``ending_frame`` (``event: server.shutdown``, or ``event: error``
+naming the error's type); a wire whose clients ignore event names, such as OpenAI's, sends what
+its clients read as an ending, never a frame they would take for one more chunk.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from kit_core import (
 
 __all__ = (
     "Stream", "sse_frame", "dumps", "native_frame", "v1_frame", "v1_workflow_frame", "data_frames",
-    "shutdown_frame", "run_id_header", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
+    "ending_frame", "run_id_header", "PING_INTERVAL", "STREAM_BUFFER", "STOP_GRACE",
 )
 
 #: A comment line every 15 s keeps a quiet stream open through proxies (WHATWG HTML 9.2.7).
@@ -58,7 +59,9 @@ Message = MutableMapping[str, Any]  # the ASGI vocabulary, as Starlette spells i
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 FrameOf = Callable[[Event], "bytes | None"]
-Closing = Callable[[str], bytes]  # the run id -> the frame that ends a stream the server stops
+#: (the run id, the error or None) -> the frame that ends a stream before its run ended: the
+#: server stopping it (None), or its events failing (the error, whose message may hold content).
+Ending = Callable[[str, "Exception | None"], bytes]
 
 _PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
@@ -134,9 +137,12 @@ def data_frames(items: list[Any], seq: int) -> bytes | None:
     return b"".join(sse_frame(i if isinstance(i, str) else dumps(i), id=str(seq)) for i in items) or None
 
 
-def shutdown_frame(run_id: str) -> bytes:
-    """kit's closing frame of a stream the server stops: ``event: server.shutdown`` naming the
-    run (no ``id``: it is no event of the log)."""
+def ending_frame(run_id: str, error: Exception | None = None) -> bytes:
+    """kit's frame that ends a stream before its run ended (no ``id``: it is no event of the
+    log): ``event: server.shutdown`` naming the run when the server stops it; ``event: error``
+    naming the error's type when its events failed (a failed run's ``run.failed`` came first)."""
+    if error is not None:
+        return sse_frame(dumps({"error": type(error).__name__}), event="error")
     return sse_frame(dumps({"run_id": run_id}), event="server.shutdown")
 
 
@@ -159,10 +165,11 @@ class Stream:
 
     async def play(self, send: Send, receive: Receive, run_id: str, first: Event | None,
                    events: AsyncIterator[Event], frame_of: FrameOf,
-                   closing: Closing = shutdown_frame) -> None:
+                   ending: Ending = ending_frame) -> None:
         """Send the headers, then the frames of ``first`` and ``events`` (``frame_of`` makes
         them; None skips an event) until the run ends or parks, the client leaves or ``stop``,
-        which ends it with ``closing(run_id)`` unless the run had ended. Closes ``events``
+        which ends it with ``ending(run_id, None)`` unless the run had ended; events that fail
+        before the run's end end it with ``ending(run_id, error)``. Closes ``events``
         (which ends the stream, never the run)."""
         send_frames, frames = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
         try:
@@ -173,8 +180,9 @@ class Stream:
                 if self.stopping:  # stopped before it played: the grace bounds it all the same
                     self.scope.deadline = anyio.current_time() + STOP_GRACE
                 tg.start_soon(_watch, receive, tg.cancel_scope)
-                tg.start_soon(_read, first, events, frame_of, send_frames, self)
-                await _write(send, frames, self, functools.partial(closing, run_id))
+                tg.start_soon(_read, first, events, frame_of, send_frames, self,
+                              functools.partial(ending, run_id))
+                await _write(send, frames, self, functools.partial(ending, run_id, None))
                 tg.cancel_scope.cancel()
         finally:
             frames.close()
@@ -193,9 +201,10 @@ async def _watch(receive: Receive, scope: anyio.CancelScope) -> None:
 
 
 async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: FrameOf, out: Any,
-                stream: Stream) -> None:
+                stream: Stream, failed: Callable[[Exception], bytes]) -> None:
     """The reader: the frames of the run's events into the writer's channel, until the run ends
-    or parks; closing the channel tells the writer. An error becomes an ``event: error`` frame."""
+    or parks; closing the channel tells the writer. An error before the run's end becomes the
+    wire's frame for it (``failed``)."""
     with out, stream.reader:
         try:
             if first is not None and (frame := frame_of(first)) is not None:
@@ -211,7 +220,7 @@ async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: Fra
         except Exception as exc:
             if not stream.finished:  # Deck.stream raises a failed run's error after run.failed
                 stream.finished = True
-                await out.send(sse_frame(dumps({"error": type(exc).__name__}), event="error"))
+                await out.send(failed(exc))
 
 
 async def _write(send: Send, frames: Any, stream: Stream, closing: Callable[[], bytes]) -> None:

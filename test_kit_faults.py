@@ -162,6 +162,36 @@ async def test_a_store_down_past_the_bound_fails_the_run_visibly_and_frees_its_s
             assert result.output == "second turn"
 
 
+async def test_a_chat_completions_stream_an_outage_stops_ends_in_openais_error_shape(
+        tmp_path, monkeypatch):
+    """An OpenAI client reads only OpenAI's error shape: a stream that ended without its run's
+    end (the store down past its bound) sent kit's ``event: error`` frame, which the client
+    raised with no message ("An error occurred during streaming")."""
+    import openai
+    from test_kit_chat_completions import clients, hi
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        def outage() -> str:
+            """The store goes away."""
+            store.down = True
+            return "ok"
+
+        agent = Agent("a", tools=[outage], model=ScriptedModel([{"tool": "outage"}, LONG]))
+        async with served(Deck([agent], store=store), surfaces=("openai",)) as (client, app):
+            _, aio = clients(client)
+            with anyio.fail_after(20), pytest.raises(openai.APIError) as failed:
+                async for _ in await aio.chat.completions.create(model="a", messages=hi(),
+                                                                 stream=True):
+                    pass
+            await aio.close()
+            store.down = False
+            assert failed.value.code == "StoreUnavailableError"
+            [info] = await store.runs()
+            assert failed.value.message == (
+                f"the stream of run {info.run_id} ended before the run did "
+                f"(StoreUnavailableError); its log has the rest: GET /runs/{info.run_id}/events")
+
+
 async def test_what_a_caller_stopped_by_an_outage_is_told_is_what_the_log_will_hold(tmp_path, monkeypatch):
     """A caller told "stopped" found run.completed in the log once the store was back (a retry
     played the turn twice); one refused at the start was told its end would be recorded, and

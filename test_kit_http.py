@@ -141,7 +141,8 @@ def test_sse_frame_byte_for_byte():
     assert sse_frame('"x"', id="") == b'id: \ndata: "x"\n\n'
     assert sse_frame('{"t":"\u00e9\u2028"}', event="e") == 'event: e\ndata: {"t":"\u00e9\u2028"}\n\n'.encode()
     # kit's own wires end a stream the server stops with this (the openai surface: its own)
-    assert kit_sse.shutdown_frame("r1") == b'event: server.shutdown\ndata: {"run_id":"r1"}\n\n'
+    assert kit_sse.ending_frame("r1") == b'event: server.shutdown\ndata: {"run_id":"r1"}\n\n'
+    assert kit_sse.ending_frame("r1", KeyError("secret")) == b'event: error\ndata: {"error":"KeyError"}\n\n'
     for bad in ("a\nb", "a\rb", "a\0b"):
         with pytest.raises(ValueError, match="CR, LF or NUL"):
             sse_frame("{}", event=bad)
