@@ -712,17 +712,58 @@ def use_api(api: str | None) -> None:
 _APP_PROCESSORS: list[Any] | None = None
 
 
+class _Routed(sdk.TracingProcessor):
+    """The SDK's one trace processor while a deck takes the spans of its runs: a trace tagged
+    ``kit.run_id`` (``run_config``) and its spans go to the deck's processors, every other one
+    (the application's own SDK runs and traces) to the ones the SDK had (``app``)."""
+
+    def __init__(self, kit: Sequence[Any], app: Sequence[Any]) -> None:
+        self._kit, self._app = tuple(kit), tuple(app)
+        self._traces: set[str] = set()  # the open traces of deck runs (set ops: one per call)
+
+    def _of(self, trace_id: str) -> tuple[Any, ...]:
+        return self._kit if trace_id in self._traces else self._app
+
+    def on_trace_start(self, trace: Any) -> None:
+        if (getattr(trace, "metadata", None) or {}).get("kit.run_id") is not None:
+            self._traces.add(trace.trace_id)
+        for processor in self._of(trace.trace_id):
+            processor.on_trace_start(trace)
+
+    def on_trace_end(self, trace: Any) -> None:
+        for processor in self._of(trace.trace_id):
+            processor.on_trace_end(trace)
+        self._traces.discard(trace.trace_id)
+
+    def on_span_start(self, span: Any) -> None:
+        for processor in self._of(span.trace_id):
+            processor.on_span_start(span)
+
+    def on_span_end(self, span: Any) -> None:
+        for processor in self._of(span.trace_id):
+            processor.on_span_end(span)
+
+    def shutdown(self) -> None:
+        for processor in (*self._kit, *self._app):
+            processor.shutdown()
+
+    def force_flush(self) -> None:
+        for processor in (*self._kit, *self._app):
+            processor.force_flush()
+
+
 def use_trace_processors(processors: Sequence[Any]) -> bool:
-    """Send the SDK's own spans to ``processors`` (a tracing observer's ``sdk_spans``) in place
-    of the SDK's current ones, or give those back (``[]``, at close): they were dropped for the
-    rest of the process. Returns whether any are set."""
+    """Send the SDK's spans of deck runs to ``processors`` (a tracing observer's ``sdk_spans``),
+    every other trace to the SDK's current processors (``_Routed``); or give those back (``[]``,
+    at close): they were dropped for the rest of the process, and got nothing while the deck
+    was open. Returns whether any are set."""
     global _APP_PROCESSORS
     if processors:
         if _APP_PROCESSORS is None:  # the SDK has no getter: its provider's list, if it has one
             from agents.tracing import get_trace_provider
             multi = getattr(get_trace_provider(), "_multi_processor", None)
             _APP_PROCESSORS = list(getattr(multi, "_processors", ()))
-        sdk.set_trace_processors(list(processors))
+        sdk.set_trace_processors([_Routed(processors, _APP_PROCESSORS)])
     else:
         sdk.set_trace_processors(_APP_PROCESSORS or [])
         _APP_PROCESSORS = None

@@ -150,9 +150,9 @@ class AppTraces(agents.TracingProcessor):
 
 
 async def test_sdk_spans_give_the_application_its_trace_processors_back_at_close(receiver):  # noqa: F811
-    """A deck with sdk_spans=True takes the SDK's (process-wide) trace processors for its own;
-    at close it left none: the SDK's default exporter and the application's own processors
-    were gone for the rest of the process."""
+    """A deck with sdk_spans=True takes the SDK's (process-wide) traces of its runs for its own;
+    at close it left no trace processor: the SDK's default exporter and the application's own
+    were gone for the rest of the process; while it was open, they got nothing."""
     from agents.tracing import get_trace_provider
     before = list(get_trace_provider()._multi_processor._processors)
     app = AppTraces()
@@ -160,10 +160,16 @@ async def test_sdk_spans_give_the_application_its_trace_processors_back_at_close
     try:
         observer = TracingObserver(sdk_spans=True, public_key=PK, secret_key=SK, host=receiver.host)
         async with Deck(catalog()[0], observers=[observer]) as deck:
-            await deck.run("a", "1+2?")
-        assert app.names == []  # the deck's runs went to the observer only
+            result = await deck.run("a", "1+2?")
+            with agents.trace("the application's own, while the deck is open"):
+                pass  # (it went to the deck's observer: lost to the application)
+        assert app.names == ["the application's own, while the deck is open"]  # not the deck's
         with agents.trace("the application's own"):
             pass
-        assert app.names == ["the application's own"]
+        assert app.names[1:] == ["the application's own"]
+        traces = receiver.traces()
+        traces.pop(TracingObserver.trace_id(result.run_id))
+        [raw] = traces.values()  # the deck's run's SDK trace only
+        assert {a.key for s in raw for a in s.attributes} >= {"kit.run_id"}
     finally:
         agents.set_trace_processors(before)
