@@ -21,7 +21,8 @@ conversation's history that way (the log still holds every turn). The Postgres s
 connections (``kit-session:<schema>`` in ``pg_stat_activity``) are pinged when taken, so a turn
 after the server dropped them (a restart, a failover) reconnects instead of failing. The Redis
 client's connections (``kit-session`` in ``CLIENT LIST``) are pinged before a command when they
-sat idle past ``REDIS_CHECK``, and reopened when the ping finds them dropped; a command itself
+sat idle past ``REDIS_CHECK``, and reopened when the ping finds them dropped, or at once when the
+server's close has reached them already (one dropped right after a turn); a command itself
 is never retried, so a write whose reply was lost is never made twice (``_pinged``). A server
 of either that stops answering without closing its connections fails the turn after
 ``REDIS_TIMEOUT`` / ``PG_TIMEOUT``, which frees its session.
@@ -163,7 +164,9 @@ def _pinged(connection_class: type) -> type:
     too: a command whose reply was lost after the server ran it (the ``RPUSH`` of a turn's
     items, in a failover) would run twice. So the connection holds a one-retry policy for its
     health check only: a failed ping is sent again on a new connection (its handshake unchecked,
-    so this never recurses), and raises if that fails too; commands stay unretried.
+    so this never recurses), and raises if that fails too; commands stay unretried. A connection
+    whose reader has met the server's close (redis-py's ``_reader`` at EOF) is reopened before any
+    command, pinged or not: within ``health_check_interval`` of its last use nothing else looks.
     """
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
@@ -171,6 +174,10 @@ def _pinged(connection_class: type) -> type:
 
     class Pinged(connection_class):  # type: ignore[misc, valid-type]
         async def check_health(self) -> None:
+            reader = self._reader
+            if reader is not None and reader.at_eof():  # the server closed it since its last use
+                await self.disconnect()  # (no command was sent on it yet: nothing runs twice)
+                await self.connect()
             # A pooled connection serves one command at a time, so the swap is its own.
             commands, self.retry = self.retry, ping_retry
             try:

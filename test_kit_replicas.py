@@ -416,25 +416,30 @@ async def test_redis_sessions_outlive_the_server_dropping_their_connections(
     tag = uuid.uuid4().hex[:8]
     name, conv = f"kit-session-{tag}", f"conv-{tag}"  # this test's connections and keys only
     monkeypatch.setenv("KIT_SESSION", f"{redis_url}?client_name={name}")
-    model = kit.ScriptedModel(["Hi Ana.", "You are Ana."])
+    model = kit.ScriptedModel(["Hi Ana.", "Noted.", "You are Ana."])
     r = redis.Redis.from_url(redis_url)
     try:
         async with kit.Deck([kit.Agent("talk", model=model)], store=store) as deck:
             with anyio.fail_after(30):
                 await deck.run("talk", "I am Ana", session_id=conv)
+                # Dropped right after a turn: within REDIS_CHECK of its last use no ping checks
+                # the connection, and the next turn failed (the server had closed it).
+                assert await anyio.to_thread.run_sync(kill_redis_clients, redis_url, name)
+                await anyio.sleep(0.05)
+                await deck.run("talk", "I like tea", session_id=conv)
                 assert await anyio.to_thread.run_sync(kill_redis_clients, redis_url, name)
                 # Idle past the check: a restart or a failover comes between turns, not in one.
                 await anyio.sleep(kit_sessions.REDIS_CHECK + 0.1)
                 answer = await deck.run("talk", "Who am I?", session_id=conv)
             assert answer.output == "You are Ana."
-            assert [run.status for run in await store.runs()] == [kit.RunStatus.COMPLETED] * 2
+            assert [run.status for run in await store.runs()] == [kit.RunStatus.COMPLETED] * 3
         stored = [json.loads(x) for x in r.lrange(f"kit:session:{conv}:messages", 0, -1)]
     finally:
         for key in r.scan_iter(f"kit:session:{conv}*"):
             r.delete(key)
         r.close()
     said = [(i.get("role"), json.dumps(i.get("content"))) for i in model.calls[-1]["input"]]
-    assert [role for role, _ in said] == ["user", "assistant", "user"]  # turn 1, then the input
+    assert [role for role, _ in said] == ["user", "assistant"] * 2 + ["user"]  # turns 1-2, the input
     assert "I am Ana" in said[0][1] and "Hi Ana." in said[1][1]
-    # Both turns are in the session, each once: nothing was written twice.
-    assert [i.get("role") for i in stored] == ["user", "assistant"] * 2
+    # Every turn is in the session, each once: nothing was written twice.
+    assert [i.get("role") for i in stored] == ["user", "assistant"] * 3
