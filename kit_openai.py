@@ -42,8 +42,10 @@ for a run that wrote none (its output came from a tool), its output as text. A s
 know which message will be the last while it plays, so it sends them all; the JSON answer folds
 the run's log by the same rule, so it says exactly what its stream would have.
 
-Sampling parameters (``temperature``, ``max_tokens``, ``tools``, ...) are not the client's to set:
-the agent's own model settings and tools apply. Usage comes from the run's ``run.completed``
+Sampling parameters (``temperature``, ``max_tokens``, ``tools``, ``response_format``, ...) are not
+the client's to set: the agent's own model settings, tools and output type apply. ``n`` may be 1
+only: an agent answers once a turn, and an answer with fewer choices than asked would break a
+client that reads them. Usage comes from the run's ``run.completed``
 (the run's authoritative total), in the body or in the final chunk, which also carries
 ``finish_reason``; ``data: [DONE]`` ends a stream (``DONE``). A run that fails partway ends its
 stream with one ``data: {"error": {...}}`` frame, which OpenAI clients raise as an ``APIError``;
@@ -111,6 +113,8 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
         raise ChatRequestError("'messages' must be a non-empty list of message objects")
     if not isinstance(stream, bool):
         raise ChatRequestError("'stream' must be true or false")
+    if (n := body.get("n")) is not None and (type(n) is not int or n != 1):
+        raise ChatRequestError(f"'n' must be 1: an agent answers once a turn, got {n!r}")
     *earlier, last = messages
     if last.get("role") != "user":
         raise ChatRequestError(f"messages[{len(earlier)}]: the last message must be the user's: "

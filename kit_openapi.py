@@ -86,7 +86,8 @@ _SCHEMAS: dict[str, Any] = {
     "Empty": _object(()),
     "OpenAIRequest": _object(["model", "messages"], False, model={"type": "string", "minLength": 1},
                              messages={"type": "array", "items": {"type": "object"}, "minItems": 1},
-                             stream={"type": ["boolean", "null"]}),
+                             stream={"type": ["boolean", "null"]},
+                             n={"enum": [1, None], "description": "an agent answers once a turn"}),
     "OpenAIError": _object(["error"], error=_object(
         ["message", "type", "param", "code"], message=_STR, param={"type": "null"},
         type={"enum": ["invalid_request_error", "server_error"]},

@@ -283,6 +283,20 @@ async def test_what_kit_cannot_carry_is_a_400_and_writes_nothing(messages, why):
         await aio.close()
 
 
+async def test_more_than_one_choice_is_a_400_and_writes_nothing():
+    """An agent answers once a turn: ``n`` above 1 was passed over, and the client that read
+    ``choices[1]`` failed on an answer with one."""
+    async with served(catalog(), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+                await aio.chat.completions.create(model="echo", messages=hi(), n=2, stream=stream)
+        assert await app.deck.store.runs() == []
+        done = await aio.chat.completions.create(model="echo", messages=hi(), n=1)
+        assert len(done.choices) == 1
+        await aio.close()
+
+
 CALLS = [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]
 ASKED, THANKS = {"role": "user", "content": "what is it?"}, {"role": "user", "content": "thanks"}
 
