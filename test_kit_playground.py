@@ -226,6 +226,24 @@ def test_a_run_is_paused_and_resumed(page, tmp_path):
     page.screenshot(path=tmp_path / "pause-resume.png", full_page=True)
 
 
+def test_a_resumed_run_is_followed_live_until_it_ends(page, tmp_path):
+    """``POST /runs/{id}/resume`` answers once the run ends or parks again; until then the
+    panel follows the run's events, so a long run shows it goes on, and can be paused or
+    cancelled (it stayed "paused", with nothing new, until the run ended)."""
+    chat(page, "sleepy", "nap until stopped")
+    expect(page.locator("#events li[data-kind='tool.started']").first).to_be_visible()
+    page.click("#pause")
+    expect(page.locator("#run-status")).to_have_text("paused")
+    page.click("#resume")
+    expect(page.locator("#run-status")).to_have_text("running")
+    expect(page.locator("#events li[data-kind='run.resumed'] ~ li[data-kind='tool.started']").first).to_be_visible()
+    expect(page.locator("#resume")).to_be_disabled()
+    page.click("#cancel")
+    expect(page.locator("#run-status")).to_have_text("cancelled")
+    expect(page.locator("#events li[data-kind='run.cancelled']")).to_have_count(1)
+    page.screenshot(path=tmp_path / "resume-live.png", full_page=True)
+
+
 def test_a_dropped_event_stream_is_picked_up_with_last_event_id(page, tmp_path):
     """The first ``GET /runs/{id}/events`` is cut after three frames, as a lost connection
     would; the page asks again with Last-Event-ID and shows every event once."""
