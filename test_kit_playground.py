@@ -226,6 +226,22 @@ def test_a_run_is_paused_and_resumed(page, tmp_path):
     page.screenshot(path=tmp_path / "pause-resume.png", full_page=True)
 
 
+def test_an_enter_that_ends_an_input_method_composition_sends_nothing(page):
+    """Typing Japanese, Chinese or Korean, Enter picks the input method's candidate: the keydown
+    is ``isComposing`` (Chromium, Firefox) or has keyCode 229 (Safari). It sent the half-typed
+    message."""
+    page.select_option("#agent", "chat")
+    page.fill("#message", "こんにちは")
+    for init in ({"isComposing": True}, {"keyCode": 229}):
+        page.locator("#message").dispatch_event("keydown", {"key": "Enter", **init})
+    page.wait_for_timeout(300)
+    assert page.locator("#transcript .msg").count() == 0
+    assert page.input_value("#message") == "こんにちは"
+    page.press("#message", "Enter")
+    expect(page.locator(".msg.user")).to_have_text("こんにちは")
+    expect(page.locator(".msg.assistant .note")).to_have_text("done")
+
+
 def test_a_resumed_run_is_followed_live_until_it_ends(page, tmp_path):
     """``POST /runs/{id}/resume`` answers once the run ends or parks again; until then the
     panel follows the run's events, so a long run shows it goes on, and can be paused or
