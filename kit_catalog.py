@@ -204,7 +204,9 @@ class Skills(Mapping):
     opens with YAML front matter between ``---`` lines: ``name`` (1-64 characters of lowercase
     letters, digits and single hyphens, not at either end, equal to the directory's name) and
     ``description`` (1-1024 characters: what the skill does and when to use it); the Markdown
-    after it is the body ``load_skill`` serves. Files are read here, once.
+    after it is the body ``load_skill`` serves. Every front-matter value is read as text, as
+    written (``version: 1.0`` is ``"1.0"``), as the spec's reference parser reads it. Files are
+    read here, once.
 
     Raises ``ConfigError`` naming the file for a missing or malformed front matter, a bad name
     or description, a file over ``MAX_SKILL_BYTES``, a ``SKILL.md`` that is not a readable
@@ -271,7 +273,11 @@ def bundle_files(root: Path, filename: str) -> list[Path]:
 
 
 def _read_skill(file: Path) -> Skill:
-    """Parse and validate one ``SKILL.md`` (safe YAML front matter, then the body)."""
+    """Parse and validate one ``SKILL.md`` (YAML front matter, then the body).
+
+    The front matter is read with PyYAML's ``BaseLoader``: no tags are constructed and every
+    scalar is a string, as written (``name: 2024-01-01``, ``description: Yes`` and a metadata
+    ``version: 1.0`` are text, not a date, a bool and a float)."""
     import yaml
     try:
         if not file.is_file():
@@ -288,8 +294,8 @@ def _read_skill(file: Path) -> Skill:
     if end is None:
         raise ConfigError(f"{file} must open with YAML front matter between '---' lines "
                           "(name and description)")
-    try:
-        meta = yaml.safe_load("".join(lines[1:end]))
+    try:  # every value as text, as the spec's reference parser (strictyaml) reads it
+        meta = yaml.load("".join(lines[1:end]), Loader=yaml.BaseLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: the front matter is not valid YAML: {exc}") from None
     except RecursionError:
@@ -314,7 +320,7 @@ def _read_skill(file: Path) -> Skill:
                                       or len(compatibility) > _SKILL_COMPATIBILITY_MAX):
         raise ConfigError(f"{file}: compatibility must be text of at most "
                           f"{_SKILL_COMPATIBILITY_MAX} characters")
-    metadata = meta.get("metadata")
+    metadata = meta.get("metadata") or None  # an empty ``metadata:`` is text too: none
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise ConfigError(f"{file}: metadata must map strings to strings")

@@ -87,7 +87,9 @@ def test_a_valid_catalog_from_a_directory_a_skill_or_a_sequence(skills_dir):
     ("a", "---\nname: a\ndescription: ''\n---\n", "description is required"),
     ("a", front("a", "d" * 1025), "1-1024 characters"),
     ("a", "---\nname: a\ndescription: d\ncompatibility: " + "c" * 501 + "\n---\n", "compatibility"),
-    ("a", "---\nname: a\ndescription: d\nmetadata: {n: 1}\n---\n", "metadata"),
+    ("a", "---\nname: a\ndescription: d\nmetadata: [n, 1]\n---\n", "metadata"),
+    ("a", "---\nname: a\ndescription: d\nmetadata: {n: {m: 1}}\n---\n", "metadata"),
+    ("a", "---\nname: a\ndescription: !!python/object/apply:os.getpid []\n---\n", "description is"),
     ("a", "---\nname: " + "[" * 50_000 + "]" * 50_000 + "\n---\n", "nested too deeply"),
 ])
 def test_a_bad_skill_md_is_a_config_error_naming_the_file(tmp_path, dirname, text, match):
@@ -95,6 +97,17 @@ def test_a_bad_skill_md_is_a_config_error_naming_the_file(tmp_path, dirname, tex
     with pytest.raises(ConfigError, match=match) as err:
         Skills(tmp_path)
     assert str(path / "SKILL.md") in str(err.value)
+
+
+def test_front_matter_values_are_text_as_written(tmp_path):
+    """YAML 1.1 would read these as a date, an int, a bool and a float, and refuse valid skills
+    (or a whole project): the spec's reference parser (strictyaml) reads every value as text."""
+    for dirname, description in (("2024-01-01", "Yes"), ("010", "12:30"), ("on", "null")):
+        skill(tmp_path / dirname, dirname, f"---\nname: {dirname}\ndescription: {description}\n"
+              "metadata:\n  version: 1.0\n  stable: true\n---\nBody.\n")
+        catalog = Skills(tmp_path / dirname)
+        assert list(catalog) == [dirname] and catalog[dirname].description == description
+    assert list(Skills(skill(tmp_path / "e", "e", "---\nname: e\ndescription: d\nmetadata:\n---\n")))
 
 
 def test_size_duplicates_and_missing_paths_are_refused(tmp_path):
