@@ -296,6 +296,11 @@ def _read_skill(file: Path) -> Skill:
                           "(name and description)")
     try:  # every value as text, as the spec's reference parser (strictyaml) reads it
         meta = yaml.load("".join(lines[1:end]), Loader=yaml.BaseLoader)
+    except yaml.MarkedYAMLError as exc:  # its mark counts from the front matter's first line
+        mark = exc.problem_mark or exc.context_mark
+        where = f", line {mark.line + 2} column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{file}{where}: the front matter is not valid YAML: "
+                          f"{exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: the front matter is not valid YAML: {exc}") from None
     except RecursionError:

@@ -76,6 +76,10 @@ def test_a_valid_catalog_from_a_directory_a_skill_or_a_sequence(skills_dir):
     ("a", "no front matter\n", "must open with YAML front matter"),
     ("a", "---\nname: a\ndescription: x\n", "must open with YAML front matter"),
     ("a", "---\nname: [a\n---\n", "not valid YAML"),
+    # One line, and the file's own line (the YAML error counted from the front matter's first)
+    ("a", "---\nname: a\ndescription: Use it: when asked\n---\n",
+     r"SKILL.md, line 3 column 20: the front matter is not valid YAML: mapping values are not "
+     r"allowed here$"),
     ("a", "---\n- a\n- b\n---\n", "must be a mapping"),
     ("a", front("b"), "must equal its directory's name 'a'"),
     ("Bad", front("Bad"), "lowercase letters"),
