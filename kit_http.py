@@ -670,8 +670,12 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     ``LifespanFailureError`` when the deck does not open (``app.open_error`` says why).
     """
     from hypercorn.config import Config
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it
+        host = host[1:-1]
+    named = f"[{host}]" if ":" in host else host  # the host as a URL (and a bind) writes it
+
     def bind(port: int) -> list[str]:
-        return [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+        return [f"{named}:{port}"]
 
     config = Config()
     config.bind = bind(port)
@@ -683,7 +687,7 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     try:  # Hypercorn binds only after the lifespan; a failed bind then leaves a half-open app
         probe = config.create_sockets()
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise OSError(exc.errno, f"cannot listen on {named}:{port}: {exc.strerror}") from None
     for sock in probe.secure_sockets + probe.insecure_sockets + probe.quic_sockets:
         if port == 0:  # the port the system chose: the one served, and the one told
             port = sock.getsockname()[1]
@@ -715,11 +719,10 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
         from hypercorn.asyncio import serve as hypercorn_serve
     surfaces = [s for s in SURFACES if s in app.surfaces]
     served = f", with {' and '.join(surfaces)}" if surfaces else ""
-    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    local = f"[{local}]" if ":" in local else local
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else named
     page = f"playground at http://{local}:{port}/" if app.playground else "no playground"
     _log.info("listening on http://%s:%s (%s worker%s); %s; %s. The API is unauthenticated: anyone "
-              "who can reach this address can start, read, answer and cancel runs.", host, port,
+              "who can reach this address can start, read, answer and cancel runs.", named, port,
               backend, served, page, app.guard.describe())
     await hypercorn_serve(app, config, shutdown_trigger=trigger)
 

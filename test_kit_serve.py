@@ -205,6 +205,33 @@ def test_kit_serve_on_port_0_says_the_port_it_serves(tmp_path):
         stop(proc)
 
 
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_kit_serve_on_an_ipv6_address_says_urls_that_reach_it(tmp_path, host):
+    """It said http://::1:<port> (no URL) for ::1, and bracketed [::1] twice in the playground's
+    URL."""
+    if not socket.has_ipv6:
+        pytest.skip("this Python has no IPv6")
+    root = project(tmp_path, sleepy=AGENT_BUNDLE)
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", HOST=host, PORT="0")
+    proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("kit-serve: listening on http://[::1]:"), line
+        port = int(line.split("http://[::1]:", 1)[1].split(" ", 1)[0])
+        assert f"playground at http://[::1]:{port}/;" in line
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                assert httpx.get(f"http://[::1]:{port}/health", timeout=1).status_code == 200
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+    finally:
+        stop(proc)
+
+
 def test_a_deck_that_does_not_open_is_one_masked_line_naming_why(tmp_path):
     """Hypercorn wraps the failure ('LifespanFailureError: Lifespan failure in startup. ...'),
     and libpq's message spans lines; kit-serve says the deck's own error, on one line."""
