@@ -145,10 +145,12 @@ class Guard:
         """The policy from ``KIT_ALLOWED_HOSTS`` and ``KIT_CORS_ORIGINS`` (comma-separated).
         Without ``KIT_ALLOWED_HOSTS``: ``LOOPBACK_HOSTS``, plus ``bind`` when it is one address
         (a wildcard such as 0.0.0.0 adds nothing: the operator lists the names it is reached by).
-        Raises ``ConfigError`` for a malformed entry."""
+        Raises ``ConfigError`` for a malformed entry, or a list of none (``,``)."""
         listed = env.get("KIT_ALLOWED_HOSTS", "").strip()
         if listed:
             hosts: list[str] = listed.split(",")
+            if not any(h.strip() for h in hosts):  # it would answer for no host at all
+                raise ConfigError(f"KIT_ALLOWED_HOSTS lists host names, got {listed!r}")
         else:
             hosts = list(LOOPBACK_HOSTS)
             if bind and bind.strip("[]") not in ("", "0.0.0.0", "::"):

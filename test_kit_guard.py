@@ -39,6 +39,7 @@ def test_origins_are_normalised_and_bad_settings_are_config_errors():
     assert guard.origins == {"http://localhost:3000", "https://app.example"}
     assert guard.allows_origin("https://app.example") and not guard.allows_origin("https://app.example:8443")
     for env in ({"KIT_ALLOWED_HOSTS": "http://kit.example"}, {"KIT_ALLOWED_HOSTS": "a b"},
+                {"KIT_ALLOWED_HOSTS": " , "},  # answered no Host: every request a 421
                 {"KIT_CORS_ORIGINS": "kit.example"}, {"KIT_CORS_ORIGINS": "http://x/path"},
                 {"KIT_CORS_ORIGINS": "ftp://x"}, {"KIT_CORS_ORIGINS": "null"}):
         with pytest.raises(ConfigError, match=next(iter(env))):
