@@ -242,6 +242,24 @@ def test_an_enter_that_ends_an_input_method_composition_sends_nothing(page):
     expect(page.locator(".msg.assistant .note")).to_have_text("done")
 
 
+def test_a_reply_that_cannot_be_picked_up_says_so(page, tmp_path):
+    """The chat stream drops mid-reply and the run's log cannot be had (a server restarted
+    with KIT_STORE=memory answers 404): the reply says it is lost, where it kept saying it
+    was "picking the run up…"."""
+    def cut(route) -> None:
+        response = route.fetch()
+        route.fulfill(response=response, body=response.text().split("\n\n")[0] + "\n\n")
+
+    page.route("**/agents/*/chat?stream=true", cut)
+    page.route("**/runs/*/events", lambda route: route.fulfill(
+        status=404, json={"error": "UnknownRunError", "message": "no run"}))
+    chat(page, "chat", "what time is it?")
+    note = page.locator(".msg.assistant .note")
+    expect(note).to_have_text(re.compile(r"^stream lost after seq \d+: the run could not be picked up$"))
+    expect(page.locator("#notice")).to_contain_text("404 UnknownRunError")
+    expect(page.locator("#send")).to_be_enabled()
+
+
 def test_a_resumed_run_is_followed_live_until_it_ends(page, tmp_path):
     """``POST /runs/{id}/resume`` answers once the run ends or parks again; until then the
     panel follows the run's events, so a long run shows it goes on, and can be paused or
