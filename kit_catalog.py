@@ -313,9 +313,9 @@ def _read_skill(file: Path) -> Skill:
         raise ConfigError(f"{file}: name must be 1-{_SKILL_NAME_MAX} characters of lowercase "
                           "letters, digits and single hyphens, not starting or ending with one; "
                           f"got {name!r}")
-    if name != file.parent.name:
-        raise ConfigError(f"{file}: name {name!r} must equal its directory's name "
-                          f"{file.parent.name!r}")
+    dirname = Path(os.path.abspath(file)).parent.name  # Skills(".") inside the skill: not ''
+    if name != dirname:
+        raise ConfigError(f"{file}: name {name!r} must equal its directory's name {dirname!r}")
     if not isinstance(description, str) or not description.strip() \
             or len(description) > _SKILL_DESCRIPTION_MAX:
         raise ConfigError(f"{file}: description is required: 1-{_SKILL_DESCRIPTION_MAX} characters "

@@ -114,6 +114,12 @@ def test_front_matter_values_are_text_as_written(tmp_path):
     assert list(Skills(skill(tmp_path / "e", "e", "---\nname: e\ndescription: d\nmetadata:\n---\n")))
 
 
+def test_a_skill_read_from_inside_its_directory_has_its_directory_name(tmp_path, monkeypatch):
+    """``Skills(".")`` in the skill's own directory: its name was compared with ''."""
+    monkeypatch.chdir(skill(tmp_path, "triage", front("triage")))
+    assert list(Skills(".")) == ["triage"] and list(Skills(Path("../triage/."))) == ["triage"]
+
+
 def test_size_duplicates_and_missing_paths_are_refused(tmp_path):
     big = skill(tmp_path / "one", "big", front("big") + "x" * kit.MAX_SKILL_BYTES)
     with pytest.raises(ConfigError, match="larger than") as err:
