@@ -18,7 +18,7 @@ carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
 (``jsonable``, ``check_name``, ``check_id``, ``check_text``, ``check_limit``,
-``count_setting``, ``printable``, ``RunHandle``, ...) are kit's internal
+``count_setting``, ``switch_setting``, ``printable``, ``RunHandle``, ...) are kit's internal
 API between its modules.
 """
 from __future__ import annotations
@@ -601,6 +601,20 @@ def count_setting(name: str, raw: str | None) -> int | None:
     if not text.isdecimal() or int(text) < 1:  # isdigit takes '²', which int() refuses
         raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
     return int(text)
+
+
+def switch_setting(name: str, raw: str | None, default: bool) -> bool:
+    """The on/off a setting ``name`` holds as text ``raw`` (``1``/``true``/``yes``/``on`` or
+    ``0``/``false``/``no``/``off``, any case); ``default`` when it is unset or blank. Raises
+    ``ConfigError`` naming it otherwise (an unknown word turned a switch off without a word)."""
+    text = "" if raw is None else raw.strip().lower()
+    if not text:
+        return default
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be 1, true, yes or on, or 0, false, no or off, got {raw!r}")
 
 
 def aware(now: datetime | None) -> datetime:

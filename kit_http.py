@@ -64,7 +64,7 @@ from kit_core import (
     CheckpointMissingError, ConfigError, ContentError, DeckStateError, Event, InterruptResult,
     LogConflictError, RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError,
     StoreUnavailableError, UnknownNameError, UnknownRunError, block_from_json, control_refusal,
-    new_run_id, printable,
+    new_run_id, printable, switch_setting,
 )
 from kit_guard import Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_openapi import document
@@ -95,7 +95,6 @@ _access_log = logging.getLogger("kit_http.access")
 _hypercorn_log = logging.getLogger("kit_http.hypercorn")
 
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
-_OFF = ("0", "false", "no", "off")  # a switch setting that turns its feature off
 _SEQ = re.compile(r"(-1|[0-9]{1,18})?")  # Last-Event-ID / ?after= (empty or -1: from the start)
 
 
@@ -199,7 +198,7 @@ class App:
         self.open_error: Exception | None = None
         self.guard = Guard.from_env(os.environ) if guard is None else guard
         if playground is None:
-            playground = os.environ.get("KIT_PLAYGROUND", "1").strip().lower() not in _OFF
+            playground = switch_setting("KIT_PLAYGROUND", os.environ.get("KIT_PLAYGROUND"), True)
         self._page = load_playground() if playground else None
         self.playground = self._page is not None  # GET / is served
         mounted = {None: True, "native": native, "playground": self.playground,

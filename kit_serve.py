@@ -27,7 +27,7 @@ from typing import Any
 
 import anyio
 
-from kit_core import Event, KitError, RunFailed, printable
+from kit_core import ConfigError, Event, KitError, RunFailed, printable, switch_setting
 from kit_guard import Guard
 from kit_http import SURFACES, App, serve
 from kit_observers import resolve_observers
@@ -170,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                         "/v1/chat/completions, GET /v1/models) and mcp (/mcp) (KIT_SURFACES)")
     parser.add_argument("--no-playground", dest="playground", action="store_const", const=False,
                         help="do not serve the playground page at / (KIT_PLAYGROUND=0)")
-    parser.add_argument("--access-log", action="store_true",
-                        default=env.get("KIT_ACCESS_LOG", "").lower() in ("1", "true", "yes"),
+    try:
+        access_log = switch_setting("KIT_ACCESS_LOG", env.get("KIT_ACCESS_LOG"), False)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    parser.add_argument("--access-log", action="store_true", default=access_log,
                         help="one line per request (KIT_ACCESS_LOG=1)")
     args = parser.parse_args(argv)
     if args.worker not in ("asyncio", "trio"):

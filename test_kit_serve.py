@@ -135,7 +135,7 @@ def test_a_second_signal_ends_the_grace_and_the_process_exits(tmp_path, worker):
         proc.stderr.close()
 
 
-@pytest.mark.parametrize("worker, how", [("asyncio", "--access-log"), ("trio", "KIT_ACCESS_LOG=1")])
+@pytest.mark.parametrize("worker, how", [("asyncio", "--access-log"), ("trio", "KIT_ACCESS_LOG=on")])
 def test_kit_serve_logs_a_line_per_failed_run_without_secrets_and_per_request(tmp_path, worker, how):
     token = "-".join(("tok", "9f8e7d6c5b4a"))  # not in the source: a log may quote source lines
     args, env = ((how,), {}) if how.startswith("--") else ((), dict([how.split("=")]))
@@ -345,6 +345,24 @@ def test_kit_serve_refuses_a_port_that_is_no_port(port, capsys):
         kit_serve.main(["--port", port])
     assert exited.value.code == 2
     assert f"the port must be a number from 0 to 65535, got {port!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, on", [("on", True), ("YES", True), ("1", True), ("off", False),
+                                       ("0", False), ("", False), ("loud", None)])
+def test_kit_serve_reads_the_access_log_switch_as_every_switch(value, on, monkeypatch, capsys):
+    """KIT_ACCESS_LOG=on was off without a word (1, true and yes only); an unknown value is
+    named now. The switches read alike: KIT_PLAYGROUND=off turns the page off."""
+    import kit_serve
+    from kit_core import switch_setting
+    monkeypatch.setenv("KIT_ACCESS_LOG", value)
+    if on is None:
+        with pytest.raises(SystemExit) as exited:
+            kit_serve.main(["--port", "http"])
+        assert exited.value.code == 2
+        assert "KIT_ACCESS_LOG must be 1, true, yes or on, or 0, false, no or off, got 'loud'" \
+            in capsys.readouterr().err
+    else:
+        assert switch_setting("KIT_ACCESS_LOG", value, False) is on
 
 
 def test_kit_serve_names_the_extra_a_worker_needs():
