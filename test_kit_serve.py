@@ -183,48 +183,28 @@ def test_kit_serve_on_a_taken_port_exits_1_with_one_line(tmp_path):
     assert not (root / ".state").exists()
 
 
-def test_kit_serve_on_port_0_says_the_port_it_serves(tmp_path):
+@pytest.mark.parametrize("host, url_host", [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]"),
+                                            ("[::1]", "[::1]")])
+def test_kit_serve_on_port_0_says_the_port_it_serves(tmp_path, host, url_host):
+    """On IPv6 it said http://::1:<port> (no URL) for ::1, and bracketed [::1] twice in the
+    playground's URL."""
+    if ":" in host and not socket.has_ipv6:
+        pytest.skip("this Python has no IPv6")
     env = dict(os.environ, KIT_PROJECT=str(project(tmp_path, sleepy=AGENT_BUNDLE)),
-               KIT_STORE="memory", HOST="127.0.0.1", PORT="0")
+               KIT_STORE="memory", HOST=host, PORT="0")
     proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
                             stderr=subprocess.PIPE, text=True)
+    base = f"http://{url_host}:"
     try:
         line = proc.stderr.readline()  # the first line kit-serve writes
-        assert line.startswith("kit-serve: listening on http://127.0.0.1:"), line
-        port = int(line.split("http://127.0.0.1:", 1)[1].split(" ", 1)[0])
-        assert port != 0 and f"playground at http://127.0.0.1:{port}/" in line
+        assert line.startswith(f"kit-serve: listening on {base}"), line
+        port = int(line.split(base, 1)[1].split(" ", 1)[0])
+        assert port != 0 and f"playground at {base}{port}/;" in line
         deadline = time.monotonic() + 30
         while True:  # the deck opens after the line: the port answers once it has
             assert proc.poll() is None and time.monotonic() < deadline
             try:
-                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
-    finally:
-        stop(proc)
-
-
-@pytest.mark.parametrize("host", ["::1", "[::1]"])
-def test_kit_serve_on_an_ipv6_address_says_urls_that_reach_it(tmp_path, host):
-    """It said http://::1:<port> (no URL) for ::1, and bracketed [::1] twice in the playground's
-    URL."""
-    if not socket.has_ipv6:
-        pytest.skip("this Python has no IPv6")
-    root = project(tmp_path, sleepy=AGENT_BUNDLE)
-    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", HOST=host, PORT="0")
-    proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stderr.readline()
-        assert line.startswith("kit-serve: listening on http://[::1]:"), line
-        port = int(line.split("http://[::1]:", 1)[1].split(" ", 1)[0])
-        assert f"playground at http://[::1]:{port}/;" in line
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                assert httpx.get(f"http://[::1]:{port}/health", timeout=1).status_code == 200
+                assert httpx.get(f"{base}{port}/health", timeout=1).status_code == 200
                 break
             except httpx.TransportError:
                 time.sleep(0.1)
