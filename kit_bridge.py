@@ -113,7 +113,10 @@ class Bridge:
         try:
             await done.wait()
         except BaseException:
-            self.loop.call_soon_threadsafe(lambda: task[0].cancel())
+            # The cancel is queued behind the task's first step: a task cancelled before it
+            # starts never runs its coroutine, so ``fn`` would record nothing (a run no end)
+            # and ``done`` would wait out CANCEL_TIMEOUT.
+            self.loop.call_soon_threadsafe(lambda: self.loop.call_soon(task[0].cancel))
             with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_TIMEOUT):
                 await done.wait()  # the engine side records how the run ended before we go on
             raise

@@ -913,6 +913,22 @@ async def test_a_cancelled_caller_cancels_its_run(store):
         assert (await store.read("r-cancel"))[-1].payload == kit.RunCancelled("the caller was cancelled")
 
 
+async def test_a_caller_cancelled_before_its_run_reaches_the_engine_ends_it_at_once(store):
+    """Under trio, a run whose caller was cancelled before its engine task started (a task
+    group cancelled right after ``start_soon``) had its asyncio task cancelled unstarted: the
+    engine recorded no end (the run stayed RUNNING until its lease lapsed) and the caller
+    waited out the bridge's CANCEL_TIMEOUT (10 s)."""
+    async with Deck([Agent("a", model=ScriptedModel(["x"], cycle=True))], store=store) as deck:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(deck.run, "a", "go")
+                tg.cancel_scope.cancel()
+            [info] = await store.runs()
+            assert (await store.read(info.run_id))[-1].payload == kit.RunCancelled(
+                "the caller was cancelled")
+            assert (await deck.run("a", "next")).output == "x"
+
+
 async def test_a_reused_run_id_is_refused(store):
     async with Deck([Agent("a", model=ScriptedModel(["x", "y"]))], store=store) as deck:
         await deck.run("a", "go", run_id="same")
