@@ -134,7 +134,11 @@ class RunControl:
         run.seq = events[-1].seq
         try:
             with self._fence(run.run_id, events[0].seq):
-                await self._write(run, events, self._claim(run))
+                try:
+                    await self._write(run, events, self._claim(run))
+                except anyio.get_cancelled_exc_class():
+                    await self._end_unplayed(run, run.seq)  # or it would be left resumed
+                    raise
                 self._hold(run, run.seq)
         except BaseException:
             self._unstream(run)

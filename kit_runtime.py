@@ -55,7 +55,8 @@ from kit_bridge import Bridge
 from kit_control import BACKOFF_MAX, RunControl
 from kit_core import (
     Claim, ConfigError, DeckStateError, Event, InterruptResult, InvocableSpec, LogConflictError,
-    NewRunId, RunCompleted, RunHandle, RunInterrupted, RunPaused, RunSleeping, RunStarted,
+    NewRunId, RunCancelled, RunCompleted, RunHandle, RunInterrupted, RunPaused, RunSleeping,
+    RunStarted,
     RunStatus, RunStoppedError, StoreUnavailableError, TurnResult, as_blocks, as_history, check_id,
     check_name, count_setting, new_run_id,
 )
@@ -682,7 +683,12 @@ class Runtime(RunControl):
                 await self.writer.room()
                 if fenced:
                     with self._fence(run.run_id, started.seq):
-                        await self._write(run, [started], self._claim(run))
+                        try:
+                            await self._write(run, [started], self._claim(run))
+                        except anyio.get_cancelled_exc_class():
+                            if not waiting.cancel_called:  # its caller's (an outage: below)
+                                await self._end_unplayed(run, started.seq)
+                            raise
                         self._hold(run, started.seq)
                     return
             if waiting.cancelled_caught:
@@ -692,6 +698,29 @@ class Runtime(RunControl):
                 self._put(run, Event(run.run_id, 1, run.failure(error), run.origin))  # its start
                 raise error  # will be written: so is its end
         self._put(run, started, self._claim(run))
+
+    async def _end_unplayed(self, run: Run, seq: int) -> None:
+        """Kit side: the caller of ``run`` was cancelled while the first events of its play
+        (its start, a take-over, up to ``seq``) waited for the writer, which commits them
+        after all: unless the store refused them, ``run.cancelled`` follows them, durable
+        before the caller goes on (as ``_play`` does), or the run would hold its session until
+        its lease lapsed, then be recorded abandoned. A workflow's thread goes, as after any
+        cancelled play."""
+        deadline = anyio.current_time() + CLOSE_TIMEOUT
+        with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(deadline=deadline):
+                await self.writer.flush()
+            if self.writer.failed.pop(run.run_id, None) is not None:
+                return  # refused: nothing of it is in the log
+            run.seq, run.ended = seq + 1, True  # (a store still down: it commits after them)
+            self._put(run, Event(run.run_id, seq + 1, RunCancelled("the caller was cancelled"),
+                                 run.origin))
+            with anyio.CancelScope(deadline=deadline):
+                await self.writer.flush()
+                self.writer.failed.pop(run.run_id, None)
+                if run.spec.kind == "workflow":
+                    await self._on_engine(run.spec.engine.forget, self.graphs[run.spec.name],
+                                          run.thread_key)
 
     async def _play(self, run: Run, job: Callable[[], Any]) -> Event:
         try:

@@ -801,6 +801,52 @@ async def test_a_cancelled_callers_run_is_durably_cancelled_when_run_returns(tmp
                 assert log[-1].kind == "run.cancelled" and info.status is RunStatus.CANCELLED
 
 
+@pytest.mark.parametrize("play", ["start", "resume"])
+async def test_a_caller_cancelled_while_its_first_write_waits_for_the_store_ends_its_run(tmp_path, play):
+    """A run's start with a session (or a paused run's take-over) is committed before it
+    plays; its caller, cancelled while that write waited behind a slow commit, left it to the
+    writer, which committed it after all: the run had no end, and held its session until its
+    lease lapsed (then recorded abandoned)."""
+    gate = Gate()
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck([multi_turn_agent(gate), Agent("b", model=ScriptedModel(["ok"], cycle=True))],
+                        store=store) as deck:
+            run_id = "r1"
+            if play == "resume":
+                async with anyio.create_task_group() as tg:
+                    await start_in_background(tg, deck, [], "worker", "go", session_id="s", run_id=run_id)
+                    await gate.until_entered()
+                    await deck.pause(run_id)
+                    gate.release.set()
+            release = anyio.Event()
+
+            async def slow_store(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+                async with store.stall():
+                    task_status.started()
+                    await release.wait()
+
+            async def release_soon() -> None:
+                await anyio.sleep(0.5)
+                release.set()
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    await tg.start(slow_store)
+                    tg.start_soon(functools.partial(deck.run, "b", "x"))  # its commit stalls
+                    await store.stalled.wait()
+                    tg.start_soon(release_soon)
+                    with anyio.move_on_after(0.2) as impatient:  # waits behind it, gives up
+                        if play == "start":
+                            await deck.run("worker", "go", session_id="s", run_id=run_id)
+                        else:
+                            await deck.resume(run_id)
+                    assert impatient.cancelled_caught
+                log = await store.read(run_id)
+                assert log[-1].payload == kit.RunCancelled("the caller was cancelled"), kinds(log)
+                assert seqs(log) == list(range(len(log)))
+                assert await store.session_holder("s") is None
+                assert (await deck.run("b", "next", session_id="s")).output == "ok"
+
+
 async def test_pause_and_cancel_act_from_the_moment_a_run_id_exists(tmp_path):
     async with SQLiteStore(tmp_path / "kit.db") as store:
         async with Deck([Agent("a", model=ScriptedModel(["never said"]))], store=store) as deck:
