@@ -63,7 +63,7 @@ class RunControl:
     """The Runtime's run control and parked runs: a mixin of ``kit_runtime.Runtime``, whose
     state it reads (``specs``, ``store``, ``writer``, ``active``, ``graphs``, ``sessions``) and
     whose write path it writes through (``_new_run``, ``_begin``, ``_write``, ``_fence``,
-    ``_hold``, ``_play``, ``_finish``, ``_streamed``, ``_on_engine``)."""
+    ``_hold``, ``_end_unplayed``, ``_play``, ``_finish``, ``_streamed``, ``_on_engine``)."""
 
     def _init_control(self) -> None:
         self._seen_request = 0  # the newest control request this deck has acted on
@@ -79,7 +79,7 @@ class RunControl:
         process's poll; a parked run is cancelled here."""
         check_id("run_id", run_id)
         check_text("reason", reason)
-        run = self.active.get(run_id)
+        run = self._playing(run_id)
         if run is not None:
             run.request(action, reason, source)
             await self.writer.flush()  # its start may wait in the buffer: the store must know it
@@ -88,8 +88,15 @@ class RunControl:
         if run is None:
             await self._act(ControlRequest(request_id, run_id, action, reason, source))
 
+    def _playing(self, run_id: str) -> Run | None:
+        """The run played here under ``run_id``, or being started or taken over here (its first
+        events committing): a request reaches it at its first safe point. Without the latter, a
+        cancel meeting a resume's take-over found the run neither playing nor parked, and was
+        dropped."""
+        return self.active.get(run_id) or self._fenced.get(run_id)
+
     async def _act(self, req: ControlRequest) -> None:
-        run = self.active.get(req.run_id)
+        run = self._playing(req.run_id)
         if run is not None:
             if req.action != "resume":
                 run.request(req.action, req.reason, req.source)
@@ -133,7 +140,7 @@ class RunControl:
         fenced by seq (``LogConflictError`` when another caller got there first)."""
         run.seq = events[-1].seq
         try:
-            with self._fence(run.run_id, events[0].seq):
+            with self._fence(run.run_id, events[0].seq, run):
                 try:
                     await self._write(run, events, self._claim(run))
                 except anyio.get_cancelled_exc_class():

@@ -264,7 +264,9 @@ class Runtime(RunControl):
         self.bridge: Bridge | None = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.active: dict[str, Run] = {}
-        self._fenced: set[str] = set()  # run ids a fenced write is in flight for (``_fence``)
+        # Run ids a fenced write is in flight for (``_fence``) -> the run it starts or takes
+        # over (None for a parked run's cancel): a request meanwhile is that run's.
+        self._fenced: dict[str, Run | None] = {}
         self._closing = False
         self._streams: dict[str, Run] = {}  # streamed runs: their commits wake their readers
         self._tg: Any = None
@@ -612,7 +614,7 @@ class Runtime(RunControl):
         return Claim(run.run_id, self.owner, self.lease, run.session_id, run.namespace)
 
     @contextlib.contextmanager
-    def _fence(self, run_id: str, seq: int) -> Iterator[None]:
+    def _fence(self, run_id: str, seq: int, run: Run | None = None) -> Iterator[None]:
         """Around a fenced write (a caller's run id, a take-over, a parked run's cancel): one
         per run id at a time in this deck, and none for a run played here. A second caller
         racing for the id is refused (``LogConflictError``) before it writes anything, as the
@@ -620,11 +622,11 @@ class Runtime(RunControl):
         both writes, and the first caller would play on without its first event."""
         if run_id in self._fenced or run_id in self.active:
             raise LogConflictError(run_id, seq)
-        self._fenced.add(run_id)
+        self._fenced[run_id] = run
         try:
             yield
         finally:
-            self._fenced.discard(run_id)
+            del self._fenced[run_id]
 
     # --------------------------------------------------------------------------- turns --
     async def _begin(self, spec: InvocableSpec, input: Any, context: Any, session_id: str | None,
@@ -682,7 +684,7 @@ class Runtime(RunControl):
             with anyio.move_on_after(self.down_limit) as waiting:
                 await self.writer.room()
                 if fenced:
-                    with self._fence(run.run_id, started.seq):
+                    with self._fence(run.run_id, started.seq, run):
                         try:
                             await self._write(run, [started], self._claim(run))
                         except anyio.get_cancelled_exc_class():

@@ -674,24 +674,43 @@ async def test_two_runs_given_one_run_id_at_once_one_plays_and_the_log_has_its_s
             assert await deck.status("same") is RunStatus.COMPLETED
 
 
-async def test_a_cancel_that_loses_to_an_answer_leaves_the_answered_thread_alone(tmp_path):
+async def test_a_cancel_that_meets_an_answer_leaves_the_thread_to_the_answered_run(tmp_path):
     """The cancel of a parked run met the answer taking it over: its write was refused, and it
-    went on to forget the workflow's thread, whose run was playing on from it."""
+    went on to forget the workflow's thread, whose run was playing on from it. (It then
+    dropped the cancel too: the answered run is the one to hear it, at its first safe point.)"""
     async with FaultyStore(tmp_path / "kit.db") as store:
         async with Deck(workflows=[durable_approval()], store=store) as deck:
             x = await deck.run("approval", {"log": []}, session_id="x")
+            release, answered = anyio.Event(), []
+
+            async def slow_store(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+                async with store.stall():
+                    task_status.started()
+                    await release.wait()
+
+            async def answer() -> None:
+                answered.append(await deck.answer(x.run_id, "yes"))
+
+            async def release_soon() -> None:
+                await anyio.sleep(0.3)
+                release.set()
             with anyio.fail_after(20):
                 async with anyio.create_task_group() as tg:
-                    async with store.stall():  # the answer's take-over is in flight
-                        tg.start_soon(deck.answer, x.run_id, "yes")
-                        await store.stalled.wait()
-                        await deck.cancel(x.run_id, reason="changed my mind")
-            assert await deck.status(x.run_id) is RunStatus.COMPLETED
+                    await tg.start(slow_store)
+                    tg.start_soon(functools.partial(_raises, kit.RunStoppedError, answer))
+                    await store.stalled.wait()  # the answer's take-over is in flight
+                    tg.start_soon(release_soon)
+                    await deck.cancel(x.run_id, reason="changed my mind")
             log = await store.read(x.run_id)
-            assert "run.cancelled" not in [e.kind for e in log]
-            assert log[-1].payload.output["answer"] == "yes"
+            assert kinds(log)[-3:] == ["run.resumed", "control.requested", "run.cancelled"]
+            assert log[-1].payload.reason == "changed my mind" and seqs(log) == list(range(len(log)))
             again = await deck.run("approval", {"log": []}, session_id="x")  # the thread goes on
             assert isinstance(again, kit.InterruptResult) and again.payload == {"question": "approve?"}
+
+
+async def _raises(error: type[BaseException], fn) -> None:
+    with pytest.raises(error):
+        await fn()
 
 
 async def test_a_stream_made_while_open_and_read_after_close_writes_nothing(tmp_path):
@@ -845,6 +864,45 @@ async def test_a_caller_cancelled_while_its_first_write_waits_for_the_store_ends
                 assert seqs(log) == list(range(len(log)))
                 assert await store.session_holder("s") is None
                 assert (await deck.run("b", "next", session_id="s")).output == "ok"
+
+
+async def test_a_cancel_that_meets_a_resumes_take_over_cancels_the_resumed_run(tmp_path):
+    """A cancel asked while a paused run's resume was being committed found the run neither
+    playing (not taken over yet) nor parked (the resume held its seq): it was dropped, and
+    the run played on to its end."""
+    gate = Gate()
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck([multi_turn_agent(gate)], store=store) as deck:
+            async with anyio.create_task_group() as tg:
+                await start_in_background(tg, deck, [], "worker", "go", session_id="s", run_id="r1")
+                await gate.until_entered()
+                await deck.pause("r1")
+                gate.release.set()
+            release, resumed = anyio.Event(), []
+
+            async def slow_store(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+                async with store.stall():
+                    task_status.started()
+                    await release.wait()
+
+            async def release_soon() -> None:
+                await anyio.sleep(0.3)
+                release.set()
+
+            async def resume() -> None:
+                resumed.extend(await deck.resume("r1"))
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    await tg.start(slow_store)
+                    tg.start_soon(resume)
+                    await store.stalled.wait()  # the resume is being committed
+                    tg.start_soon(release_soon)
+                    await deck.cancel("r1", reason="stop it")
+            assert resumed[-1].payload == kit.RunCancelled("stop it"), kinds(resumed)
+            assert "model.completed" not in kinds(resumed)
+            log = await store.read("r1")
+            assert seqs(log) == list(range(len(log)))
+            assert await deck.status("r1") is RunStatus.CANCELLED
 
 
 async def test_pause_and_cancel_act_from_the_moment_a_run_id_exists(tmp_path):
