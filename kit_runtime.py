@@ -56,9 +56,8 @@ from kit_control import BACKOFF_MAX, RunControl
 from kit_core import (
     Claim, ConfigError, DeckStateError, Event, InterruptResult, InvocableSpec, LogConflictError,
     NewRunId, RunCancelled, RunCompleted, RunHandle, RunInterrupted, RunPaused, RunSleeping,
-    RunStarted,
-    RunStatus, RunStoppedError, StoreUnavailableError, TurnResult, as_blocks, as_history, check_id,
-    check_name, count_setting, new_run_id,
+    RunStarted, RunStatus, RunStoppedError, StoreUnavailableError, TurnResult, as_blocks,
+    as_history, check_id, check_name, count_setting, new_run_id,
 )
 from kit_pg import store_from_url
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
