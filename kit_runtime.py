@@ -731,8 +731,11 @@ class Runtime(RunControl):
                 raise run.abort_error
             raise DeckStateError("CLOSED", "finish the run")  # the deck's close cancelled it
         except anyio.get_cancelled_exc_class():
-            # The caller was cancelled: the run's run.cancelled is durable before it goes on.
+            # The caller was cancelled: the run's run.cancelled is durable before it goes on,
+            # and its child runs' (the SDK does not wait for a cancelled tool to end).
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+                for child in [r for r in self.active.values() if r.parent == run.run_id]:
+                    await self._on_engine(child.done.wait)  # made on the engine side
                 await self._drain_mail()
                 await self.writer.flush()
             raise

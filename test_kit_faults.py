@@ -752,6 +752,24 @@ async def test_closing_the_deck_records_the_end_of_a_child_run_in_flight(tmp_pat
         assert await store.session_holder("s") is None
 
 
+async def test_a_cancelled_caller_goes_on_once_its_child_runs_end_is_in_the_log(tmp_path):
+    """The SDK does not wait for a cancelled tool: the caller of an agent whose child workflow
+    run was playing went on while the child's log still ended at run.started (RUNNING, its
+    run.cancelled some milliseconds later)."""
+    gate = Gate()
+    agent = Agent("a", workflows=["slow"], model=ScriptedModel([{"tool": "slow", "args": {}}, "done"]))
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], [slow_flow(gate)], store=store) as deck:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(functools.partial(deck.run, "a", "go", session_id="s"))
+                    await gate.until_entered()
+                    tg.cancel_scope.cancel()
+            runs = {r.name: r.status for r in await store.runs()}  # read before anything else
+            gate.release.set()
+            assert runs == {"a": RunStatus.CANCELLED, "slow": RunStatus.CANCELLED}
+
+
 class Trickle(ScriptedModel):
     """A ScriptedModel that streams its reply slowly, as a real model's long answer comes."""
 
