@@ -310,11 +310,11 @@ class Sessions:
             return
         try:
             from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+            from psycopg.conninfo import conninfo_to_dict
             from sqlalchemy.ext.asyncio import create_async_engine
-        except ImportError:
+        except ImportError:  # SQLAlchemy installed on its own does not make the extra
             raise ConfigError("KIT_SESSION=postgresql://... needs the postgres extra: "
                               "pip install 'kit[postgres]'") from None
-        from psycopg.conninfo import conninfo_to_dict
         conninfo, schema = self._postgres
         # The URL's own ``options`` (``-c synchronous_commit=off``, say) with the schema's path:
         # connect_args would otherwise replace them.

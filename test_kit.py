@@ -1047,12 +1047,19 @@ async def test_bad_settings_are_config_errors(monkeypatch):
         assert (await deck.run("a", "hi", session_id="s")).output == "x"
 
 
-async def test_a_missing_extra_is_named(monkeypatch):
+@pytest.mark.parametrize("url, modules, extra", [
+    ("redis://127.0.0.1:6379/15", ["redis"], "redis"),
+    # SQLAlchemy without psycopg (installed for something else): a ModuleNotFoundError once
+    ("postgresql://127.0.0.1/test?schema=kit_missing_extra", ["psycopg", "psycopg.conninfo"],
+     "postgres")])
+async def test_a_missing_extra_is_named(monkeypatch, url, modules, extra):
     monkeypatch.setenv("KIT_STORE", "memory")
-    monkeypatch.setenv("KIT_SESSION", "redis://127.0.0.1:6379/15")
-    monkeypatch.setitem(sys.modules, "redis", None)  # as if the redis extra were not installed
-    with pytest.raises(ConfigError, match=r"KIT_SESSION=redis://\.\.\. needs the redis extra: "
-                                          r"pip install 'kit\[redis\]'"):
+    monkeypatch.setenv("KIT_SESSION", url)
+    for module in modules:  # as if the extra were not installed
+        monkeypatch.setitem(sys.modules, module, None)
+    scheme = url.split(":")[0]
+    with pytest.raises(ConfigError, match=rf"KIT_SESSION={scheme}://\.\.\. needs the {extra} "
+                                          rf"extra: pip install 'kit\[{extra}\]'"):
         async with Deck([Agent("a")]):
             pass
 
