@@ -779,13 +779,16 @@ def store_from_url(url: str, *, sqlite_sync: str | None = None,
     ``NORMAL``, the default, or ``FULL``) is SQLite's ``synchronous``; ``read_only`` opens a
     SQLite or Postgres log that exists to read it only (see their classes; a memory store is
     always writable). Raises ``ConfigError`` naming the URL (its password masked) for anything
-    else or a ``postgresql://`` URL that ``pg_url`` refuses, or naming a bad ``sqlite_sync``.
+    else or a ``postgresql://`` URL that ``pg_url`` refuses, or naming ``KIT_SQLITE_SYNC`` for a
+    ``sqlite_sync`` that is neither.
     """
     if url == "memory":
         return MemoryStore()
     if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
-        return SQLiteStore(url[len("sqlite:///"):], synchronous=(sqlite_sync or "NORMAL").upper(),
-                           read_only=read_only)
+        synchronous = (sqlite_sync or "NORMAL").upper()
+        if synchronous not in ("NORMAL", "FULL"):  # the setting's name, as it was written
+            raise ConfigError(f"KIT_SQLITE_SYNC must be NORMAL or FULL, got {sqlite_sync!r}")
+        return SQLiteStore(url[len("sqlite:///"):], synchronous=synchronous, read_only=read_only)
     if url.startswith(("postgresql://", "postgres://")):
         try:
             return PostgresStore(url, read_only=read_only)

@@ -1021,7 +1021,7 @@ async def test_settings_store_is_built_and_closed_by_the_deck(tmp_path, monkeypa
                    "4:run.completed"]
 
 
-async def test_bad_settings_are_config_errors(monkeypatch):
+async def test_bad_settings_are_config_errors(monkeypatch, tmp_path):
     monkeypatch.setenv("KIT_STORE", "mysql://x")
     with pytest.raises(ConfigError, match="mysql"):
         async with Deck():
@@ -1042,6 +1042,13 @@ async def test_bad_settings_are_config_errors(monkeypatch):
             async with Deck([Agent("a", model=ScriptedModel(["x"]))]):
                 pass
         monkeypatch.delenv(name)
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{tmp_path / 'kit.db'}")  # read for a SQLite log
+    monkeypatch.setenv("KIT_SQLITE_SYNC", "sometimes")
+    with pytest.raises(ConfigError, match=r"KIT_SQLITE_SYNC must be NORMAL or FULL, got 'sometimes'"):
+        async with Deck([Agent("a", model=ScriptedModel(["x"]))]):
+            pass
+    monkeypatch.setenv("KIT_STORE", "memory")
+    monkeypatch.delenv("KIT_SQLITE_SYNC")
     monkeypatch.setenv("KIT_SESSION_MAX", " ")  # exported but empty: unset, like KIT_HISTORY_LIMIT
     async with Deck([Agent("a", model=ScriptedModel(["x"]))]) as deck:
         assert (await deck.run("a", "hi", session_id="s")).output == "x"
