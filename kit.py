@@ -57,6 +57,8 @@ def __getattr__(name: str) -> Any:
         from kit_scripted import ScriptedModel
         globals()["ScriptedModel"] = ScriptedModel
         return ScriptedModel
+    if name == "core":  # after `import kit.core` (an alias, _alias_core), as for a package
+        return kit_core
     raise AttributeError(f"module 'kit' has no attribute {name!r}")
 
 

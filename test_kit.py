@@ -5,6 +5,7 @@ import base64
 import dataclasses
 import enum
 import functools
+import importlib
 import inspect
 import json
 import uuid
@@ -69,6 +70,8 @@ def test_core_import_paths():
     from kit.core.ports import EventSinkPort, EventStorePort
     assert T is TextBlock and D is DataBlock
     assert EventSinkPort is kit.EventSinkPort and EventStorePort is kit.EventStorePort
+    importlib.import_module("kit.core")  # `import kit.core`, then named through kit, as a
+    assert kit.core.TextBlock is TextBlock  # package's module is (it was an AttributeError)
 
 
 def test_error_hierarchy_and_facts():
