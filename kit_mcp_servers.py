@@ -41,7 +41,7 @@ import anyio.lowlevel
 import httpx
 from agents.mcp import MCPServerSse, MCPServerStdio, MCPServerStreamableHttp
 from mcp.shared.exceptions import McpError
-from mcp.types import CONNECTION_CLOSED
+from mcp.types import CONNECTION_CLOSED, INTERNAL_ERROR, ErrorData
 
 from kit_core import MCPServerError
 
@@ -99,10 +99,12 @@ class _HeldServer:
 
     async def call_tool(self, tool_name: str, arguments: Any, meta: Any = None) -> Any:
         """The SDK's tool call, never replayed: on a death the restart is asked for and the call
-        fails with ``MCPServerError`` (its text goes to the model)."""
+        fails with ``MCPServerError`` (its text goes to the model). A result the server marks
+        ``isError`` (the tool failed) is raised as an ``McpError`` quoting its text, so the
+        call's ``tool.completed`` says ``is_error`` as for any refusal."""
         gen, process = await self._usable()
         try:
-            return await super().call_tool(tool_name, arguments, meta)  # type: ignore[misc]
+            result = await super().call_tool(tool_name, arguments, meta)  # type: ignore[misc]
         except Exception as exc:
             what = await self._death(exc, process, listing=False)
             if what is None:
@@ -110,6 +112,12 @@ class _HeldServer:
             mending = self._ask_restart(gen, what)
             raise MCPServerError(self.name, what, f"the call to {tool_name} did not finish"
                                  + ("; kit is restarting the server" if mending else "")) from exc
+        if getattr(result, "isError", False):  # the tool failed: MCP says so in its result,
+            # which the SDK would hand the model as a success; raised, it is a refusal like any
+            raise McpError(ErrorData(code=INTERNAL_ERROR, message=" ".join(
+                c.text for c in result.content if getattr(c, "type", None) == "text")
+                or f"the tool {tool_name} failed"))
+        return result
 
     async def _usable(self) -> tuple[int, Any]:
         if self._restart is not None:  # bounded by the restart itself (module docstring)

@@ -54,6 +54,12 @@ def shout(text: str) -> str:
 
 
 @mcp.tool()
+def refuse(text: str) -> str:
+    """Fail (the server answers with an isError result)."""
+    raise ValueError(f"refused: {text}")
+
+
+@mcp.tool()
 async def slow(seconds: float) -> str:
     """Take a while."""
     import anyio
@@ -377,6 +383,23 @@ async def test_a_call_that_outlasts_the_server_timeout_is_an_error_to_the_model(
     [done] = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
     assert done.is_error and "Timed out" in json.dumps(done.output)
     assert "Timed out" in json.dumps(list(model.calls[-1]["input"]))
+
+
+async def test_a_tool_that_fails_is_an_error_in_the_log_and_its_text_reaches_the_model(tmp_path,
+                                                                                       store):
+    """MCP reports a tool's failure in its result (``isError``), which the SDK hands the model
+    as if it were an answer: kit logs the call as an error, as for any refusal."""
+    async with fastmcp(tmp_path, "streamable-http") as url:
+        model = ScriptedModel([{"tool": "mcp_local__refuse", "args": {"text": "no way"}},
+                               {"tool": "mcp_local__shout", "args": {"text": "hi"}}, "ok"])
+        agent = Agent("a", model=model, mcp_servers=["local"])
+        with anyio.fail_after(60):
+            async with Deck([agent], mcp={"local": {"url": url, "timeout": 20}}, store=store) as deck:
+                result = await deck.run("a", "go")
+    refused, shouted = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+    assert refused.is_error and "refused: no way" in json.dumps(refused.output)
+    assert not shouted.is_error and "HI!" in json.dumps(shouted.output)
+    assert "refused: no way" in json.dumps(list(model.calls[1]["input"]))
 
 
 # ---------------------------------------------------------------- a server that dies or hangs ----
