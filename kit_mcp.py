@@ -26,7 +26,9 @@ structured (``structuredContent``) and also given as text:
 - a workflow's end: ``{"output", "thread_id", "run_id"}``;
 - a workflow waiting for a human: ``{"type": "interrupt", "payload", "thread_id", "run_id"}``; the
   ``answer`` tool (``{run_id, value}``) resumes it through ``deck.stream_answer``, played like any
-  call (a node's progress, the same end handling), and returns the next of these shapes;
+  call (a node's progress, the same end handling), and returns the next of these shapes; a
+  sleeping run has the same shape with the payload ``{"kind": "sleep", "until"}`` (as
+  ``deck.run`` returns it), and its text says a tick wakes it, not ``answer``;
 - a refusal (busy session, bad input) or a failed run, a resumed one too: ``isError`` with
   ``{"error": <type>, "message"}`` (a failed run's message names its run, whose log has the
   details).
@@ -236,9 +238,12 @@ class MCPSurface:
         thread_id = session_id or run_id
         if isinstance(p, RunInterrupted):
             return _workflow_result(InterruptResult(p.payload, p.thread_id or thread_id), run_id, thread_id)
-        if isinstance(p, RunSleeping):
+        if isinstance(p, RunSleeping):  # the shape of an interrupt, but no human wakes it
             sleep = {"kind": "sleep", "until": p.until}
-            return _workflow_result(InterruptResult(sleep, p.thread_id or thread_id), run_id, thread_id)
+            return _result({"type": "interrupt", "payload": sleep,
+                            "thread_id": p.thread_id or thread_id, "run_id": run_id},
+                           f"run {run_id} sleeps until {p.until}: a tick (deck.tick()) wakes it "
+                           f"then; `{ANSWER}` cannot")
         return _workflow_result(p.output, run_id, thread_id)  # type: ignore[union-attr]
 
     async def _answer(self, run_id: str, value: Any) -> types.CallToolResult:

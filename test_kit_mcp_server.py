@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 import anyio
@@ -12,6 +13,7 @@ import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
+import kit
 import kit_mcp
 from kit_sse import STOP_GRACE
 from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Skills, Workflow
@@ -120,6 +122,24 @@ async def test_an_interrupt_names_its_run_and_payload_and_answer_resumes_it():
                                                                        "thread_id": "t2"}))
         await client.post("/workflows/approve/t2/resume", json={"value": "yes"})
         assert await kinds(app.deck, found["run_id"]) == await kinds(app.deck, v1.headers["x-kit-run-id"])
+
+
+async def nap(state: dict) -> dict:
+    kit.sleep_until(datetime(2999, 1, 1, tzinfo=timezone.utc))
+    return {"log": ["woke"]}
+
+
+async def test_a_sleeping_run_is_not_offered_to_answer():
+    """A sleep has an interrupt's shape (as ``deck.run`` returns it), but no answer wakes it:
+    the text says a tick does, never to call ``answer`` (which refuses it)."""
+    async with mcp_served(Deck([echo()], [Workflow("nap", graph(plan, nap))])) as (session, _, _):
+        parked = await session.call_tool("nap", {"input": {"log": []}})
+        found = parked.structuredContent
+        assert not parked.isError and found["type"] == "interrupt"
+        assert found["payload"] == {"kind": "sleep", "until": "2999-01-01T00:00:00+00:00"}
+        assert "tick" in parked.content[0].text and "call `answer`" not in parked.content[0].text
+        refused = await session.call_tool("answer", {"run_id": found["run_id"], "value": 1})
+        assert refused.isError and refused.structuredContent["error"] == "RunNotWaitingError"
 
 
 async def test_refusals_and_failures_are_error_results():
