@@ -15,8 +15,9 @@ MCP servers are connected when the deck opens, each by its own engine-side task
 (``ServerHolder._keep``): the MCP client's cancel scopes must be left, in order, by the task
 that entered them. The SDK lists an agent's MCP tools before every model call and never
 reconnects, so kit's server classes (``_HeldServer``) watch each request for a *death*: a closed
-connection (a stdio server's exit code is named) or a ``list_tools`` that outlasts the server's
-timeout (it hangs). The first run to meet a death asks for one restart (cleanup, which kills a
+connection (a stdio server's exit code is named), a streamable-HTTP server's 404 for the
+session (it restarted and forgot it), or a ``list_tools`` that outlasts the server's timeout (it
+hangs). The first run to meet a death asks for one restart (cleanup, which kills a
 hung process, then connect, in the server's task); runs that meet the same death wait for that
 restart (a connection generation tells deaths apart). A tool call cut short is never replayed
 (it may have had effects): the model is told, as for any tool error. A listing is replayed once
@@ -60,6 +61,9 @@ GROUP_GRACE = 1.0
 EXIT_WAIT = 1.0
 
 _log = logging.getLogger("kit.agents")  # its restarts: the logger kit-serve prints
+#: What the mcp package's streamable-HTTP client says when the server answers 404 for the
+#: session (the MCP spec: the client must then start a new one).
+_SESSION_GONE = "Session terminated"
 
 
 class _HeldServer:
@@ -139,6 +143,10 @@ class _HeldServer:
             return _gone(process)
         if listing and isinstance(exc, McpError) and exc.error.code == httpx.codes.REQUEST_TIMEOUT:
             return f"did not answer list_tools in {self.client_session_timeout_seconds:g} s"
+        if isinstance(exc, McpError) and exc.error.message == _SESSION_GONE:
+            # An HTTP 404 for the session (the mcp client's words): the server restarted, or
+            # dropped it; every later request would get the same, so it is mended by a new one.
+            return "forgot the session (HTTP 404: it restarted?)"
         return None
 
     def _ask_restart(self, gen: int, what: str) -> bool:

@@ -166,11 +166,11 @@ def children() -> set[int]:
 
 
 @asynccontextmanager
-async def fastmcp(tmp_path: Path, transport: str):
-    """A FastMCP server in a subprocess on a loopback port; yields its URL."""
+async def fastmcp(tmp_path: Path, transport: str, port: int | None = None):
+    """A FastMCP server in a subprocess on a loopback port (``port``, or a free one); yields its URL."""
     script = tmp_path / "server.py"
     script.write_text(textwrap.dedent(SERVER))
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, str(script), str(port), transport],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -428,6 +428,33 @@ async def test_a_server_that_dies_in_a_call_is_named_and_restarted_so_the_turn_g
     assert [r.getMessage() for r in caplog.records if r.name == "kit.agents"] == [
         "MCP server 'p' is gone (exit code 7); kit restarted it"]
     assert not alive(old) and await gone(new)
+
+
+async def test_an_http_server_that_restarted_and_forgot_the_session_is_reconnected(tmp_path, store,
+                                                                                   caplog):
+    """A streamable-HTTP server restarted under the deck answers 404 for kit's session: kit
+    opens a new one, so the turn goes on (every later turn failed with 'Session terminated')."""
+    model = ScriptedModel([{"tool": "mcp_local__shout", "args": {"text": "hi"}}, "done"], cycle=True)
+    agent = Agent("a", model=model, mcp_servers=["local"])
+    port = free_port()
+    with anyio.fail_after(60):
+        server = fastmcp(tmp_path, "streamable-http", port)
+        url = await server.__aenter__()
+        try:
+            async with Deck([agent], mcp={"local": {"url": url, "timeout": 20}}, store=store) as deck:
+                await deck.run("a", "before")
+                await server.__aexit__(None, None, None)
+                server = fastmcp(tmp_path, "streamable-http", port)  # the same URL, a new process
+                await server.__aenter__()
+                after = await deck.run("a", "after")
+                again = await deck.run("a", "and again")
+        finally:
+            await server.__aexit__(None, None, None)
+    for result in (after, again):
+        [shouted] = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert result.output == "done" and not shouted.is_error and "HI!" in json.dumps(shouted.output)
+    assert "MCP server 'local' forgot the session (HTTP 404: it restarted?); kit restarted it" \
+        in caplog.text
 
 
 async def test_runs_that_meet_a_dead_server_at_once_share_one_restart(tmp_path, store, caplog):
