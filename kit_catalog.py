@@ -339,6 +339,8 @@ _MCP_KINDS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
               "streamableHttp": "http", "sse": "sse"}
 _VAR = re.compile(r"\$\{([^}]*)\}")
 _VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")  # an HTTP token (RFC 9110)
+_NOT_IN_HEADER = re.compile("[\r\n\x00]")
 
 
 class MCP:
@@ -355,7 +357,9 @@ class MCP:
 
     Nothing starts here or at ``build()``: opening the deck connects every server, closing it
     tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config, an
-    unknown ``type``, a variable that is unset and has no default, or ``${input:...}``.
+    unknown ``type``, a variable that is unset and has no default, ``${input:...}``, or a header
+    no request can carry (a name that is not an HTTP token; a value with a line break or NUL
+    once expanded, which is never quoted).
     """
 
     def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
@@ -460,7 +464,14 @@ def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"{where}: an {out['type']} server needs an http(s) 'url', "
                               f"got {written!r}")
-        out.update(url=url, headers=strings("headers", dict) or {})
+        headers = strings("headers", dict) or {}
+        for key, value in headers.items():  # else the open fails as "closed the connection"
+            if not _HEADER_NAME.match(key):
+                raise ConfigError(f"{where}: {key!r} is not an HTTP header name")
+            if _NOT_IN_HEADER.search(value):  # the value is not quoted: it may be a secret
+                raise ConfigError(f"{where}: header {key!r} holds a line break or NUL once "
+                                  "expanded (a secret read with its trailing newline?)")
+        out.update(url=url, headers=headers)
     return out
 
 

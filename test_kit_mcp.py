@@ -255,6 +255,19 @@ def test_an_mcp_error_quotes_the_config_as_written_not_the_secret_it_expands_to(
         assert "SUPERSECRET" not in str(err.value)
 
 
+def test_a_header_a_request_cannot_carry_is_a_config_error_that_never_quotes_its_value(monkeypatch):
+    """A token read from a file keeps its trailing newline: refused here, naming the header (the
+    open failed as 'it closed the connection while connecting'), never quoting the secret."""
+    monkeypatch.setenv("KIT_T_KEY", "sk-live-SUPERSECRET\n")
+    with pytest.raises(ConfigError, match="header 'Authorization' holds a line break") as err:
+        MCP({"t": {"url": "http://h/mcp", "headers": {"Authorization": "Bearer ${KIT_T_KEY}"}}})
+    assert "SUPERSECRET" not in str(err.value)
+    with pytest.raises(ConfigError, match="'X Key' is not an HTTP header name"):
+        MCP({"t": {"url": "http://h/mcp", "headers": {"X Key": "v"}}})
+    assert MCP({"t": {"url": "http://h/mcp", "headers": {"X-Key": "v\tw"}}}).servers["t"]["headers"] == {
+        "X-Key": "v\tw"}
+
+
 def test_unreadable_files_and_unknown_names(tmp_path):
     bad = tmp_path / ".mcp.json"
     bad.write_text("{nope")
