@@ -17,7 +17,7 @@ import json
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import agents as _sdk
@@ -45,6 +45,35 @@ def _tokens(text: str) -> list[str]:
     return re.findall(r"\s*\S+|\s+$", text) or ([text] if text else [])
 
 
+def _check_turn(i: int, turn: Any) -> None:
+    """Refuse a script entry the model could not answer, naming it (SPEC: ConfigError at build)."""
+    if isinstance(turn, (str, BaseException)):
+        return
+    if isinstance(turn, Mapping) and "json" in turn:
+        try:
+            json.dumps(turn["json"])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"ScriptedModel: turn {i}: 'json' is not JSON ({e})") from None
+        return
+    calls = turn if isinstance(turn, (list, tuple)) else [turn]
+    if not calls:
+        raise ConfigError(f"ScriptedModel: turn {i} is an empty list of tool calls")
+    for c in calls:
+        if not (isinstance(c, Mapping) and isinstance(c.get("tool"), str)):
+            raise ConfigError(
+                f"ScriptedModel: turn {i} must be a str, {{'tool': name, 'args': {{...}}}} (or a "
+                f"list of them), {{'json': obj}} or an exception instance, got {c!r:.80}")
+        args = c.get("args", {})
+        if not isinstance(args, Mapping):
+            raise ConfigError(f"ScriptedModel: turn {i}: 'args' of tool call {c['tool']!r} must be "
+                              f"a dict, got {type(args).__name__}")
+        try:
+            json.dumps(args)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"ScriptedModel: turn {i}: 'args' of tool call {c['tool']!r} "
+                              f"are not JSON ({e})") from None
+
+
 class ScriptedModel(_sdk.Model):
     """A deterministic, offline ``agents.Model`` for tests, benchmarks and demos.
 
@@ -55,11 +84,19 @@ class ScriptedModel(_sdk.Model):
     are the tokens of the instructions and input it was sent, output tokens those it produced.
     ``name`` is the model name reported (and priced). ``calls`` keeps the last 64 requests.
 
-    Raises ``ConfigError`` when the script is exhausted.
+    Raises ``ConfigError`` for a malformed script (checked here, not at the call that reaches
+    the bad entry) and when the script is exhausted.
     """
 
     def __init__(self, script: Sequence[Any], *, name: str = DEFAULT_NAME, cycle: bool = False) -> None:
+        if isinstance(script, (str, bytes)) or not isinstance(script, Iterable):
+            # a str would be taken for a script of one-character replies
+            raise ConfigError(f"ScriptedModel: script takes a list of turns, got {script!r:.60}")
         self.script, self.model, self.cycle = list(script), name, cycle
+        for i, turn in enumerate(self.script):
+            _check_turn(i, turn)
+        if cycle and not self.script:
+            raise ConfigError("ScriptedModel: cycle=True needs a script of at least one turn")
         self._next = 0
         self._ids = itertools.count(1)
         self.calls: deque[dict[str, Any]] = deque(maxlen=64)

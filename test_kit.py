@@ -340,6 +340,23 @@ async def test_a_failed_run_is_in_the_log_and_reaches_the_caller(store):
         assert seen == ["run.started", "run.failed"]
 
 
+@pytest.mark.parametrize("script, kw, match", [
+    ("hello", {}, "script takes a list of turns, got 'hello'"),  # not five one-letter replies
+    (None, {}, "script takes a list of turns"),
+    ([42], {}, "turn 0 must be a str"),
+    (["ok", {"text": "hi"}], {}, "turn 1 must be a str"),
+    ([RuntimeError], {}, "turn 0 must be a str"),  # an exception class, not an instance
+    ([[]], {}, "turn 0 is an empty list of tool calls"),
+    ([{"tool": "add", "args": "a=1"}], {}, "'args' of tool call 'add' must be a dict"),
+    ([{"tool": "add", "args": {"a": {1}}}], {}, "'args' of tool call 'add' are not JSON"),
+    ([{"json": {"ids": {1, 2}}}], {}, "turn 0: 'json' is not JSON"),
+    ([], {"cycle": True}, "cycle=True needs a script of at least one turn"),
+])
+def test_a_malformed_script_is_refused_when_the_model_is_made(script, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        ScriptedModel(script, **kw)
+
+
 class FlakyStream(ScriptedModel):
     """A model whose first stream drops after its second word (a connection cut mid-reply)."""
     failed = False
