@@ -128,7 +128,8 @@ class Workflow:
     private in-memory checkpointer kept by this object. A run given no ``thread_id`` plays on a
     thread of its own, which is deleted when it ends (kept while it waits for ``resume``); a
     ``thread_id`` of yours keeps its state between runs, as LangGraph's own. Raises
-    ``ConfigError`` for a bad name or a graph that is not an uncompiled ``StateGraph``.
+    ``ConfigError`` for a bad name, a graph that is not an uncompiled ``StateGraph`` or a
+    ``durable`` that is not a bool.
     """
     durable: bool = False
 
@@ -140,7 +141,10 @@ class Workflow:
                               f"got {type(graph).__name__}")
         self.graph = graph
         if durable is not None:
-            self.durable = bool(durable)
+            if not isinstance(durable, bool):  # bool("false") is True: a setting's text is no flag
+                raise ConfigError(f"workflow {name!r}: durable must be True, False or None, "
+                                  f"got {durable!r}")
+            self.durable = durable
         self._headless: Any = None
         self._own_threads: set[str] = set()  # headless threads this object made, parked
 

@@ -113,6 +113,9 @@ def test_workflow_and_catalog_errors():
 
     assert Durable("w", graph(plan)).durable and not Workflow("w", graph(plan)).durable
     assert Workflow("w", graph(plan), durable=True).durable
+    for bad in ("false", 0, 1):  # bool("false") would make it durable
+        with pytest.raises(ConfigError, match=rf"workflow 'w': durable must be True, False or None, got {bad!r}"):
+            Workflow("w", graph(plan), durable=bad)
     deck = Deck([Agent("same")], [Workflow("same", graph(plan))])
     with pytest.raises(ConfigError, match="agent and workflow"):
         deck.build()
