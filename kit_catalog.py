@@ -64,7 +64,8 @@ class Agent:
     sent. It is the SDK's own ``SessionSettings(limit=...)``, applied per run.
 
     Raises ``ConfigError`` for a malformed name, a non-callable tool, a bad model, a string
-    where a list of names goes, or a ``history_limit`` that is not a positive int.
+    where a list of names goes, ``hooks`` that is a class or has none of the hook methods, or a
+    ``history_limit`` that is not a positive int.
     """
 
     def __init__(self, name: str, instructions: str | Callable[..., Any] | None = None,
@@ -87,6 +88,14 @@ class Agent:
         for t in tools:
             if not callable(t) and not _is_sdk_tool(t):
                 raise ConfigError(f"agent {name!r}: tool {t!r} is neither a function nor an SDK tool")
+        if hooks is not None:
+            from kit_context import HOOK_METHODS  # the check's own list (`import kit` skips it)
+            if isinstance(hooks, type) or not any(callable(getattr(hooks, m, None))
+                                                  for m in HOOK_METHODS):
+                # a class would have its methods called unbound; an object with none does nothing
+                what = f"the class {hooks.__name__}" if isinstance(hooks, type) else type(hooks).__name__
+                raise ConfigError(f"agent {name!r}: hooks must be an object with any of "
+                                  f"{', '.join(HOOK_METHODS)}, got {what}")
         if model is not None and not isinstance(model, str) and not _is_sdk_model(model):
             raise ConfigError(f"agent {name!r}: model must be a model name or an agents.Model, "
                               f"got {type(model).__name__}")

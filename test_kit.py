@@ -471,6 +471,10 @@ async def test_context_reaches_instructions_hooks_and_tools_by_reference(store):
         await deck.run("a", "who?", context=deps)
     assert [k for k, _ in got] == ["hook", "instructions", "tool", "instructions"]
     assert all(d is deps for _, d in got)
+    for bad, what in ((Hooks, "the class Hooks"), ("audit", "str"), (object(), "object")):
+        # a class's methods would be called unbound mid-run; an object with no hook does nothing
+        with pytest.raises(ConfigError, match=f"agent 'a': hooks must be an object with any of on_start, .*, got {what}"):
+            Agent("a", hooks=bad)
     assert model.calls[0]["instructions"] == "Help ana."
     [schema_tools] = [c["tools"] for c in list(model.calls)[:1]]
     assert schema_tools == ["whoami"]
