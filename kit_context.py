@@ -15,6 +15,7 @@ an annotation that does not evaluate) is deferred to invocation, never refused.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import typing
@@ -46,8 +47,8 @@ def context_params(fn: Any) -> dict[str, Any]:
     found = {n: p.annotation for n, p in sig.parameters.items() if is_context(p.annotation)}
     if not found:
         return {}
-    try:
-        hints = typing.get_type_hints(fn)
+    try:  # a partial's hints are its function's (`from __future__ import annotations` included)
+        hints = typing.get_type_hints(fn.func if isinstance(fn, functools.partial) else fn)
     except Exception:  # an annotation naming something not importable here
         hints = {}
     out = {}
@@ -104,12 +105,12 @@ def check_context(specs: Sequence[InvocableSpec], provided: Any) -> None:
     for spec in specs:
         if spec.kind == "agent":
             agent = spec.source
-            sites = [(f"tool {getattr(t, '__name__', t)!s} of agent {agent.name!r}", t)
+            sites = [(f"tool {site_name(t, '__name__')} of agent {agent.name!r}", t)
                      for t in agent.tools if callable(t)]  # SDK tool objects: deferred
             if callable(agent.instructions):
                 fn = agent.instructions
-                name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-                sites.append((f"instructions callable {name} of agent {agent.name!r}", fn))
+                sites.append((f"instructions callable {site_name(fn, '__qualname__')} of agent "
+                              f"{agent.name!r}", fn))
             for method in HOOK_METHODS:
                 fn = getattr(agent.hooks, method, None) if agent.hooks is not None else None
                 if fn is not None:
@@ -121,6 +122,13 @@ def check_context(specs: Sequence[InvocableSpec], provided: Any) -> None:
             for required in context_params(fn).values():
                 if context_fits(required, provided) is False:
                     raise ContextTypeError(site, required, provided)
+
+
+def site_name(fn: Any, attr: str) -> str:
+    """A callable's name for a message: a partial's is its function's (never its bound arguments,
+    which may be secrets), an object's its class's."""
+    fn = fn.func if isinstance(fn, functools.partial) else fn
+    return getattr(fn, attr, None) or type(fn).__qualname__
 
 
 def is_context(annotation: Any) -> bool:

@@ -3,6 +3,7 @@ the declared type (one case per row of SPEC 4.2), never written anywhere (asynci
 from __future__ import annotations
 
 import collections.abc
+import functools
 import operator
 import sqlite3
 from datetime import datetime, timezone
@@ -138,6 +139,27 @@ def test_every_kind_of_site_is_named():
             deck.build()
         assert "requires a context of type Deps" in str(err.value)
         assert "provides Other" in str(err.value)
+        anyio.run(deck.aclose)
+
+
+def test_a_partial_is_checked_as_its_function_and_named_without_its_bound_arguments():
+    # this module's annotations are strings (`from __future__ import annotations`): a partial's
+    # are read from its function, as its tool schema reads them
+    def fetch(ctx: Context[Deps], token: str, url: str) -> str:
+        """Fetch a URL."""
+        return url
+
+    async def instructions(ctx: Context[Deps], agent) -> str:
+        return "hi"
+
+    for agent, site in ((Agent("a", tools=[functools.partial(fetch, token="sk-SECRET")]),
+                         "tool fetch of agent 'a'"),
+                        (Agent("a", functools.partial(instructions)),
+                         "instructions callable .*instructions of agent 'a'")):
+        deck = Deck([agent], context=Other)
+        with pytest.raises(ContextTypeError, match=site) as err:
+            deck.build()
+        assert "sk-SECRET" not in str(err.value) and "functools" not in str(err.value)
         anyio.run(deck.aclose)
 
 
