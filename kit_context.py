@@ -69,13 +69,13 @@ def context_fits(required: Any, provided: Any) -> bool | None:
     parameterised ABC such as ``Mapping[str, Any]`` is checked as the ABC, parameters ignored; a
     runtime-checkable protocol with only methods is checked structurally; a required union fits
     when an arm does, a provided one (``Deps | None``) when each of its arms fits (its exact
-    type always does); a TypeVar, another protocol, or an annotation kit cannot read is
-    deferred.
+    type always does); a TypeVar, another protocol, an annotation kit cannot read, or a
+    declared ``Any`` is deferred.
     """
     if required is Any or required == provided:
         return True
-    if required is _UNREADABLE or isinstance(required, typing.TypeVar):
-        return None
+    if required is _UNREADABLE or isinstance(required, typing.TypeVar) or provided is Any:
+        return None  # a declared Any says nothing kit could rule on (it is a class since 3.11)
     if typing.get_origin(provided) in (typing.Union, types.UnionType):  # each arm must fit
         verdicts = [context_fits(required, arm) for arm in typing.get_args(provided)]
         return False if False in verdicts else True if all(verdicts) else None

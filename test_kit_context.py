@@ -84,6 +84,7 @@ ROWS = [
     ("protocol the runtime refuses to rule on", Context[Unchecked], Other, "deferred"),
     ("protocol with a data member", Context[WithData], Other, "deferred"),
     ("a TypeVar", Context[T], Other, "deferred"),
+    ("a declared Any", Context[Deps], Any, "deferred"),
     ("an annotation kit cannot read", "Context[NotDefinedAnywhere]", Other, "deferred"),
 ]
 
