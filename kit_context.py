@@ -47,8 +47,11 @@ def context_params(fn: Any) -> dict[str, Any]:
     found = {n: p.annotation for n, p in sig.parameters.items() if is_context(p.annotation)}
     if not found:
         return {}
-    try:  # a partial's hints are its function's (`from __future__ import annotations` included)
-        hints = typing.get_type_hints(fn.func if isinstance(fn, functools.partial) else fn)
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if not (inspect.isroutine(target) or isinstance(target, type)):
+        target = type(target).__call__  # a callable object: its class's __call__ holds the hints
+    try:  # read through to the function (`from __future__ import annotations` included)
+        hints = typing.get_type_hints(target)
     except Exception:  # an annotation naming something not importable here
         hints = {}
     out = {}

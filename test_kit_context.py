@@ -164,6 +164,20 @@ def test_a_partial_is_checked_as_its_function_and_named_without_its_bound_argume
         anyio.run(deck.aclose)
 
 
+def test_a_callable_object_is_checked_by_its_call_method():
+    class Approve:  # a node kept as an object (this module's annotations are strings)
+        async def __call__(self, state: dict, ctx: Context[Deps]) -> dict:
+            return {}
+
+    graph = StateGraph(dict).add_node("approve", Approve())
+    graph.add_edge(START, "approve").add_edge("approve", END)
+    deck = Deck(workflows=[Workflow("w", graph)], context=Other)
+    with pytest.raises(ContextTypeError, match="node approve of workflow 'w' requires a context "
+                                               "of type Deps, but the deck provides Other"):
+        deck.build()
+    anyio.run(deck.aclose)
+
+
 # -------------------------------------------------------------------------------- delivery ----
 
 class State(TypedDict, total=False):
