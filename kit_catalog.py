@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kit_core import ConfigError, ContentBlock, check_limit, check_name
+from kit_core import HTTP_TOKEN, ConfigError, ContentBlock, check_limit, check_name
 
 __all__ = ("Agent", "Workflow", "Skills", "Skill", "MAX_SKILL_BYTES", "MCP", "MCP_TIMEOUT",
            "interrupt", "sleep_until")
@@ -352,7 +352,6 @@ _MCP_KINDS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
               "streamableHttp": "http", "sse": "sse"}
 _VAR = re.compile(r"\$\{([^}]*)\}")
 _VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
-_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")  # an HTTP token (RFC 9110)
 _NOT_IN_HEADER = re.compile("[\r\n\x00]")
 
 
@@ -479,7 +478,7 @@ def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
                               f"got {written!r}")
         headers = strings("headers", dict) or {}
         for key, value in headers.items():  # else the open fails as "closed the connection"
-            if not _HEADER_NAME.match(key):
+            if not HTTP_TOKEN.fullmatch(key):
                 raise ConfigError(f"{where}: {key!r} is not an HTTP header name")
             if _NOT_IN_HEADER.search(value):  # the value is not quoted: it may be a secret
                 raise ConfigError(f"{where}: header {key!r} holds a line break or NUL once "

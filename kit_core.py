@@ -18,8 +18,8 @@ carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
 (``jsonable``, ``check_name``, ``check_id``, ``check_text``, ``check_limit``,
-``count_setting``, ``switch_setting``, ``printable``, ``RunHandle``, ...) are kit's internal
-API between its modules.
+``count_setting``, ``switch_setting``, ``HTTP_TOKEN``, ``printable``, ``RunHandle``, ...) are
+kit's internal API between its modules.
 """
 from __future__ import annotations
 
@@ -540,6 +540,8 @@ MAX_ID_CHARS = 256
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 #: What no id may hold: those, and control characters (a newline, an escape sequence).
 _NOT_IN_ID = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+#: An HTTP header name (RFC 9110 section 5.6.2, a token); match it with ``fullmatch``.
+HTTP_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 def check_id(what: str, value: object) -> str:

@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
-from kit_core import ConfigError, KitError
+from kit_core import HTTP_TOKEN, ConfigError, KitError
 
 __all__ = (
     "Guard", "HostNotAllowedError", "OriginNotAllowedError",
@@ -51,8 +51,6 @@ PREFLIGHT_HEADERS = ((b"access-control-allow-methods", b"GET, POST"),
 #: ``last-event-id`` to resume a stream with ``fetch``, ``x-kit-session-id`` to name the
 #: conversation on the Chat Completions wire, ``mcp-protocol-version`` for MCP clients.
 _ALLOWED_HEADERS = ("content-type", "last-event-id", "x-kit-session-id", "mcp-protocol-version")
-#: A header name (RFC 9110 section 5.6.2, a token), as ``Access-Control-Request-Headers`` lists them.
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
 #: The header a CORS response exposes to the page: the run a response belongs to.
 _EXPOSED = "x-kit-run-id"
 _DEFAULT_PORT = {"http": "80", "https": "443"}
@@ -188,7 +186,7 @@ class Guard:
         names = list(_ALLOWED_HEADERS)
         for name in (requested or "").lower().split(","):
             name = name.strip()
-            if _TOKEN.fullmatch(name) and name not in names:
+            if HTTP_TOKEN.fullmatch(name) and name not in names:
                 names.append(name)
         return [*PREFLIGHT_HEADERS, (b"access-control-allow-headers", ", ".join(names).encode())]
 

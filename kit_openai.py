@@ -96,6 +96,12 @@ class ChatTurn:
     stream: bool
 
 
+def _sent(fields: Mapping[str, Any], carried: Any) -> list[str]:
+    """The names, sorted, of ``fields`` outside ``carried`` sent with a value: one sent as null
+    or empty carries nothing (SDKs echo ``"refusal": null``, ``"tool_calls": []`` back)."""
+    return sorted(k for k, v in fields.items() if k not in carried and v not in (None, "", [], {}))
+
+
 def read_request(body: Mapping[str, Any], session_header: str | None = None) -> ChatTurn:
     """The turn a ``POST /v1/chat/completions`` body asks for (module docstring). Every message
     is checked, with a session too (where the earlier ones are then not replayed).
@@ -141,10 +147,7 @@ def _message(index: int, message: Mapping[str, Any]) -> HistoryMessage:
         if role not in HISTORY_ROLES:
             raise ChatRequestError(f"kit cannot carry a {role!r} message: kit agents call their "
                                    "own tools; send system, developer, user and assistant messages")
-        # A field sent empty carries nothing: SDKs send `"refusal": null`, `"tool_calls": []`
-        # when they echo back a message they were given.
-        dropped = sorted(k for k, v in message.items() if k not in _CARRIED and
-                         v not in (None, "", [], {}))
+        dropped = _sent(message, _CARRIED)  # (a field sent empty carries nothing)
         if dropped:
             raise ChatRequestError(
                 f"kit cannot carry a message's {', '.join(map(repr, dropped))} (a message here "
@@ -173,10 +176,10 @@ def _block(part: Any) -> ContentBlock:
     # As for a message's fields: one with a value that the block cannot hold is refused, never
     # dropped (a text part's cache_control, an image's detail other than the "auto" kit sends).
     image = part.get("image_url")
-    dropped = sorted(k for k, v in part.items() if k not in ("type", kind) and v not in (None, "", [], {}))
+    dropped = _sent(part, ("type", kind))
     if kind == "image_url" and isinstance(image, Mapping):
-        dropped += [f"image_url.{k}" for k, v in image.items() if k != "url" and v not in (
-            None, "", [], {}) and (k, v) != ("detail", "auto")]
+        dropped += [f"image_url.{k}" for k in _sent(image, ("url",))
+                    if (k, image[k]) != ("detail", "auto")]
     if dropped and kind in ("text", "image_url", "input_audio"):
         raise ChatRequestError(f"kit cannot carry a {kind} part's {', '.join(map(repr, dropped))}")
     if kind == "text":

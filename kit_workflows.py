@@ -163,7 +163,8 @@ class WorkflowEngine:
         """Raise ``ContentError`` for an answer its checkpoint or the log could not store: one
         holding an integer beyond 64 bits, a NaN or an infinity, nested deeper than
         ``MAX_DEPTH`` (or holding itself), or an object LangGraph's serializer has no encoding
-        for (an instance of a plain class). Checked before the parked run is taken over, so a bad answer leaves it waiting.
+        for (an instance of a plain class). Checked before the parked run is taken over, so a
+        bad answer leaves it waiting.
 
         Anything the serializer stores is a good answer (JSON data, sets, tuples, bytes,
         datetimes, dataclasses, pydantic models, ...). The log needs nothing more: it holds the
