@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -56,7 +57,7 @@ def context_params(fn: Any) -> dict[str, Any]:
         hints = {}
     out = {}
     for name, annotation in found.items():
-        annotation = hints.get(name, annotation)
+        annotation = context_of(hints.get(name, annotation))
         if isinstance(annotation, str):
             out[name] = _UNREADABLE
         else:
@@ -135,9 +136,27 @@ def site_name(fn: Any, attr: str) -> str:
 
 
 def is_context(annotation: Any) -> bool:
-    if isinstance(annotation, str):  # postponed annotations: `from __future__ import annotations`
-        return annotation == "Context" or annotation.startswith(("Context[", "kit.Context"))
-    return annotation is Context or typing.get_origin(annotation) is Context
+    """Is a parameter so annotated given the run's context? (``Context[...]``, also inside
+    ``Annotated[...]`` or an ``Optional``, which kit never fills with None.)"""
+    return context_of(annotation) is not None
+
+
+#: A postponed annotation (`from __future__ import annotations`) that names a Context: as
+#: written, or inside ``Annotated[...]``/``Optional[...]``, or ``| None`` after it.
+_CONTEXT_TEXT = re.compile(r"(?:(?:typing\.)?(?:Annotated|Optional)\[\s*)?(?:kit\.)?Context\b")
+
+
+def context_of(annotation: Any) -> Any:
+    """The ``Context`` annotation a parameter's annotation is or holds, else None; a postponed
+    one kit could not evaluate is given back as its text."""
+    if isinstance(annotation, str):
+        return annotation if _CONTEXT_TEXT.match(annotation) else None
+    if typing.get_origin(annotation) is typing.Annotated:
+        return context_of(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        arms = [arm for arm in typing.get_args(annotation) if arm is not type(None)]
+        return context_of(arms[0]) if len(arms) == 1 else None
+    return annotation if annotation is Context or typing.get_origin(annotation) is Context else None
 
 
 def node_function(node: Any) -> Any:

@@ -86,6 +86,9 @@ ROWS = [
     ("a TypeVar", Context[T], Other, "deferred"),
     ("a declared Any", Context[Deps], Any, "deferred"),
     ("an annotation kit cannot read", "Context[NotDefinedAnywhere]", Other, "deferred"),
+    ("inside Annotated", Annotated[Context[Other], "the run"], Deps, "incompatible"),
+    ("an Optional Context", Optional[Context[Base]], Deps, "compatible"),
+    ("an Optional Context that misfits", Context[Other] | None, Deps, "incompatible"),
 ]
 
 
@@ -224,6 +227,22 @@ async def test_nodes_get_the_context_by_reference_and_resumes_take_it_again(tmp_
             [p] = await deck.pending()
             await deck.answer(p.run_id, "yes")  # omitted: None in the resumed run
             assert SEEN[-1] is None
+
+
+async def test_a_context_inside_annotated_or_optional_is_given_the_run_context():
+    def whoami(ctx: Annotated[Context[Deps], "the run"], x: int) -> str:
+        return ctx.data.secret
+
+    def node(state: State, ctx: Optional[Context[Deps]] = None) -> dict:
+        return {"log": [ctx.data.secret]}
+
+    model = ScriptedModel([{"tool": "whoami", "args": {"x": 1}}, "done"])
+    agent = Agent("a", tools=[whoami], model=model)
+    async with Deck([agent], [Workflow("w", flow(node))], context=Deps) as deck:
+        run = await deck.run("a", "hi", context=Deps("s1"))
+        [done] = [e.payload for e in await deck.store.read(run.run_id) if e.kind == "tool.completed"]
+        assert (done.output, done.is_error) == ("s1", False)
+        assert await deck.run("w", {"log": []}, context=Deps("s2")) == {"log": ["s2"]}
 
 
 async def test_headless_workflow_reaching_a_context_node_raises_the_engines_type_error():
