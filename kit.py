@@ -514,6 +514,7 @@ def _alias_core() -> None:
     import kit_core
     sys.modules.setdefault(f"{__name__}.core", kit_core)
     sys.modules.setdefault(f"{__name__}.core.ports", kit_core)
+    kit_core.ports = kit_core  # type: ignore[attr-defined]  # kit.core.ports.X, as a submodule's
 
 
 _alias_core()

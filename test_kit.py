@@ -72,6 +72,8 @@ def test_core_import_paths():
     assert EventSinkPort is kit.EventSinkPort and EventStorePort is kit.EventStorePort
     importlib.import_module("kit.core")  # `import kit.core`, then named through kit, as a
     assert kit.core.TextBlock is TextBlock  # package's module is (it was an AttributeError)
+    importlib.import_module("kit.core.ports")
+    assert kit.core.ports.EventStorePort is EventStorePort
 
 
 def test_error_hierarchy_and_facts():
