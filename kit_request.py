@@ -179,11 +179,12 @@ def checked_id(what: str, value: str) -> str:
 
 class Request:
     """One HTTP exchange: the scope's facts, the body reader, and whether a response started."""
-    __slots__ = ("scope", "receive", "send", "started", "run_id", "query", "surface")
+    __slots__ = ("scope", "receive", "send", "started", "run_id", "query", "surface", "reading")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope, self.receive, self.send = scope, receive, send
         self.started = False
+        self.reading = False  # body() was called: the body is read, or refused (413, gone)
         self.surface: str | None = None  # the optional surface whose route matched
         self.run_id: str | None = None  # set once this request's run exists: x-kit-run-id
         self.query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
@@ -194,6 +195,7 @@ class Request:
     async def body(self) -> bytes:
         """The whole body, refused as soon as it is over ``MAX_BODY_BYTES`` (Content-Length
         first, then counting chunks). Raises ``BodyTooLargeError``, ``ClientGone``."""
+        self.reading = True
         too_large = BodyTooLargeError(f"the body is over {MAX_BODY_BYTES} bytes")
         length = self.header(b"content-length")
         if length is not None:
@@ -213,6 +215,19 @@ class Request:
                 raise too_large
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    async def drain(self) -> None:
+        """Read and drop a body no handler read (a request refused by its path, method or
+        headers), up to ``MAX_BODY_BYTES``: Hypercorn closes a keep-alive connection whose
+        request body was still unread when the response ended, after a response that did not
+        say ``connection: close``, so the client's next request on it fails. A body over the
+        limit, or a client that left, is left alone (that connection closes)."""
+        if self.reading:
+            return
+        try:
+            await self.body()
+        except (HTTPError, ClientGone):
+            pass
 
     async def json(self, keys: tuple[str, ...] | None, required: tuple[str, ...] = (), *,
                    optional: bool = False) -> dict[str, Any]:
@@ -241,7 +256,9 @@ class Request:
 
 async def respond(req: Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = (),
                    content_type: bytes = b"application/json") -> None:
-    """The JSON response helper (``obj`` None: no body, as for 204; bytes: sent as they are)."""
+    """The JSON response helper (``obj`` None: no body, as for 204; bytes: sent as they are).
+    A body the request still holds is read first (``Request.drain``)."""
+    await req.drain()
     body = b"" if obj is None else obj if isinstance(obj, bytes) else dumps(obj).encode()
     head = [(b"content-type", content_type)] if obj is not None else []
     head.append((b"content-length", b"%d" % len(body)))

@@ -310,6 +310,33 @@ async def test_a_number_past_float_range_is_400_not_infinity():
         assert "the number 1e999 is out of range" in r.json()["message"]
 
 
+async def test_a_request_refused_before_its_body_is_read_keeps_its_connection():
+    """Refused by its path, method or host, the body still arriving: the connection stays
+    usable for the client's next request (Hypercorn closed it, unannounced, when the body was
+    unread at the response's end, so a pooled client's next request failed)."""
+    body = b'{"message": "hi"}'
+    async with served(catalog()) as (client, _):
+        for head in (b"POST /nowhere HTTP/1.1\r\nhost: 127.0.0.1",
+                     b"PUT /health HTTP/1.1\r\nhost: 127.0.0.1",
+                     b"POST /agents/echo/chat HTTP/1.1\r\nhost: rebound.example"):
+            async with await anyio.connect_tcp("127.0.0.1", client.base_url.port) as conn:
+                await conn.send(head + b"\r\ncontent-type: application/json\r\n"
+                                b"content-length: %d\r\n\r\n" % len(body))
+                reply = b""
+                with anyio.move_on_after(0.5):  # the refusal, if it comes before the body
+                    reply += await conn.receive()
+                await conn.send(body + b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+                with anyio.fail_after(5):
+                    while reply.count(b"HTTP/1.1 ") < 2 or not reply.endswith(b']}'):
+                        try:
+                            reply += await conn.receive()
+                        except (anyio.EndOfStream, anyio.BrokenResourceError):
+                            break
+            statuses = re.findall(rb"HTTP/1.1 (\d+) ", reply)
+            assert statuses[1:] == [b"200"], (head, reply)
+            assert b"connection: close" not in reply.lower()
+
+
 async def test_a_body_over_the_cap_is_413_before_it_is_read():
     async with served(catalog()) as (client, _):
         port = client.base_url.port
