@@ -261,7 +261,8 @@ async def respond(req: Request, status: int, obj: Any, headers: tuple[tuple[byte
     await req.drain()
     body = b"" if obj is None else obj if isinstance(obj, bytes) else dumps(obj).encode()
     head = [(b"content-type", content_type)] if obj is not None else []
-    head.append((b"content-length", b"%d" % len(body)))
+    if status != 204:  # a 204 never carries Content-Length (RFC 9110 section 8.6)
+        head.append((b"content-length", b"%d" % len(body)))
     head += run_id_header(req.run_id)
     req.started = True
     await req.send({"type": "http.response.start", "status": status, "headers": head + list(headers)})

@@ -432,6 +432,7 @@ async def test_reconnect_with_last_event_id_replays_the_rest_then_204(tmp_path, 
             assert body.count(b"\n\n") == 2
         r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": "6"})
         assert (r.status_code, r.content) == (204, b"")
+        assert "content-length" not in r.headers  # RFC 9110 section 8.6: a 204 has none
         r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": "x"})
         assert r.status_code == 400
 
