@@ -453,10 +453,15 @@ class App:
         await respond(req, 200, _workflow_body(result, run_id, thread_id or run_id))
 
     async def _pending(self, req: Request) -> None:
+        # Only HTTP's threads (no namespace): the resume route answers no other, and a
+        # namespaced run is one tenant's, payload and all.
+        pending = [p for p in await self.deck.pending()
+                   if (info := await self.deck.store.run_info(p.run_id)) is not None
+                   and info.namespace is None]
         await respond(req, 200, {"pending": [
             {"run_id": p.run_id, "workflow": p.workflow, "thread_id": p.thread_id,
              "session_id": p.session_id, "payload": p.payload, "since": p.since.isoformat()}
-            for p in await self.deck.pending()]})
+            for p in pending]})
 
     async def _workflow_resume(self, req: Request, name: str, thread_id: str) -> None:
         value = (await req.json(("value",), ("value",)))["value"]

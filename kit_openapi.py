@@ -248,8 +248,9 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
             "chunk of the reply, then `event: done` `data: {\"output\", \"usage\": {\"input_tokens\", "
             "\"output_tokens\", \"usd\"}}`, or `event: error` `data: {\"error\": <exception type>}` "
             "(a failed run, or RunStoppedError for a paused or cancelled one). " + _SSE_COMMON)),
-    ("GET", "/workflows/pending"): _op("workflowsPending", "Every run waiting for a human",
-                                       {"200": _json("Pending", "The waiting runs")}),
+    ("GET", "/workflows/pending"): _op(
+        "workflowsPending", "Every run waiting for a human that the resume route answers (none "
+        "started with a namespace)", {"200": _json("Pending", "The waiting runs")}),
     ("POST", "/workflows/{name}"): _op(
         "workflowRun", "Run a workflow on a thread (a new one without thread_id)",
         {"200": _streams("WorkflowReply", "The final state, or the interrupt it parked at",

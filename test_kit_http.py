@@ -479,6 +479,25 @@ async def test_workflow_json_interrupt_pending_resume_and_stale_resume():
         assert (await client.get("/workflows/pending")).json() == {"pending": []}
 
 
+async def test_pending_lists_only_the_threads_its_resume_route_answers():
+    """A run parked with a namespace (deck.run from Python, one tenant's) is no thread of the
+    HTTP surface: its resume route refuses it, so the list must not offer it (it did, payload
+    and all, and the playground's answer box then said no run waits on that thread)."""
+    async with served(catalog()) as (client, app):
+        theirs = await app.deck.run("approve", {}, session_id="t1", namespace="acme")
+        assert isinstance(theirs, kit.InterruptResult)
+        assert (await client.get("/workflows/pending")).json() == {"pending": []}
+        r = await client.post("/workflows/approve/t1/resume", json={"value": "yes"})
+        assert (r.status_code, r.json()["error"]) == (404, "ThreadNotWaitingError")
+        r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})
+        ours = r.headers["x-kit-run-id"]
+        [waiting] = (await client.get("/workflows/pending")).json()["pending"]
+        assert (waiting["run_id"], waiting["thread_id"]) == (ours, "t1")
+        r = await client.post("/workflows/approve/t1/resume", json={"value": "yes"})
+        assert (r.status_code, r.json()["run_id"]) == (200, ours)
+        assert await app.deck.status(theirs.run_id) is RunStatus.WAITING_HUMAN
+
+
 async def test_workflow_stream_bytes_on_the_wire():
     async with served(catalog()) as (client, _):
         r, body = await wire(client, "POST", "/workflows/approve?stream=true",
