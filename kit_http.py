@@ -161,6 +161,9 @@ _ROUTES = [(method, path, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path
     ("POST", "/mcp", "_mcp", "mcp"),
     ("GET", "/mcp", "_mcp", "mcp"),  # stateless: no session for DELETE to end (405)
 )]
+#: The GET handlers that answer with a stream: no HEAD for them (RFC 9110 section 9.3.2 asks the
+#: headers a GET would get, and a stream's come only once it is open, to stay open).
+_STREAMING_GETS = frozenset({"_events", "_mcp"})
 #: The path parameters that are ids, checked (``check_id``) before any route sees them.
 _PATH_IDS = frozenset({"run_id", "thread_id"})
 #: The optional surfaces ``kit-serve`` turns on when ``KIT_SURFACES`` (or ``--surfaces``) names
@@ -348,7 +351,10 @@ class App:
                 continue  # a concrete path is matched before templated ones (OpenAPI's Paths Object)
             concrete = "{" not in template
             req.surface = mount if mount in SURFACES else None
-            if route_method == method:
+            # HEAD is a GET whose body the server drops (h11 does; RFC 9110 section 9.1: every
+            # server supports both): monitors probe /health with it.
+            head = method == "HEAD" and route_method == "GET" and handler not in _STREAMING_GETS
+            if route_method == method or head:
                 params = match.groupdict()
                 if "%" in path:  # only then can a parameter hold an escape
                     params = {key: param(key, value) for key, value in params.items()}

@@ -201,6 +201,24 @@ async def test_unknown_names_routes_and_methods():
         assert (await client.get("/runs/nope/events")).status_code == 404
 
 
+async def test_head_is_answered_as_get_without_the_body_but_on_streams():
+    """RFC 9110 section 9.1: a server supports GET and HEAD (uptime monitors probe with HEAD;
+    every GET route answered it 405)."""
+    async with served(catalog()) as (client, _):
+        for path in ("/health", "/openapi.json", "/workflows/pending", "/"):
+            got, head = await client.get(path), await client.head(path)
+            assert (head.status_code, head.content) == (200, b""), path
+            assert head.headers["content-type"] == got.headers["content-type"], path
+            assert head.headers["content-length"] == str(len(got.content)), path
+        run_id = (await client.post("/agents/echo/chat", json={"message": "hi"})).headers["x-kit-run-id"]
+        r = await client.head(f"/runs/{run_id}/events")  # a stream: its headers come with it
+        assert (r.status_code, r.headers["allow"]) == (405, "GET")
+        r = await client.head("/agents/echo/chat")
+        assert (r.status_code, r.headers["allow"]) == (405, "POST")
+        assert (await client.head("/nowhere")).status_code == 404
+        assert (await client.get("/health")).json()["status"] == "ok"  # the connection goes on
+
+
 async def test_a_name_on_the_wrong_route_points_to_the_right_one():
     async with served(catalog()) as (client, _):
         r = await client.post("/agents/approve/chat", json={"message": "hi"})
