@@ -55,6 +55,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 import typing
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 import sniffio
@@ -345,6 +346,14 @@ class App:
                 f"the server is {state}") if req.surface == "openai" else {"status": state})
             return
         method, allowed, concrete = req.scope["method"], [], False
+        root = req.scope.get("root_path", "")
+        if root and req.scope["path"] == root and method in ("GET", "HEAD"):
+            # Mounted at /kit, the page at /kit would resolve its URLs (relative: "health")
+            # beside the mount, not in it (RFC 3986 section 5.2.3): its place is /kit/.
+            raw = (req.scope.get("raw_path") or quote(root).encode()).partition(b"?")[0]
+            query = req.scope.get("query_string", b"")
+            location = raw + b"/" + (b"?" + query if query else b"")
+            return await respond(req, 308, None, ((b"location", location),))
         for route_method, template, pattern, handler, mount in self._routes:
             match = pattern.fullmatch(path)
             if match is None or (concrete and "{" in template):

@@ -835,8 +835,15 @@ async def test_the_router_reads_raw_path_mounted_or_not_and_path_without_it():
                               ("/kit/health", b"/kit/health")):
                 assert (await ask("GET", path, raw))[0] == 404, path
             assert (await ask("GET", "/kit/health", b"/kit/health", "/kit"))[0] == 200
-            status, page = await ask("GET", "/kit", b"/kit", "/kit")
+            status, page = await ask("GET", "/kit/", b"/kit/", "/kit")
             assert status == 200 and page.startswith(b"<!doctype html>")  # the playground
+            # At /kit the page's relative URLs ("health") would leave the mount: sent to /kit/.
+            client = Scripted({"type": "http.request", "body": b""})
+            scope = {**http_scope("GET", "/kit", root_path="/kit"), "raw_path": b"/kit",
+                     "query_string": b"a=1"}
+            await app(scope, client.receive, client.send)
+            assert client.sent[0]["status"] == 308
+            assert dict(client.sent[0]["headers"])[b"location"] == b"/kit/?a=1"
             life.push({"type": "lifespan.shutdown"})
 
 
