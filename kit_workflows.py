@@ -264,12 +264,19 @@ class WorkflowEngine:
         # for a resumed node that then fails (its resume write hides its error write), and
         # raises right after it, so no failed node is recorded as updated.
         empty: list[str] = []
+        # A resume outputs again the updates of the nodes that finished in the superstep the
+        # graph stopped in (beside an interrupt), marked ``__metadata__: {"cached": True}``: a
+        # run that played before (past its run.started) recorded them then; a new run that
+        # carries a thread on records them as its own.
+        played = run.seq > 0
         async for mode, chunk in graph.astream(
                 inp, config, context=run.data, control=control,
                 stream_mode=["updates", "values"], durability="sync" if self.durable else "async"):
             self._updated(run, empty)
             if mode == "values":
                 final = chunk
+                continue
+            if chunk.pop("__metadata__", None) is not None and played:
                 continue
             for node, update in chunk.items():
                 if node == "__interrupt__":

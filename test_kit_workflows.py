@@ -827,6 +827,26 @@ async def test_a_node_that_fails_is_never_recorded_as_updated(store):
                               ("node.updated", "done"), ("run.completed", None)]
 
 
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
+async def test_a_node_beside_an_interrupt_is_recorded_once(store, durable):
+    """On resume LangGraph outputs again the updates of the nodes that finished in the
+    interrupted superstep, marked ``__metadata__: {"cached": True}``: they were recorded (and
+    streamed) a second time, beside a node named ``__metadata__``."""
+    g = StateGraph(State)
+    g.add_node("plan", plan).add_node("ask", ask).add_node("done", done)
+    g.add_edge(START, "plan").add_edge(START, "ask").add_edge(["plan", "ask"], "done")
+    g.add_edge("done", END)
+    async with Deck(workflows=[Workflow("w", g, durable=durable)], store=store) as deck:
+        parked = await deck.run("w", {"log": []}, session_id="t")
+        streamed = [e async for e in deck.stream_answer(parked.run_id, "yes")]
+        assert [(e.kind, getattr(e.payload, "node", None)) for e in streamed] == [
+            ("run.resumed", None), ("node.updated", "ask"), ("node.updated", "done"),
+            ("run.completed", None)]
+        assert sorted(streamed[-1].payload.output["log"]) == ["answer=yes", "done", "plan"]
+        nodes = [e.payload.node for e in await store.read(parked.run_id) if e.kind == "node.updated"]
+        assert nodes == ["plan", "ask", "done"]
+
+
 async def test_an_interrupt_shaped_like_a_sleep_but_not_one_is_a_question(store):
     async def odd_question(state: State) -> dict:
         return {"log": [kit.interrupt({"kind": "sleep", "until": "after lunch?"})]}
