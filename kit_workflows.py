@@ -203,6 +203,11 @@ class WorkflowEngine:
         try:
             try:
                 final, interrupts = await self._stream(run, graph, inp, control)
+                # Made here, so a payload or a final state the log cannot write (a NaN) fails
+                # the run like a node's error, instead of leaving it running with no end.
+                cancel = bool(interrupts) and (run.requested or ("",))[0] == "cancel"
+                end = None if cancel else (_parked(run, interrupts) if interrupts
+                                           else RunCompleted(jsonable(final), Usage()))
             except GraphDrained:  # stopped at a superstep boundary, as asked; checkpoint saved
                 action, reason, source = run.take_request() or ("pause", None, None)
                 parks = action != "cancel"
@@ -217,11 +222,10 @@ class WorkflowEngine:
                 raise
             finally:
                 run.on_request = None
-            if interrupts and run.requested is not None and run.requested[0] == "cancel":
+            if end is None:  # a cancel asked while the last step headed for an interrupt
                 return await _stopped(run, *run.take_request())  # type: ignore[misc]
             parks, completed = bool(interrupts), not interrupts
-            return await run.durable(_parked(run, interrupts) if parks
-                                     else RunCompleted(jsonable(final), Usage()))
+            return await run.durable(end)
         finally:
             if not parks and not (completed and self.durable):  # a durable end leaves no task
                 with anyio.CancelScope(shield=True):  # a cancelled run ends too

@@ -185,6 +185,34 @@ async def test_a_failing_node_fails_the_run(store):
         assert await deck.status(info.run_id) is RunStatus.FAILED
 
 
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
+async def test_a_question_or_final_state_the_log_cannot_write_fails_the_run(store, durable):
+    """The parking or completing event was made after the run's failure handling: its
+    ContentError reached the caller while the run stayed RUNNING, its thread held, with no end."""
+    async def ask_nan(state: State) -> dict:
+        return {"log": [kit.interrupt({"score": float("nan")})]}
+
+    class Big(TypedDict):
+        x: Annotated[float, lambda old, new: new * 1e200]
+
+    async def grow(state: Big) -> dict:
+        return {"x": 1e200}  # reduced to 1e400: an infinity in the final state
+
+    flows = [Workflow("nan", graph(plan, ask_nan), durable=durable),
+             Workflow("inf", graph(grow, state=Big), durable=durable)]
+    async with Deck(workflows=flows, store=store) as deck:
+        for name, state in (("nan", {"log": []}), ("inf", {"x": 1.0})):
+            for _ in range(2):  # the run ended: its thread takes the next run
+                with pytest.raises(kit.ContentError, match="cannot be written to the log as JSON"):
+                    await deck.run(name, state, session_id="t")
+            runs = [i for i in await store.runs() if i.name == name]
+            assert [i.status for i in runs] == [RunStatus.FAILED] * 2
+            for info in runs:
+                log = await store.read(info.run_id)
+                assert (log[-1].kind, log[-1].payload.error) == ("run.failed", "ContentError")
+        assert await deck.pending() == []
+
+
 # ---------------------------------------------------------------------------- interrupts ----
 
 async def test_interrupt_pending_answer_and_a_second_answer_is_refused(store):
