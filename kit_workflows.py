@@ -291,6 +291,9 @@ class WorkflowEngine:
                     run.emit(NodeUpdated(node, jsonable(update)), origin=f"{run.origin}/{node}")
             await run.pace()  # never far ahead of the log
         self._updated(run, empty)
+        keys = graph.output_channels  # what LangGraph's invoke returns: the output schema's keys
+        if isinstance(final, dict) and not isinstance(keys, str):  # (astream's values hold all)
+            final = {k: final[k] for k in keys if k in final}
         return final, interrupts
 
     @staticmethod

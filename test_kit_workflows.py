@@ -176,6 +176,33 @@ async def test_stream_yields_nodes_then_the_parking_event_last(store):
         assert events == await store.read(events[0].run_id)
 
 
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
+async def test_a_run_returns_the_output_schema_of_its_graph(store, durable):
+    """``StateGraph(..., output_schema=Out)``: LangGraph's invoke (and a headless run) returns
+    Out's keys; a deck run returned, recorded and served every key of the state."""
+    class In(TypedDict):
+        a: int
+
+    class Out(TypedDict):
+        b: int
+
+    class Inner(In, Out, total=False):
+        scratch: str
+
+    def work(state: Inner) -> dict:
+        return {"b": state["a"] * 2, "scratch": "private"}
+
+    g = StateGraph(Inner, input_schema=In, output_schema=Out)
+    g.add_node("work", work).add_edge(START, "work").add_edge("work", END)
+    workflow = Workflow("w", g, durable=durable)
+    assert await workflow.run({"a": 2}) == {"b": 4}
+    async with Deck(workflows=[workflow], store=store) as deck:
+        assert await deck.run("w", {"a": 2}, session_id="t") == {"b": 4}
+        events = [e async for e in deck.stream("w", {"a": 3}, session_id="t2")]
+        assert events[-1].payload.output == {"b": 6}
+        assert events[1].payload.update == {"b": 6, "scratch": "private"}  # a node's own update
+
+
 async def test_a_failing_node_fails_the_run(store):
     async with Deck(workflows=[Workflow("w", graph(plan, boom))], store=store) as deck:
         with pytest.raises(ValueError, match="node exploded"):
