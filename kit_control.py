@@ -133,7 +133,8 @@ class RunControl:
                 await self.store.session_holder(info.session_id, info.namespace) is not None
                 or any(run.thread_key == key for run in self.active.values())):
             return
-        await self._on_engine(spec.engine.forget, self.graphs[spec.name], key)
+        await self._on_engine(spec.engine.forget, self.graphs[spec.name], key,
+                              info.session_id is None)
 
     async def _take_over(self, run: Run, events: Sequence[Event]) -> None:
         """Become the writer of a parked run: append ``events`` (the resume) with its claim,

@@ -721,7 +721,7 @@ class Runtime(RunControl):
                 self.writer.failed.pop(run.run_id, None)
                 if run.spec.kind == "workflow":
                     await self._on_engine(run.spec.engine.forget, self.graphs[run.spec.name],
-                                          run.thread_key)
+                                          run.thread_key, run.session_id is None)
 
     async def _play(self, run: Run, job: Callable[[], Any]) -> Event:
         try:

@@ -24,12 +24,14 @@ never reaches a checkpoint (notes/ENGINES.md 12). Pause and cancel drain the gra
 superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a paused run
 resumes where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before
 the next superstep starts. A non-durable run's thread lives only while the run does: when the run
-ends (completed, failed, cancelled) its checkpoints are deleted; while it is parked (waiting for
-a human, asleep, paused) they stay, for the run that resumes it, so only the process that parked
-it can (``holds_thread``). A durable run that is cancelled or fails drops the tasks it stopped
-at, so the next run on its thread applies its input and no tick wakes its sleep; only a run
-whose process died leaves them, for the next run to carry on. A sleep is an interrupt of
-exactly ``{"kind": "sleep", "until": <aware ISO time>}``; any other is a human's question. A
+ends (completed, failed, cancelled) its checkpoints are deleted (a durable run's too when its
+thread is its own run id: a child run's, which no later run reaches); while it is parked
+(waiting for a human, asleep, paused) they stay, for the run that resumes it, so only the
+process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops
+the tasks it stopped at, so the next run on its thread applies its input and no tick wakes its
+sleep; only a run whose process died leaves them, for the next run to carry on. A sleep is an
+interrupt of exactly ``{"kind": "sleep", "until": <aware ISO time>}``; any other is a human's
+question. A
 value a checkpoint cannot store fails the run at its first checkpoint, once the run is in the
 log (an answered one for good: its interrupt cannot be answered again), so an input or an
 answer is checked before anything is written (``to_input``, ``check_answer``) and refused as a
@@ -227,11 +229,13 @@ class WorkflowEngine:
             parks, completed = bool(interrupts), not interrupts
             return await run.durable(end)
         finally:
-            if not parks and not (completed and self.durable):  # a durable end leaves no task
+            own = run.session_id is None  # its thread is its run id: no later run reaches it
+            # A durable run that completed leaves no task: its thread is kept for the next run.
+            if not parks and not (completed and self.durable and not own):
                 with anyio.CancelScope(shield=True):  # a cancelled run ends too
-                    await self.forget(graph, run.thread_key)
+                    await self.forget(graph, run.thread_key, whole=own)
 
-    async def forget(self, graph: Any, key: str) -> None:
+    async def forget(self, graph: Any, key: str, whole: bool = False) -> None:
         """Engine side: thread ``key``'s run ended (cancelled or failed; a non-durable one
         completed too) and nothing will resume it: ``play`` calls this, and so does the Runtime
         when it cancels a parked run. A non-durable thread is deleted (an in-memory one would
@@ -239,8 +243,9 @@ class WorkflowEngine:
         run stopped at (LangGraph's ``update_state(None, as_node=END)``), so the next run on
         it starts from its own input and no ``tick`` wakes a sleep that was cancelled or
         failed. A checkpointer that fails here is logged: the next run then carries on from the
-        last checkpoint, as after a process that died."""
-        if not self.durable:
+        last checkpoint, as after a process that died. ``whole``: the thread is a run's own (no
+        session: a child run's), which no later run reaches, so a durable one is deleted too."""
+        if not self.durable or whole:
             await graph.checkpointer.adelete_thread(key)
             return
         config = _config(key)

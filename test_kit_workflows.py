@@ -7,6 +7,7 @@ import functools
 import json
 import operator
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -633,6 +634,33 @@ async def test_a_child_workflow_run_leaves_no_checkpoint(store):
                     store=store) as deck:
         assert (await deck.run("a", "run the workflow")).output == "It ran."
         assert saved(deck, "w") == ([], False)
+
+
+async def test_a_durable_child_workflow_run_leaves_no_thread_behind(store, tmp_path):
+    """A child run's thread is its own run id, which no later run reaches: a durable workflow
+    played as a tool left every call's thread in the checkpoint file for good."""
+    script = [{"tool": "w", "args": {"log": []}}, "It ran.",
+              {"tool": "approval", "args": {"log": []}}, "It waits.",
+              {"tool": "approval", "args": {"log": []}}, "It waits."]
+    flows = [Workflow("w", graph(plan, done), durable=True), durable_approval()]
+    agent = Agent("a", model=ScriptedModel(script), workflows=["w", "approval"])
+
+    def threads() -> list:
+        with sqlite3.connect(tmp_path / "kit.checkpoints.db") as db:
+            return db.execute("SELECT DISTINCT thread_id FROM checkpoints").fetchall()
+
+    async with Deck([agent], flows, store=store) as deck:
+        assert (await deck.run("a", "run w")).output == "It ran."
+        assert threads() == []
+        for then in ("answer", "cancel"):
+            assert (await deck.run("a", "run approval")).output == "It waits."
+            [parked] = await deck.pending()
+            assert len(threads()) == 1  # a waiting child keeps its thread, to be answered
+            if then == "answer":
+                assert (await deck.answer(parked.run_id, "yes"))["log"][-1] == "done"
+            else:
+                await deck.cancel(parked.run_id)
+            assert threads() == []
 
 
 # ------------------------------------------------------------------------------ headless ----
