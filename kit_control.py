@@ -114,7 +114,7 @@ class RunControl:
         if info.status is not RunStatus.CANCELLED:
             last = (await self.store.read(req.run_id))[-1]
             if last.payload.ends != "parking":  # resumed since: its player hears the request
-                return
+                return self._reach(req)
             try:
                 with self._fence(req.run_id, last.seq + 1):
                     await self._write(None, [
@@ -124,7 +124,8 @@ class RunControl:
             except LogConflictError:  # another caller got there first: a cancel, or a resume
                 info = await self.store.run_info(req.run_id)
                 if info is None or info.status is not RunStatus.CANCELLED:
-                    return  # resumed: its thread is in use (a cancel elsewhere: forget ours too)
+                    # resumed: its thread is in use (a cancel elsewhere: forget ours too)
+                    return self._reach(req)
         spec = self.specs.get(info.name)
         if spec is None or spec.kind != "workflow":
             return
@@ -135,6 +136,14 @@ class RunControl:
             return
         await self._on_engine(spec.engine.forget, self.graphs[spec.name], key,
                               info.session_id is None)
+
+    def _reach(self, req: ControlRequest) -> None:
+        """A parked run's ``req`` met a resume or an answer that took the run over: a run taken
+        over here is told now (the watch passes over a request made here); one taken over in
+        another process hears it through that process's watch."""
+        run = self._playing(req.run_id)
+        if run is not None:
+            run.request(req.action, req.reason, req.source)
 
     async def _take_over(self, run: Run, events: Sequence[Event]) -> None:
         """Become the writer of a parked run: append ``events`` (the resume) with its claim,

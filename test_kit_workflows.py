@@ -885,6 +885,62 @@ async def test_a_cancel_asked_while_the_run_heads_for_an_interrupt_cancels_it(st
             assert (await deck.answer(parked.run_id, "yes"))["log"][-2:] == ["answer=yes", "done"]
 
 
+class SlowReads(SQLiteStore):
+    """A store whose next ``read``, once armed, waits until released (a fault at the store port)."""
+    armed: anyio.Event | None = None
+
+    def arm(self) -> tuple[anyio.Event, anyio.Event]:
+        self.armed, self.entered = anyio.Event(), anyio.Event()
+        return self.entered, self.armed
+
+    async def read(self, *args, **kwargs):
+        if self.armed is not None:
+            armed, self.armed = self.armed, None
+            self.entered.set()
+            await armed.wait()
+        return await super().read(*args, **kwargs)
+
+
+async def test_a_cancel_that_meets_an_answer_taking_the_run_over_stops_the_run(tmp_path):
+    """The cancel of a waiting run read its log, found it answered meanwhile and returned: the
+    answered run, played in the same deck, never heard of it and completed."""
+    gate = Gate()
+    g = StateGraph(State)
+    g.add_node("ask", ask).add_node("gate", gate.node).add_node("done", done)
+    g.add_edge(START, "ask").add_edge("ask", "gate").add_edge("gate", "done").add_edge("done", END)
+    async with SlowReads(tmp_path / "kit.db") as store:
+        async with Deck(workflows=[Workflow("w", g)], store=store) as deck:
+            parked = await deck.run("w", {"log": []}, session_id="t")
+            results: list = []
+            cancelled = anyio.Event()
+
+            async def cancel() -> None:
+                await deck.cancel(parked.run_id, reason="too late")
+                cancelled.set()
+
+            async def answer() -> None:
+                try:
+                    results.append(await deck.answer(parked.run_id, "yes"))
+                except Exception as exc:
+                    results.append(exc)
+
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    entered, release = store.arm()
+                    tg.start_soon(cancel)
+                    await entered.wait()  # the cancel is about to read the waiting run's log
+                    tg.start_soon(answer)
+                    await gate.until_entered()  # the answer took the run over: it plays
+                    release.set()
+                    await cancelled.wait()
+                    gate.release.set()
+            [stopped] = results
+            assert isinstance(stopped, kit.RunStoppedError) and stopped.status is RunStatus.CANCELLED
+            log = await store.read(parked.run_id)
+            assert kinds(log)[-3:] == ["node.updated", "control.requested", "run.cancelled"]
+            assert log[-1].payload.reason == "too late"
+
+
 async def test_a_node_that_fails_is_never_recorded_as_updated(store):
     """LangGraph reports an empty update for a resumed node that then fails: it was recorded as
     node.updated (update None) right before run.failed. A node that returns nothing still is."""
