@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -539,7 +540,8 @@ def _parts(blocks: Sequence[Any], chat: bool) -> list[dict[str, Any]]:
 
 def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
                skills: Sequence[Skill] = (), mcp_servers: Sequence[Any] = ()) -> sdk.Agent:
-    tools = [t if isinstance(t, SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
+    tools = [(_flag_errors(t) if isinstance(t, sdk.FunctionTool) else t)
+             if isinstance(t, SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
     if skills:
         tools.append(_skill_tool(agent.name, skills))
     tools += extra_tools
@@ -568,6 +570,27 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
             } if mcp_servers else {})
     except (TypeError, ValueError) as exc:  # the SDK's checks: model_settings, output_type, ...
         raise ConfigError(f"agent {agent.name!r}: {exc}") from None
+
+
+def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
+    """An SDK ``FunctionTool`` whose exception the SDK hands the model as an error string (its
+    failure error function): a copy (the caller's object is left as built) whose calls that
+    failed say ``is_error`` in their ``tool.completed``, as a plain function's do. One whose
+    exception fails the run (no failure error function) is kept as it is."""
+    from agents.tool import (
+        resolve_function_tool_failure_error_function, set_function_tool_failure_error_function,
+    )
+    told = resolve_function_tool_failure_error_function(tool)
+    if told is None:
+        return tool
+
+    def failed(ctx: Any, error: Exception) -> Any:
+        run = getattr(ctx, "context", None)
+        if isinstance(run, RunHandle):
+            run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
+        return told(ctx, error)  # the SDK awaits an awaitable answer
+
+    return set_function_tool_failure_error_function(copy.copy(tool), failed)
 
 
 def _mcp_tool_error(ctx: Any, error: Exception) -> str:

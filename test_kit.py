@@ -403,6 +403,37 @@ async def test_a_tool_error_goes_back_to_the_model(store):
         assert result.output == "sorry"
 
 
+async def test_an_sdk_tools_error_is_logged_as_one(store):
+    """An SDK ``function_tool`` whose exception the SDK hands the model as text: its
+    ``tool.completed`` said ``is_error=False``, unlike a plain function's."""
+    @agents.function_tool
+    def boom(x: int) -> int:
+        """Explode."""
+        raise ValueError("bad x")
+
+    @agents.function_tool(failure_error_function=lambda ctx, error: f"no luck: {error}")
+    async def told(x: int) -> int:
+        """Explode, in words of its own."""
+        raise ValueError("bad y")
+
+    model = ScriptedModel([[{"tool": "boom", "args": {"x": 1}}, {"tool": "told", "args": {"x": 2}}],
+                           {"tool": "double", "args": {"x": 3}}, "sorry"])
+    async with Deck([Agent("a", tools=[boom, told, double], model=model)], store=store) as deck:
+        result = await deck.run("a", "x")
+        done = {e.payload.tool: e.payload for e in await store.read(result.run_id)
+                if e.kind == "tool.completed"}
+    assert done["boom"].is_error is True and "bad x" in done["boom"].output
+    assert (done["told"].is_error, done["told"].output) == (True, "no luck: bad y")
+    assert (done["double"].is_error, done["double"].output) == (False, 6)
+    assert result.output == "sorry"
+
+
+@agents.function_tool
+def double(x: int) -> int:
+    """Double x."""
+    return 2 * x
+
+
 @pytest.mark.parametrize("value, says", [
     (10 ** 5000, "an integer of 16,610 bits cannot be written to the log as JSON"),
     (float("nan"), "a float nan cannot be written to the log as JSON"),
