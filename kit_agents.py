@@ -44,6 +44,10 @@ import anyio
 from agents.function_schema import function_schema
 from agents.memory import SessionSettings
 from agents.models import get_default_model
+from agents.models._response_terminal import (
+    response_error_event_failure_error, response_terminal_failure_error,
+)
+from openai.types.responses import Response
 
 from kit_bridge import on_asyncio
 from kit_context import HOOK_METHODS, is_context
@@ -224,8 +228,13 @@ class _TapModel(sdk.Model):
                 done_items.append(ev.item)
             elif kind == "response.completed":
                 final = ev.response
-            elif kind in ("response.failed", "response.incomplete", "error", "response.error"):
-                raise sdk.ModelBehaviorError(f"the model stream ended with {kind}")
+            elif kind in ("response.failed", "response.incomplete"):
+                # The SDK's own words, which say why (the response's status and error)
+                response = getattr(ev, "response", None)
+                raise response_terminal_failure_error(
+                    kind, response if isinstance(response, Response) else None)
+            elif kind in ("error", "response.error"):
+                raise response_error_event_failure_error(kind, ev)
         if final is None:
             raise sdk.ModelBehaviorError("Model did not produce a final response!")
         output = final.output or done_items  # some backends leave the final output empty

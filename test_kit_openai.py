@@ -64,8 +64,20 @@ def _response(turn: dict, n: int, items: list, status: str = "completed") -> dic
             "tools": [], "usage": usage if status == "completed" else None}
 
 
+def failed(*deltas: str, error: str) -> dict:
+    """A streamed Responses reply that ends in ``response.failed`` after these deltas."""
+    return {"text": list(deltas), "usage": (5, 1), "failed": error}
+
+
 def responses_body(turn: dict, n: int, stream: bool) -> list[dict] | dict:
     item = _resp_item(turn, n)
+    if "failed" in turn:  # the in-progress response, its deltas, then the failed response
+        ev = [{"type": "response.created", "response": _response(turn, n, [], "in_progress")}]
+        ev += [{"type": "response.output_text.delta", "item_id": item["id"], "output_index": 0,
+                "content_index": 0, "delta": d, "logprobs": []} for d in turn["text"]]
+        ev.append({"type": "response.failed", "response": {**_response(turn, n, [], "failed"),
+                   "error": {"code": "server_error", "message": turn["failed"]}}})
+        return [{**e, "sequence_number": k} for k, e in enumerate(ev)]
     if not stream:
         return _response(turn, n, [item])
     ev = [{"type": "response.created", "response": _response(turn, n, [], "in_progress")}]
@@ -350,3 +362,21 @@ async def test_http_500_fails_the_run(stub, store, model_cls):
     assert kinds(log) == ["run.started", "run.failed"]
     assert log[-1].payload.error == "InternalServerError"
     assert len(stub.requests) == 1  # max_retries=0: no retry
+
+
+async def test_a_streamed_reply_that_fails_says_why_in_the_log(stub, store):
+    """A Responses stream that ends in ``response.failed``: its run.failed said only "the model
+    stream ended with response.failed", where the SDK's own stream (and the error it carries)
+    says what the server gave as the reason."""
+    stub.script.append(failed("Par", "tial", error="The model is overloaded"))
+    with anyio.fail_after(10):
+        async with open_deck(stub, agents.OpenAIResponsesModel, store) as deck:
+            events = []
+            with pytest.raises(agents.ModelBehaviorError, match="The model is overloaded"):
+                async for event in deck.stream("bot", "hi", run_id="run-failed"):
+                    events.append(event)
+    log = await store.read("run-failed")
+    assert kinds(log) == kinds(events) == ["run.started", "text.delta", "text.delta", "run.failed"]
+    assert log[-1].payload.error == "ModelBehaviorError"
+    assert "response.failed" in log[-1].payload.message
+    assert "server_error" in log[-1].payload.message and "The model is overloaded" in log[-1].payload.message
