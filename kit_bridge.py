@@ -1,9 +1,9 @@
 """kit_bridge: the asyncio loop that plays the engines when kit runs under trio.
 
 Owns: ``Bridge`` (one asyncio loop in a daemon thread, the calls into it and the mailbox out of
-it), ``on_asyncio`` (await an engine coroutine from asyncio or trio alike) and ``spawn`` (a
-background asyncio task that outlives the call that starts it). This is the only
-kit module that touches asyncio directly.
+it), ``on_asyncio`` (await an engine coroutine from asyncio or trio alike; under trio on one
+bridge per trio run) and ``spawn`` (a background asyncio task that outlives the call that starts
+it). This is the only kit module that touches asyncio directly.
 
 Must never: know what a run, an event or a store is (it carries opaque items), block the trio
 side, or wake the trio side once per item.
@@ -198,16 +198,38 @@ def _settle(reply: asyncio.Future[Any], error: BaseException | None) -> None:
             reply.set_exception(error)
 
 
+#: Under trio, the ``Bridge`` that ``on_asyncio`` calls share, per trio run (by its token): what
+#: a caller keeps between calls (an OpenAI client's pooled connections, a Redis session's lock)
+#: is bound to the asyncio loop that first used it, so every call plays on that one loop. A
+#: bridge of its own per call closed its loop after it, and the next call over a connection
+#: pooled there failed (``APIConnectionError``).
+_SHARED: dict[Any, Bridge] = {}
+
+
 async def on_asyncio(fn: Callable[[], Awaitable[Any]]) -> Any:
-    """Await ``fn()`` on an asyncio loop: this one, or under trio a temporary ``Bridge``."""
+    """Await ``fn()`` on an asyncio loop: this one, or under trio the ``Bridge`` this trio run's
+    calls share (started by the first, stopped when the trio run ends)."""
     if sniffio.current_async_library() == "asyncio":
         return await fn()
-    bridge = Bridge()
-    bridge.start()
+    import trio
+    token = trio.lowlevel.current_trio_token()
+    bridge = _SHARED.get(token)
+    if bridge is None:
+        bridge = _SHARED[token] = Bridge()
+        bridge.start()
+        trio.lowlevel.spawn_system_task(_hold, token, bridge)
+    return await bridge.call(fn)
+
+
+async def _hold(token: Any, bridge: Bridge) -> None:
+    """A trio system task: keeps the run's shared bridge until the run ends (its system tasks
+    are cancelled then), then stops it."""
     try:
-        return await bridge.call(fn)
+        await anyio.sleep_forever()
     finally:
-        await bridge.stop()
+        del _SHARED[token]
+        with anyio.CancelScope(shield=True):
+            await bridge.stop()
 
 
 def spawn(fn: Callable[[], Awaitable[Any]], bridge: Bridge | None = None

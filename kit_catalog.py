@@ -114,7 +114,8 @@ class Agent:
 
         With a ``session`` (an ``agents.memory.Session``) the agent's own ``history_limit``
         applies. Tools that declare a ``Context[...]`` refuse when called (the run carries no
-        context). Works under asyncio and trio (trio plays it on a temporary asyncio thread).
+        context). Works under asyncio and trio (trio plays it on an asyncio thread that a trio
+        run's headless calls share).
         """
         import kit_agents
         if self._headless is None:

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 import kit
+from kit_bridge import on_asyncio
 from kit_store import SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -380,3 +381,18 @@ async def test_a_streamed_reply_that_fails_says_why_in_the_log(stub, store):
     assert log[-1].payload.error == "ModelBehaviorError"
     assert "response.failed" in log[-1].payload.message
     assert "server_error" in log[-1].payload.message and "The model is overloaded" in log[-1].payload.message
+
+
+async def test_headless_runs_reuse_the_models_client_one_after_another(stub):
+    """``Agent.run`` (no deck) under trio played each call on an asyncio loop of its own, closed
+    after it: the next call over the client's pooled (keep-alive) connection failed with
+    ``APIConnectionError``, every other call."""
+    stub.script += [text("one"), text("two"), text("three")]
+    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
+    agent = kit.Agent("bot", "Be brief.", model=agents.OpenAIResponsesModel("gpt-4o", client))
+    try:
+        with anyio.fail_after(10):
+            outputs = [(await agent.run("hi")).final_output for _ in range(3)]
+    finally:
+        await on_asyncio(client.close)  # where its connections live (trio: that asyncio loop)
+    assert outputs == ["one", "two", "three"] and len(stub.requests) == 3
