@@ -582,24 +582,34 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
 
 
 def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
-    """An SDK ``FunctionTool`` whose exception the SDK hands the model as an error string (its
-    failure error function): a copy (the caller's object is left as built) whose calls that
-    failed say ``is_error`` in their ``tool.completed``, as a plain function's do. One whose
-    exception fails the run (no failure error function) is kept as it is."""
+    """An SDK ``FunctionTool`` whose exception or timeout the SDK hands the model as an error
+    string (its failure or timeout error function): a copy (the caller's object is left as
+    built) whose calls that failed say ``is_error`` in their ``tool.completed``, as a plain
+    function's do. What fails the run instead (no failure error function, a timeout that
+    raises) is left as it is."""
     from agents.tool import (
-        resolve_function_tool_failure_error_function, set_function_tool_failure_error_function,
+        default_tool_timeout_error_message, resolve_function_tool_failure_error_function,
+        set_function_tool_failure_error_function,
     )
     told = resolve_function_tool_failure_error_function(tool)
-    if told is None:
+    timed = tool.timeout_seconds is not None and tool.timeout_behavior == "error_as_result"
+    if told is None and not timed:
         return tool
 
-    def failed(ctx: Any, error: Exception) -> Any:
-        run = getattr(ctx, "context", None)
-        if isinstance(run, RunHandle):
-            run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
-        return told(ctx, error)  # the SDK awaits an awaitable answer
+    def flagged(say: Callable[[Any, Exception], Any]) -> Callable[[Any, Exception], Any]:
+        def failed(ctx: Any, error: Exception) -> Any:
+            run = getattr(ctx, "context", None)
+            if isinstance(run, RunHandle):
+                run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
+            return say(ctx, error)  # the SDK awaits an awaitable answer
+        return failed
 
-    return set_function_tool_failure_error_function(copy.copy(tool), failed)
+    tool = copy.copy(tool)
+    if timed:
+        tool.timeout_error_function = flagged(tool.timeout_error_function or (
+            lambda ctx, error: default_tool_timeout_error_message(
+                tool_name=tool.name, timeout_seconds=tool.timeout_seconds)))
+    return tool if told is None else set_function_tool_failure_error_function(tool, flagged(told))
 
 
 def _mcp_tool_error(ctx: Any, error: Exception) -> str:

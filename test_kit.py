@@ -428,6 +428,29 @@ async def test_an_sdk_tools_error_is_logged_as_one(store):
     assert result.output == "sorry"
 
 
+async def test_an_sdk_tool_that_times_out_is_logged_as_an_error(store):
+    """An SDK tool whose ``timeout`` the SDK reports to the model as text: its
+    ``tool.completed`` said ``is_error=False``."""
+    @agents.function_tool(timeout=0.01)
+    async def hang() -> str:
+        """Never answers."""
+        await anyio.sleep_forever()
+
+    @agents.function_tool(timeout=0.01, timeout_error_function=lambda ctx, error: "gave up")
+    async def stall() -> str:
+        """Never answers either."""
+        await anyio.sleep_forever()
+
+    model = ScriptedModel([[{"tool": "hang", "args": {}}, {"tool": "stall", "args": {}}], "sorry"])
+    async with Deck([Agent("a", tools=[hang, stall], model=model)], store=store) as deck:
+        with anyio.fail_after(10):
+            result = await deck.run("a", "x")
+        done = {e.payload.tool: e.payload for e in await store.read(result.run_id)
+                if e.kind == "tool.completed"}
+    assert (done["hang"].is_error, done["hang"].output) == (True, "Tool 'hang' timed out after 0.01 seconds.")
+    assert (done["stall"].is_error, done["stall"].output) == (True, "gave up")
+
+
 @agents.function_tool
 def double(x: int) -> int:
     """Double x."""
