@@ -75,6 +75,10 @@ SDK_TOOLS = tuple(typing.get_origin(t) or t for t in typing.get_args(sdk.Tool))
 
 #: The run a model call belongs to (set around Runner.run; the SDK's tasks inherit it).
 _CURRENT_RUN: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_run", default=None)
+#: This play of a run: its (input, output) tokens when the play began (the SDK's usage counts
+#: the play's model calls only; a resumed run's earlier ones are in its log), and how many of
+#: its agent tools are running (``_record_untapped``).
+_PLAY: contextvars.ContextVar[list[int]] = contextvars.ContextVar("kit_play")
 _UNPRICED: set[str] = {SCRIPTED_NAME}  # known without genai-prices' table (0.1 s to load)
 #: model -> USD (per call, per uncached input token, per cached input token, per output token),
 #: for a model whose price is one flat rate (no tiers, no dated or timed prices): genai-prices'
@@ -304,6 +308,8 @@ class _KitHooks(sdk.RunHooks):
     async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
         run = context.context
         if isinstance(run, RunHandle):
+            if getattr(tool, "_is_agent_tool", False):
+                _PLAY.get()[2] += 1
             call_id = getattr(context, "tool_call_id", None) or uuid.uuid4().hex
             await run.durable(ToolStarted(call_id, tool.name, getattr(context, "tool_arguments", "") or ""),
                               origin=_tool_origin(run, agent, tool))
@@ -311,9 +317,39 @@ class _KitHooks(sdk.RunHooks):
     async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
         run = context.context
         if isinstance(run, RunHandle):
+            if getattr(tool, "_is_agent_tool", False):
+                _record_untapped(run, context, agent, tool)
             call_id = getattr(context, "tool_call_id", None) or ""
             run.emit(ToolCompleted(call_id, tool.name, jsonable(result), call_id in run.tool_errors),
                      origin=_tool_origin(run, agent, tool))
+
+
+def _record_untapped(run: RunHandle, context: Any, agent: Any, tool: Any) -> None:
+    """An agent played as a tool (``Agent.as_tool``) calls its own model, which kit does not
+    wrap; the SDK counts those calls in the run's usage (the agent's run shares it). What it
+    counted beyond the calls kit recorded in this play is theirs: one ``model.completed`` of
+    that agent's model, so the run's usage holds them. They are priced as that model's only
+    when they can be nothing else: when no other agent tool ran meanwhile and the agent has no
+    agent tools of its own; else their cost is unknown (None)."""
+    play, usage = _PLAY.get(), getattr(context, "usage", None)
+    alone, play[2] = play[2] == 1, play[2] - 1
+    if usage is None:
+        return
+    extra_in = max(usage.input_tokens - (run.input_tokens - play[0]), 0)
+    extra_out = max(usage.output_tokens - (run.output_tokens - play[1]), 0)
+    if not (extra_in or extra_out):
+        return
+    inner = getattr(tool, "_agent_instance", None)
+    model = getattr(inner, "model", None)
+    if model is None:
+        name = get_default_model()
+    else:
+        name = model if isinstance(model, str) else str(getattr(model, "model", None)
+                                                          or type(model).__name__)
+    nested = any(getattr(t, "_is_agent_tool", False) for t in getattr(inner, "tools", ()))
+    usd = _price(name, extra_in, extra_out) if alone and not nested else None
+    run.add_usage(extra_in, extra_out, usd)
+    run.emit(ModelCompleted(name, extra_in, extra_out, usd), origin=_tool_origin(run, agent, tool))
 
 
 def _tool_origin(run: RunHandle, agent: Any, tool: Any) -> str:
@@ -656,6 +692,7 @@ class AgentEngine:
         """Engine side: play one turn on ``run``, ending it with its terminal or parking event
         (durable when this returns). A run's failure is recorded, then re-raised."""
         token = _CURRENT_RUN.set(run)
+        base = _PLAY.set([run.input_tokens, run.output_tokens, 0])
         try:
             result = await sdk.Runner.run(self.sdk_agent, items, context=run, hooks=_HOOKS,
                                           run_config=self.limited(run_config, session),
@@ -679,6 +716,7 @@ class AgentEngine:
             raise
         finally:
             _CURRENT_RUN.reset(token)
+            _PLAY.reset(base)
         if result.interruptions:  # a tool approval the SDK waits for (a tool kit did not build)
             run.error = ConfigError(f"the turn stopped for a tool approval kit cannot grant: "
                                     f"{', '.join(i.name or '?' for i in result.interruptions)}")

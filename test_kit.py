@@ -451,6 +451,34 @@ async def test_an_sdk_tool_that_times_out_is_logged_as_an_error(store):
     assert (done["stall"].is_error, done["stall"].output) == (True, "gave up")
 
 
+async def test_an_agent_played_as_a_tool_counts_in_the_runs_usage(store):
+    """An SDK agent as a tool (``Agent.as_tool``) calls its own model, which kit does not wrap:
+    its tokens and cost were missing from the run's usage, and no ``model.completed`` said
+    they were spent, while the SDK's own usage counted them."""
+    from genai_prices import Usage as PriceUsage, calc_price
+    inner = agents.Agent("helper", instructions="Help.",
+                         model=ScriptedModel(["an answer of five words"], name="gpt-4o"))
+    model = ScriptedModel([{"tool": "helper", "args": {"input": "do it"}}, "done"], name="gpt-4o")
+    agent = Agent("a", tools=[inner.as_tool("helper", "Helps.")], model=model)
+    async with Deck([agent], store=store) as deck:
+        result = await deck.run("a", "go")
+        log = await store.read(result.run_id)
+    calls = [e for e in log if e.kind == "model.completed"]
+    assert [(e.origin, e.payload.model) for e in calls] == [
+        ("a", "gpt-4o"), ("a/helper", "gpt-4o"), ("a", "gpt-4o")]
+    assert kinds(log)[2:5] == ["tool.started", "model.completed", "tool.completed"]
+    helper = calls[1].payload
+    assert (helper.input_tokens, helper.output_tokens) == (len("Help. do it".split()), 5)
+    price = calc_price(PriceUsage(input_tokens=helper.input_tokens, output_tokens=5),
+                       model_ref="gpt-4o", provider_id="openai").total_price
+    assert helper.usd == pytest.approx(float(price), rel=1e-9)
+    usage = log[-1].payload.usage
+    assert (usage.input_tokens, usage.output_tokens) == (
+        sum(e.payload.input_tokens for e in calls), sum(e.payload.output_tokens for e in calls))
+    assert usage.usd == pytest.approx(sum(e.payload.usd for e in calls), rel=1e-9)
+    assert result.usage == usage
+
+
 @agents.function_tool
 def double(x: int) -> int:
     """Double x."""
