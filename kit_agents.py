@@ -540,8 +540,9 @@ def _model_input(blocks: Sequence[Any], chat: bool,
 
     Resource and data blocks are recorded in the log but not sent (SPEC 8). Raises
     ``ConfigError`` naming a block this engine path cannot express (audio off the
-    chat-completions path; anything but text in an assistant message), ``ContentError`` when
-    nothing is left to send.
+    chat-completions path; anything but text in an assistant message; an image or audio in a
+    system or developer message on the chat-completions path), ``ContentError`` when nothing is
+    left to send.
     """
     if not history and len(blocks) == 1 and isinstance(blocks[0], TextBlock):
         return blocks[0].text
@@ -551,6 +552,13 @@ def _model_input(blocks: Sequence[Any], chat: bool,
 
 def _history_item(message: HistoryMessage, chat: bool) -> dict[str, Any]:
     if message.role != "assistant":
+        if chat and message.role in ("system", "developer"):
+            for b in message.content:  # the SDK's Chat Completions converter drops them unsaid
+                if isinstance(b, (ImageBlock, AudioBlock)):
+                    raise ConfigError(f"a {message.role} message in the history carries a "
+                                      f"{type(b).__name__}; the Chat Completions API takes only "
+                                      f"text in a {message.role} message: send it in a user "
+                                      "message")
         return {"role": message.role, "content": _parts(message.content, chat)}
     for b in message.content:
         if not isinstance(b, TextBlock):

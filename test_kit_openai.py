@@ -396,3 +396,26 @@ async def test_headless_runs_reuse_the_models_client_one_after_another(stub):
     finally:
         await on_asyncio(client.close)  # where its connections live (trio: that asyncio loop)
     assert outputs == ["one", "two", "three"] and len(stub.requests) == 3
+
+
+async def test_an_image_in_a_system_message_of_the_history_is_refused_on_the_chat_path(stub, store):
+    """The SDK's Chat Completions converter keeps only the text of a system or developer
+    message: an image in one was dropped unsaid (the model never saw it, the log said it was
+    given). It is refused before anything is written, as an assistant's image is."""
+    history = [kit.HistoryMessage(role, [kit.TextBlock("Look:"), kit.ImageBlock("image/png", PNG)])
+               for role in ("system", "developer")]
+    with anyio.fail_after(10):
+        async with open_deck(stub, agents.OpenAIChatCompletionsModel, store) as deck:
+            for message in history:
+                with pytest.raises(kit.ConfigError, match=f"a {message.role} message in the "
+                                   "history carries a ImageBlock"):
+                    await deck.run("bot", "hi", history=[message])
+            stub.script.append(text("Seen."))  # in a user message it reaches the model
+            result = await deck.run("bot", "hi", history=[
+                kit.HistoryMessage("system", "Be brief."),
+                kit.HistoryMessage("user", [kit.TextBlock("Look:"), kit.ImageBlock("image/png", PNG)])])
+    assert result.output == "Seen." and [r.run_id for r in await store.runs()] == [result.run_id]
+    [body] = stub.bodies()
+    parts = [p for m in body["messages"] if m["role"] == "user" for p in m["content"]]
+    assert [p["image_url"]["url"] for p in parts if p["type"] == "image_url"] == [
+        f"data:image/png;base64,{PNG}"]
