@@ -641,6 +641,9 @@ class MemoryStore(StoreBase):
         if info is not None:
             self._index[run_id] = replace(info, status=RunStatus.FAILED)
         del self._leases[run_id]
+        # Its followers wait for a wake-up, with no poll to fall back on: a run overtaken for
+        # its session is not in the batch whose commit wakes followers (``StoreBase.append``).
+        self._woken(run_id, None)
 
     def _read(self, run_id: str, after: int) -> list[Event]:
         log = self._logs.get(run_id, [])

@@ -533,6 +533,25 @@ async def test_follow_after_a_parked_run_waits_for_new_events(store):
     assert [e.seq for e in got] == [3, 4, 5]
 
 
+async def test_a_follower_of_a_run_overtaken_for_its_session_gets_its_end(store):
+    await store.append([started("old", session_id="s")], claims=[Claim("old", "dead", 0.05, session_id="s")])
+    got: list[Event] = []
+
+    async def collect() -> None:
+        async for e in store.follow("old"):
+            got.append(e)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(collect)
+            while not got:
+                await anyio.sleep(0.01)
+            await anyio.sleep(0.1)  # the lease lapses while the follower waits
+            await store.append([started("new", session_id="s")],
+                               claims=[Claim("new", "me", 30, session_id="s")])
+    assert kinds(got) == ["run.started", "run.failed"]
+
+
 async def test_closing_the_store_ends_a_waiting_follow(store):
     async def follow() -> None:
         async for _ in store.follow("r1"):
