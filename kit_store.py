@@ -593,9 +593,16 @@ class MemoryStore(StoreBase):
             if (info := self._index.get(e.run_id)) is not None and info.status in ENDED:
                 raise LogConflictError(e.run_id, e.seq, info.status)
         overtaken = []
+        # Each claim meets the ones before it in the batch too, as the SQL stores insert them
+        # one after another: a second claim of one session finds it busy.
+        claiming: dict[tuple[str, str], str] = {}
         for claim in claims:
             if claim.run_id in self._leases or claim.session_id is None:
                 continue
+            key = (claim.namespace or "", claim.session_id)
+            if key in claiming:
+                raise SessionBusyError(claim.session_id, claiming[key], claim.namespace)
+            claiming[key] = claim.run_id
             holder = self._holder(claim.session_id, claim.namespace or "")
             if holder is not None:
                 until = self._leases[holder].until

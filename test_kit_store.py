@@ -413,6 +413,15 @@ async def test_second_claim_on_a_session_is_busy_and_writes_nothing(store):
     assert await store.session_holder("s") == "r3"
 
 
+async def test_two_claims_on_one_session_in_one_batch_are_busy_and_write_nothing(store):
+    with pytest.raises(kit.SessionBusyError) as info:
+        await store.append([started("r1", session_id="s"), started("r2", session_id="s")],
+                           claims=[Claim("r1", "me", 30, session_id="s"),
+                                   Claim("r2", "me", 30, session_id="s")])
+    assert (info.value.session_id, info.value.run_id) == ("s", "r1")
+    assert await store.runs() == [] and await store.session_holder("s") is None
+
+
 async def test_terminal_frees_the_session(store):
     await store.append([started("r1", session_id="s")], claims=[Claim("r1", "me", 30, session_id="s")])
     await store.append([ev("r1", 1, kit.RunCompleted("ok"))])
