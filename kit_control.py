@@ -62,8 +62,8 @@ _log = logging.getLogger("kit.runtime")
 class RunControl:
     """The Runtime's run control and parked runs: a mixin of ``kit_runtime.Runtime``, whose
     state it reads (``specs``, ``store``, ``writer``, ``active``, ``graphs``, ``sessions``) and
-    whose write path it writes through (``_new_run``, ``_begin``, ``_write``, ``_fence``,
-    ``_hold``, ``_end_unplayed``, ``_play``, ``_finish``, ``_streamed``, ``_on_engine``)."""
+    whose write path it writes through (``_new_run``, ``_begin``, ``_start_run``, ``_write``,
+    ``_fence``, ``_play``, ``_finish``, ``_streamed``, ``_on_engine``)."""
 
     def _init_control(self) -> None:
         self._seen_request = 0  # the newest control request this deck has acted on
@@ -147,16 +147,13 @@ class RunControl:
 
     async def _take_over(self, run: Run, events: Sequence[Event]) -> None:
         """Become the writer of a parked run: append ``events`` (the resume) with its claim,
-        fenced by seq (``LogConflictError`` when another caller got there first)."""
+        fenced by seq (``LogConflictError`` when another caller got there first), as a fenced
+        start is written (``_start_run``): a caller cancelled meanwhile leaves it cancelled, not
+        resumed; while the store takes no writes, ``StoreUnavailableError`` after the bound
+        (``"not started"``: the run stays parked; else it is recorded failed)."""
         run.seq = events[-1].seq
         try:
-            with self._fence(run.run_id, events[0].seq, run):
-                try:
-                    await self._write(run, events, self._claim(run))
-                except anyio.get_cancelled_exc_class():
-                    await self._end_unplayed(run, run.seq)  # or it would be left resumed
-                    raise
-                self._hold(run, run.seq)
+            await self._start_run(run, events, True)
         except BaseException:
             self._unstream(run)
             raise

@@ -661,20 +661,21 @@ class Runtime(RunControl):
         started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks,
                                                   history=history), spec.name)
         try:
-            await self._start_run(run, started, fenced)
+            await self._start_run(run, [started], fenced)
         except BaseException:
             self._unstream(run)
             raise
         self.active[run.run_id] = run
         return run, job, started
 
-    async def _start_run(self, run: Run, started: Event, fenced: bool) -> None:
-        """Write a run's start, with its claim. A start that something could refuse (a session
-        to hold, a caller's run id that is not a ``NewRunId``) is committed now, so a refusal
-        writes nothing and reaches the caller; any other rides in the run's first group commit
-        (one transaction per short turn). While the store is down the start waits
-        (``StoreUnavailableError`` after the stated bound, with the run recorded as failed once
-        the store is back)."""
+    async def _start_run(self, run: Run, events: Sequence[Event], fenced: bool) -> None:
+        """Write a run's start (its ``run.started``, or a parked run's resume: ``_take_over``),
+        with its claim. A start that something could refuse (a session to hold, a caller's run
+        id that is not a ``NewRunId``, a take-over) is committed now, so a refusal writes nothing
+        and reaches the caller; any other rides in the run's first group commit (one transaction
+        per short turn). While the store is down the start waits (``StoreUnavailableError``
+        after the stated bound, with the run recorded as failed once the store is back)."""
+        first, last = events[0].seq, events[-1].seq
         down = self.writer.down_since
         if down is not None and anyio.current_time() - down >= self.down_limit:
             raise StoreUnavailableError(run.run_id, anyio.current_time() - down,
@@ -683,22 +684,22 @@ class Runtime(RunControl):
             with anyio.move_on_after(self.down_limit) as waiting:
                 await self.writer.room()
                 if fenced:
-                    with self._fence(run.run_id, started.seq, run):
+                    with self._fence(run.run_id, first, run):
                         try:
-                            await self._write(run, [started], self._claim(run))
+                            await self._write(run, events, self._claim(run))
                         except anyio.get_cancelled_exc_class():
                             if not waiting.cancel_called:  # its caller's (an outage: below)
-                                await self._end_unplayed(run, started.seq)
+                                await self._end_unplayed(run, last)
                             raise
-                        self._hold(run, started.seq)
+                        self._hold(run, last)
                     return
             if waiting.cancelled_caught:
                 if not self.writer.holds(run.run_id):
                     raise StoreUnavailableError(run.run_id, self.down_limit, outcome="not started")
                 error = StoreUnavailableError(run.run_id, self.down_limit)
-                self._put(run, Event(run.run_id, 1, run.failure(error), run.origin))  # its start
+                self._put(run, Event(run.run_id, last + 1, run.failure(error), run.origin))
                 raise error  # will be written: so is its end
-        self._put(run, started, self._claim(run))
+        self._put(run, events[0], self._claim(run))  # (unfenced: a new run's run.started alone)
 
     async def _end_unplayed(self, run: Run, seq: int) -> None:
         """Kit side: the caller of ``run`` was cancelled while the first events of its play

@@ -462,6 +462,44 @@ async def test_a_resume_request_that_meets_a_store_blip_is_taken_up_once_it_pass
             assert store.failures == 1 and await deck.status(run_id) is RunStatus.COMPLETED
 
 
+def paused_run(run_id: str, session_id: str | None = None) -> list[Event]:
+    """A paused agent run, as another process left it."""
+    return [Event(run_id, 0, kit.RunStarted("a", "agent", session_id, None, (kit.TextBlock("hi"),)), "a"),
+            Event(run_id, 1, kit.ControlRequested("pause", None, "api"), "a"),
+            Event(run_id, 2, kit.RunPaused(None, [{"role": "user", "content": "hi"}]), "a")]
+
+
+async def test_a_resume_while_the_store_takes_no_writes_is_told_so_within_the_bound(tmp_path, monkeypatch):
+    """A resume (an answer, a tick's wake-up) waited for its take-over for as long as the store
+    took no writes, where a new run's caller is told after KIT_STORE_DOWN_SECONDS: an HTTP resume
+    hung until the store came back."""
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
+    first, second = kit.new_run_id(), kit.new_run_id()
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        await store.append(paused_run(first, "s"), claims=[kit.Claim(first, "gone", 30, "s")])
+        await store.append(paused_run(second))
+        async with Deck([Agent("a", model=ScriptedModel(["resumed"], cycle=True))], store=store) as deck:
+            store.down = True
+            with anyio.fail_after(20):
+                with pytest.raises(StoreUnavailableError) as stopped:
+                    await deck.resume(first)  # its take-over waits in the writer's buffer
+                with pytest.raises(StoreUnavailableError) as refused:
+                    await deck.resume(second)  # down past the bound already: nothing is written
+            assert (stopped.value.run_id, stopped.value.outcome) == (first, "stopped")
+            assert (refused.value.run_id, refused.value.outcome) == (second, "not started")
+            store.down = False
+
+            async def written() -> bool:
+                return await deck.status(first) is RunStatus.FAILED
+            await until(written)
+            log = await store.read(first)
+            assert kinds(log)[3:] == ["control.requested", "run.resumed", "run.failed"]
+            assert log[-1].payload.error == "StoreUnavailableError"
+            assert await store.session_holder("s") is None  # its session is free again
+            assert await deck.status(second) is RunStatus.PAUSED  # it can still be resumed
+            assert (await deck.resume(second))[-1].payload.output == "resumed"
+
+
 async def test_a_renewal_that_fails_is_tried_again_within_the_lease(tmp_path, monkeypatch):
     """A renewal failed twice (a dropped connection, a locked file) backed off past the lease:
     the renewals came 1 s, then 2 s apart, and another process reaped the live run as abandoned
