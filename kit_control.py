@@ -82,7 +82,8 @@ class RunControl:
         run = self._playing(run_id)
         if run is not None:
             run.request(action, reason, source)
-            await self.writer.flush()  # its start may wait in the buffer: the store must know it
+            with anyio.move_on_after(self.down_limit):  # (not for as long as the store is down)
+                await self.writer.flush()  # its start may wait in the buffer: the store must know it
         request_id = await self.store.request(run_id, action, reason, source)
         self._handled.add(request_id)
         if run is None:

@@ -818,8 +818,9 @@ class Runtime(RunControl):
 
     async def status(self, run_id: str) -> RunStatus | None:
         check_id("run_id", run_id)
-        if run_id in self.active:
-            await self.writer.flush()  # its start may still wait for the group commit
+        if run_id in self.active:  # its start may still wait for the group commit, but no
+            with anyio.move_on_after(self.down_limit):  # longer than a start waits for the store
+                await self.writer.flush()
         info = await self.store.run_info(run_id)
         return info.status if info is not None else None
 

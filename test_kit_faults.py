@@ -500,6 +500,38 @@ async def test_a_resume_while_the_store_takes_no_writes_is_told_so_within_the_bo
             assert (await deck.resume(second))[-1].payload.output == "resumed"
 
 
+async def test_a_runs_status_asked_while_the_store_takes_no_writes_comes_within_the_bound(
+        tmp_path, monkeypatch):
+    """The status of a run played here (GET /runs/{id}, and the check before an HTTP pause or
+    cancel) and a pause or cancel of it committed what was buffered first, waiting for as long
+    as the store took no writes: they hung until the store came back, long after the run's own
+    caller was told."""
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        def outage() -> str:
+            """The store goes away."""
+            store.down = True
+            return "ok"
+
+        agent = Agent("a", tools=[outage], model=ScriptedModel([{"tool": "outage"}, LONG]))
+        async with Deck([agent], store=store) as deck:
+            results: list = []
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    await start_in_background(tg, deck, results, "a", "hi", run_id="r1")
+                    while not store.failures:  # a batch of the run waits for the store
+                        await anyio.sleep(0.001)
+                    statuses: list = []
+
+                    async def status() -> None:
+                        statuses.append(await deck.status("r1"))
+                    tg.start_soon(status)
+                    tg.start_soon(functools.partial(deck.cancel, "r1"))
+            assert statuses == [RunStatus.RUNNING]  # its start committed, not its end
+            assert isinstance(results[0], StoreUnavailableError)
+            store.down = False
+
+
 async def test_a_renewal_that_fails_is_tried_again_within_the_lease(tmp_path, monkeypatch):
     """A renewal failed twice (a dropped connection, a locked file) backed off past the lease:
     the renewals came 1 s, then 2 s apart, and another process reaped the live run as abandoned
