@@ -652,6 +652,11 @@ class PostgresStore(StoreBase):
                                            claim.namespace) from None
                 if code == "23505":  # a claim raced another's insert of the same session
                     await self._busy_session(claims)
+                if isinstance(exc, psycopg.OperationalError):
+                    # A dead connection (a restart, a failover): so is every idle one, each
+                    # a retry and backoff of the writer's. Dropped now (``_on_live``), the
+                    # writer's retry gets a live one.
+                    await self._pool.check()
                 raise
 
     async def _busy_session(self, claims: Sequence[Claim]) -> None:

@@ -858,6 +858,34 @@ async def test_lease_renewal_and_reaping_survive_dropped_pool_connections(postgr
             await call()  # used to raise AdminShutdown
 
 
+def count_connections(url: str, name: str = "kit") -> int:
+    """How many of the store's Postgres connections named ``<name>:<schema>`` there are."""
+    import psycopg
+    conninfo, schema = pg_url(url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                            (f"{name}:{schema}",)).fetchone()[0]
+
+
+async def test_an_append_after_the_server_dropped_the_pool_fails_once_not_once_per_connection(
+        postgres_url):
+    """After a restart or a failover every idle pooled connection is dead, and each append
+    failed on the next one: the writer's retries, backing off each time, took seconds to get a
+    live connection (up to ``POOL_MAX`` of them) while every run's events waited."""
+    import psycopg
+    async with PostgresStore(postgres_url) as store:
+        with anyio.fail_after(20):
+            while await anyio.to_thread.run_sync(count_connections, postgres_url) < 3:
+                async with anyio.create_task_group() as tg:  # readers at once: the pool grows
+                    for _ in range(kit_pg.POOL_MAX):
+                        tg.start_soon(store.read, "r1")
+        assert await anyio.to_thread.run_sync(kill_connections, postgres_url, "kit") >= 3
+        with pytest.raises(psycopg.OperationalError):  # its outcome unknown: the writer retries
+            await store.append([started("r1")])
+        await store.append([started("r1")])  # the retry: on a live connection
+        assert kinds(await store.read("r1")) == ["run.started"]
+
+
 async def test_a_thread_lock_whose_connection_the_server_dropped_is_released_quietly(postgres_url):
     """A ticker's advisory lock on a thread goes with its connection: a release on a connection
     the server dropped mid-run used to raise, which failed the tick of a run that had
