@@ -31,14 +31,12 @@ process that parked it can (``holds_thread``). A durable run that is cancelled o
 the tasks it stopped at, so the next run on its thread applies its input and no tick wakes its
 sleep; only a run whose process died leaves them, for the next run to carry on. A sleep is an
 interrupt of exactly ``{"kind": "sleep", "until": <aware ISO time>}``; any other is a human's
-question. A
-value a checkpoint cannot store fails the run at its first checkpoint, once the run is in the
-log (an answered one for good: its interrupt cannot be answered again), so an input or an
-answer is checked before anything is written (``to_input``, ``check_answer``) and refused as a
-``ContentError``. The
-Postgres checkpointer's pool (``kit-checkpoints:<schema>`` in ``pg_stat_activity``) tests each
-connection when taken, so a durable step after the server dropped them (a restart, a failover)
-reconnects instead of failing its run.
+question. A value a checkpoint cannot store fails the run at its first checkpoint, once the
+run is in the log (an answered one for good: its interrupt cannot be answered again), so an
+input or an answer is checked before anything is written (``to_input``, ``check_answer``) and
+refused as a ``ContentError``. The Postgres checkpointer's pool (``kit-checkpoints:<schema>``
+in ``pg_stat_activity``) tests each connection when taken, so a durable step after the server
+dropped them (a restart, a failover) reconnects instead of failing its run.
 """
 from __future__ import annotations
 
