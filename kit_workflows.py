@@ -363,7 +363,8 @@ def _bind_context(workflow: str, name: str, fn: Callable[..., Any], ctx_names: l
         out.update({n: Context(runtime.context) for n in ctx_names})
         return out
 
-    if inspect.iscoroutinefunction(fn):
+    # A node kept as an object whose ``__call__`` is async is awaited too, as LangGraph does.
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         async def node(state: Any, runtime: Any) -> Any:
             return await fn(state, **kwargs(runtime))
     else:

@@ -245,6 +245,23 @@ async def test_a_context_inside_annotated_or_optional_is_given_the_run_context()
         assert await deck.run("w", {"log": []}, context=Deps("s2")) == {"log": ["s2"]}
 
 
+async def test_a_node_kept_as_an_object_gets_the_context(store):
+    """A node that is an object with an ``async def __call__`` (LangGraph awaits those) was
+    called without awaiting: every run failed with LangGraph's "Expected dict, got <coroutine>"."""
+    class Review:
+        async def __call__(self, state: State, ctx: Context[Deps]) -> dict:
+            return {"log": [f"async {ctx.data.secret}"]}
+
+    class Note:
+        def __call__(self, state: State, ctx: Context[Deps]) -> dict:
+            return {"log": [f"sync {ctx.data.secret}"]}
+
+    g = StateGraph(State).add_node("review", Review()).add_node("note", Note())
+    g.add_edge(START, "review").add_edge("review", "note").add_edge("note", END)
+    async with Deck(workflows=[Workflow("w", g)], store=store, context=Deps) as deck:
+        assert await deck.run("w", {"log": []}, context=Deps("s")) == {"log": ["async s", "sync s"]}
+
+
 async def test_headless_workflow_reaching_a_context_node_raises_the_engines_type_error():
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'ctx'"):
         await Workflow("review", flow(review)).run({"log": []})
