@@ -636,7 +636,13 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
     ours = thread_id is None or thread_id in own
 
     async def play() -> Any:
-        inp = dict(input) if resume is _NO_VALUE else _resume(resume)
+        if resume is _NO_VALUE:
+            inp: Any = dict(input)
+        else:
+            # The question its InterruptResult showed (the first), by id: with several waiting
+            # (parallel nodes) LangGraph refuses an answer that names none.
+            asked = (await graph.aget_state(_config(thread))).interrupts
+            inp = resume_command(asked[0].id, resume) if asked else _resume(resume)
         try:
             out = await graph.ainvoke(inp, _config(thread))
         except BaseException:

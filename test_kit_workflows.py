@@ -678,6 +678,27 @@ async def test_headless_run_resume_and_as_tool_write_no_log(store):
     assert await store.runs() == []
 
 
+async def test_headless_resume_answers_parallel_questions_one_at_a_time():
+    """Two nodes asking at once: ``resume`` raised LangGraph's "When there are multiple pending
+    interrupts, you must specify the interrupt id", so such a thread could never go on."""
+    def first(state: State) -> dict:
+        return {"log": [f"first={kit.interrupt('first?')}"]}
+
+    def second(state: State) -> dict:
+        return {"log": [f"second={kit.interrupt('second?')}"]}
+
+    g = StateGraph(State).add_node("first", first).add_node("second", second)
+    g.add_edge(START, "first").add_edge(START, "second").add_edge(["first", "second"], END)
+    w = Workflow("w", g)
+    asked = await w.run({"log": []}, thread_id="t")
+    answers = {asked.payload: "yes"}
+    again = await w.resume("t", "yes")
+    assert isinstance(again, kit.InterruptResult) and again.payload != asked.payload
+    answers[again.payload] = "no"
+    state = await w.resume("t", "no")
+    assert sorted(state["log"]) == sorted(f"{q[:-1]}={a}" for q, a in answers.items())
+
+
 async def test_headless_runs_leave_no_thread_behind_unless_someone_can_go_on_with_it():
     w = Workflow("w", graph(plan, ask, done))
     saver = w._graph().checkpointer
