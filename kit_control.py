@@ -120,8 +120,8 @@ class RunControl:
                 with self._fence(req.run_id, last.seq + 1):
                     await self._write(None, [
                         Event(req.run_id, last.seq + 1,
-                              ControlRequested("cancel", req.reason, req.source), info.name),
-                        Event(req.run_id, last.seq + 2, RunCancelled(req.reason), info.name)])
+                              ControlRequested("cancel", req.reason, req.source), last.origin),
+                        Event(req.run_id, last.seq + 2, RunCancelled(req.reason), last.origin)])
             except LogConflictError:  # another caller got there first: a cancel, or a resume
                 info = await self.store.run_info(req.run_id)
                 if info is None or info.status is not RunStatus.CANCELLED:
@@ -173,6 +173,7 @@ class RunControl:
         if paused.kind != "run.paused":  # resumed since the index was read: not ours to take
             return None
         run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
+        run.origin = paused.origin  # a child run's is its parent's path (``agent/workflow``)
         for event in log:  # its usage so far: run.completed totals the whole run
             if isinstance(event.payload, ModelCompleted):
                 p = event.payload
@@ -181,8 +182,8 @@ class RunControl:
             await self._check_thread(run)
         try:
             await self._take_over(run, [
-                Event(run_id, paused.seq + 1, ControlRequested("resume", None, "api"), spec.name),
-                Event(run_id, paused.seq + 2, RunResumed("resume"), spec.name)])
+                Event(run_id, paused.seq + 1, ControlRequested("resume", None, "api"), run.origin),
+                Event(run_id, paused.seq + 2, RunResumed("resume"), run.origin)])
         except LogConflictError:
             return None  # another caller resumed it first
         if spec.kind == "agent":
@@ -280,11 +281,12 @@ class RunControl:
             spec.engine.check_answer(value)
         parked = last.payload
         run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
+        run.origin = last.origin  # a child run's is its parent's path (``agent/workflow``)
         run.thread_id = parked.thread_id
         run.thread_key = spec.engine.key(info.namespace, parked.thread_id)
         await self._check_thread(run)
         try:  # (run_id, seq) is unique: of two callers racing to resume, one gets this conflict
-            await self._take_over(run, [Event(run_id, last.seq + 1, RunResumed(by), spec.name)])
+            await self._take_over(run, [Event(run_id, last.seq + 1, RunResumed(by), run.origin)])
         except LogConflictError:
             raise RunNotWaitingError(run_id, "being resumed by another caller", status) from None
         command = kit_workflows.resume_command(parked.interrupt_id, value)

@@ -636,6 +636,24 @@ async def test_a_child_workflow_run_leaves_no_checkpoint(store):
         assert saved(deck, "w") == ([], False)
 
 
+async def test_a_parked_child_run_keeps_its_origin_when_answered_or_cancelled(store):
+    """A child run's events are under its parent's path (``a/w``); those written when it was
+    answered or cancelled were under ``w``, as if another run's."""
+    script = [{"tool": "w", "args": {"log": []}}, "It waits."] * 2
+    agent = Agent("a", model=ScriptedModel(script), workflows=["w"])
+    async with Deck([agent], [Workflow("w", graph(plan, ask, done))], store=store) as deck:
+        for then in ("answer", "cancel"):
+            await deck.run("a", "run w")
+            [parked] = await deck.pending()
+            if then == "answer":
+                await deck.answer(parked.run_id, "yes")
+            else:
+                await deck.cancel(parked.run_id)
+            log = await store.read(parked.run_id)
+            assert {e.origin.rsplit("/", 1)[0] if e.kind == "node.updated" else e.origin
+                    for e in log} == {"a/w"}, [(e.kind, e.origin) for e in log]
+
+
 async def test_a_durable_child_workflow_run_leaves_no_thread_behind(store, tmp_path):
     """A child run's thread is its own run id, which no later run reaches: a durable workflow
     played as a tool left every call's thread in the checkpoint file for good."""
