@@ -628,10 +628,10 @@ class MemoryStore(StoreBase):
             status, info = fold_status(e.kind for e in run_events), self._index.get(run_id)
             if status is not None and info is not None:
                 self._index[run_id] = replace(info, status=status)
-        for e in events:
-            if e.payload.ends == "terminal":
-                self._leases.pop(e.run_id, None)
-            elif e.payload.ends == "parking" and (lease := self._leases.get(e.run_id)):
+            ends = run_events[-1].payload.ends  # as it stands after the batch, as in SQLite
+            if ends == "terminal":
+                self._leases.pop(run_id, None)
+            elif ends == "parking" and (lease := self._leases.get(run_id)):
                 lease.until = None
 
     def _insert(self, event: Event) -> None:

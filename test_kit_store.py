@@ -447,6 +447,15 @@ async def test_parking_keeps_the_session_without_a_lease_to_lapse(store):
     assert (await store.run_info("r1")).status is RunStatus.COMPLETED
 
 
+async def test_a_batch_that_parks_a_run_and_goes_on_leaves_it_a_lease_to_lapse(store):
+    await store.append([started("r1", session_id="s")], claims=[Claim("r1", "me", 0.05, session_id="s")])
+    await store.append([ev("r1", 1, kit.RunPaused("safe point")), ev("r1", 2, kit.RunResumed("resume"))])
+    assert (await store.run_info("r1")).status is RunStatus.RUNNING
+    await anyio.sleep(0.1)
+    assert await store.reap() == ["r1"]  # playing, not parked: its session is not held forever
+    assert await store.session_holder("s") is None
+
+
 async def test_lapsed_lease_is_taken_over_and_the_old_run_is_abandoned(store):
     await store.append([started("old", name="olds", session_id="s"), ev("old", 1, kit.TextDelta("a"))],
                        claims=[Claim("old", "dead", 0.05, session_id="s")])
