@@ -694,7 +694,7 @@ class MemoryStore(StoreBase):
         return len(self._controls)
 
     def _requests(self, after: int) -> list[ControlRequest]:
-        return self._controls[after:]
+        return self._controls[max(after, 0):]  # (ids are 1, 2, ...: a negative index is no id)
 
     def _holder(self, session_id: str, namespace: str) -> str | None:
         return next((r for r, lease in self._leases.items()

@@ -507,6 +507,14 @@ async def test_two_reapers_write_one_failure(shared_url):
 
 # ================================================================================== follow ====
 
+async def test_requests_after_any_id_below_the_first_are_all_of_them(store):
+    await store.append([started("r1")])
+    ids = [await store.request("r1", action) for action in ("pause", "resume", "cancel")]
+    for after in (-1, 0):  # -1, as read() takes it: from the start
+        assert [r.id for r in await store.requests(after)] == ids
+    assert [r.action for r in await store.requests(ids[0])] == ["resume", "cancel"]
+
+
 async def test_follow_replays_then_goes_live_and_stops_at_terminal(store):
     early: list[Event] = []
     late: list[Event] = []
