@@ -228,6 +228,31 @@ class RunControl:
                     await self._act_or_raise(req)
                 self._seen_request = req.id
 
+    async def _missed_requests(self, backlog: Sequence[ControlRequest]) -> None:
+        """At open: the requests made while no deck was open to hear them (``kit runs signal``
+        against a stopped service) are orders still, not history. A cancel of a run still parked
+        was never acted on (it would have ended the run); a resume of a run still paused is, when
+        no pause followed it. Acted on as the watch acts (the first deck to write wins)."""
+        try:
+            parked = {info.run_id: info.status for status in _PARKED
+                      for info in await self.store.runs(status=status)}
+        except Exception as exc:  # the store failed: they wait for the next open
+            _log.error("reading the parked runs at open failed: %s: %s", type(exc).__name__, exc)
+            return
+        last: dict[str, ControlRequest] = {}
+        for req in backlog:  # per parked run: its first cancel, else its last request
+            if req.run_id in parked and getattr(last.get(req.run_id), "action", "") != "cancel":
+                last[req.run_id] = req
+        for req in last.values():
+            if req.action == "cancel":
+                try:
+                    await self._act(req)
+                except Exception as exc:  # the store failed: logged, the run stays parked
+                    _log.error("control request %d (cancel of run %s) made while no deck was "
+                               "open failed: %s: %s", req.id, req.run_id, type(exc).__name__, exc)
+            elif req.action == "resume" and parked[req.run_id] is RunStatus.PAUSED:
+                self._tg.start_soon(self._resume_quietly, req.run_id)
+
     async def _act_or_raise(self, req: ControlRequest) -> None:
         """``_act``; a failure is raised (``_every`` starts the watch over after its backoff),
         up to ``ACT_TRIES`` times in a row for one request, then logged and passed over."""

@@ -236,6 +236,41 @@ async def test_a_workflow_pauses_between_supersteps_and_resumes(store):
         assert produced[-1].payload.output == {"log": ["first", "second"]}
 
 
+async def test_requests_made_while_no_deck_was_open_are_acted_on_when_one_opens(tmp_path):
+    """`kit runs signal` against a stopped service records its request; the next deck to open
+    acts on it (a cancel of a parked run, a resume of a paused one no pause followed)."""
+    gate, names = Gate(), ("cancel", "resume", "kept")
+
+    def agents(*script):
+        return [Agent(name, tools=[gate.wait_tool()], model=ScriptedModel(list(script)))
+                for name in names]
+
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck(agents({"tool": "wait", "args": {"step": 1}}, "all done"), store=store) as deck:
+            for name in names:
+                gate.entered.clear()
+                gate.release.clear()
+                async with anyio.create_task_group() as tg:
+                    await start_in_background(tg, deck, [], name, "go", run_id=name)
+                    await gate.until_entered()
+                    await deck.pause(name)
+                    gate.release.set()
+        # No deck is open: the requests are only recorded (as `kit runs signal` records them).
+        await store.request("cancel", "resume", None, "cli")
+        await store.request("cancel", "cancel", "stop it", "cli")
+        await store.request("resume", "resume", None, "cli")
+        await store.request("kept", "resume", None, "cli")
+        await store.request("kept", "pause", None, "cli")  # a later pause: the run stays
+        async with Deck(agents("all done"), store=store):
+            with anyio.fail_after(10):
+                while (await store.run_info("cancel")).status is not RunStatus.CANCELLED or \
+                        (await store.run_info("resume")).status is not RunStatus.COMPLETED:
+                    await anyio.sleep(0.02)
+        assert (await store.read("cancel"))[-1].payload == kit.RunCancelled("stop it")
+        assert (await store.read("resume"))[-1].payload.output == "all done"
+        assert (await store.run_info("kept")).status is RunStatus.PAUSED
+
+
 async def test_the_cli_pauses_a_run_playing_in_another_process(tmp_path):
     db = tmp_path / "kit.db"
     gate = Gate()
