@@ -132,7 +132,7 @@ _RESPONSES: dict[str, Any] = {
     "409": _error("The session or thread is busy with another run, the run was stopped on "
                   "request, or it is not paused"),
     "413": _error("The body is over 2 MiB"),
-    "415": _error("A body that is not application/json"),
+    "415": _error("A body that is not application/json, or sent with a Content-Encoding"),
     "421": _error("The Host header names a host this server does not answer for "
                   "(KIT_ALLOWED_HOSTS)"),
     "500": _error("The run failed (error: its exception type; the log has the details), or "

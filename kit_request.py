@@ -79,7 +79,8 @@ class BodyTooLargeError(HTTPError):
 
 
 class UnsupportedMediaTypeError(HTTPError):
-    """A POST body that is not ``application/json`` (which also keeps simple cross-site posts out)."""
+    """A POST body that is not ``application/json`` (which also keeps simple cross-site posts
+    out), or is sent with a ``Content-Encoding``."""
 
 
 class ThreadNotWaitingError(HTTPError):
@@ -194,7 +195,9 @@ class Request:
 
     async def body(self) -> bytes:
         """The whole body, refused as soon as it is over ``MAX_BODY_BYTES`` (Content-Length
-        first, then counting chunks). Raises ``BodyTooLargeError``, ``ClientGone``."""
+        first, then counting chunks), or once read when it has a ``Content-Encoding`` (gzip:
+        RFC 9110 section 15.5.16 makes that a 415). Raises ``BodyTooLargeError``,
+        ``UnsupportedMediaTypeError``, ``ClientGone``."""
         self.reading = True
         too_large = BodyTooLargeError(f"the body is over {MAX_BODY_BYTES} bytes")
         length = self.header(b"content-length")
@@ -214,7 +217,12 @@ class Request:
             if size > MAX_BODY_BYTES:
                 raise too_large
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                break
+        coding = (self.header(b"content-encoding") or "identity").strip().lower()
+        if coding != "identity":  # read first: the connection serves the client's next request
+            raise UnsupportedMediaTypeError(f"kit reads bodies without a Content-Encoding, got "
+                                            f"{coding!r}: send the JSON as it is")
+        return b"".join(chunks)
 
     async def drain(self) -> None:
         """Read and drop a body no handler read (a request refused by its path, method or

@@ -3,6 +3,7 @@ httpx and httpx-sse as the client, the bytes on the wire; the ASGI app driven di
 lifespan and disconnects (``kit-serve``, the process: test_kit_serve.py)."""
 from __future__ import annotations
 
+import gzip
 import json
 import operator
 import re
@@ -312,6 +313,8 @@ async def test_a_durable_workflow_without_thread_id_is_a_400_that_speaks_http():
     (b"{}", JSON, 400, "MalformedRequestError"),  # no message
     (b'{"message": "hi"}', {"content-type": "text/plain"}, 415, "UnsupportedMediaTypeError"),
     (b'{"message": "hi"}', {}, 415, "UnsupportedMediaTypeError"),
+    (gzip.compress(b'{"message": "hi"}'), {**JSON, "content-encoding": "gzip"}, 415,
+     "UnsupportedMediaTypeError"),  # named, not "invalid start byte"
 ])
 async def test_hostile_bodies_are_4xx_never_500(body, headers, status, error):
     async with served(catalog()) as (client, _):
