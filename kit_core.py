@@ -374,7 +374,10 @@ def control_refusal(action: str, status: RunStatus) -> str | None:
     if status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
         return f"the run is {status.value}: a finished run takes no {action} request"
     if action == "pause" and status is not RunStatus.RUNNING:
-        return f"the run is {status.value}: it is parked already (cancel or resume it instead)"
+        instead = {RunStatus.WAITING_HUMAN: "answer or cancel it instead",  # no resume: not paused
+                   RunStatus.SLEEPING: "a tick wakes it; cancel it instead"}
+        return (f"the run is {status.value}: it is parked already "
+                f"({instead.get(status, 'resume or cancel it instead')})")
     if action == "resume" and status is not RunStatus.PAUSED:
         return f"the run is {status.value}, not PAUSED: there is nothing to resume"
     return None

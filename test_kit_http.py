@@ -636,6 +636,11 @@ async def test_a_run_id_holding_a_slash_is_followed_and_cancelled_at_its_percent
             got = [json.loads(s.data) async for s in es.aiter_sse()]
         assert {e["run_id"] for e in got} == {run_id}
         assert (got[0]["kind"], got[-1]["kind"]) == ("run.started", "run.interrupted")
+        r = await client.post(f"/runs/{encoded}/pause", json={})  # the advice fits a waiting run
+        assert (r.status_code, r.json()["error"]) == (409, "ControlRefusedError")
+        assert r.json()["message"].endswith("it is parked already (answer or cancel it instead)")
+        r = await client.post(f"/runs/{encoded}/resume")  # which resume would refuse
+        assert (r.status_code, r.json()["error"]) == (409, "NotResumableError")
         r = await client.post(f"/runs/{encoded}/cancel", json={"reason": "not today"})
         assert (r.status_code, r.json()) == (202, {"run_id": run_id, "requested": "cancel"})
         assert await app.deck.status(run_id) is RunStatus.CANCELLED
