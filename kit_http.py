@@ -490,6 +490,13 @@ class App:
                         return await self._stream_run(req, events, v1_workflow_frame)
                     result = await self._run(req, p.run_id, self.deck.answer(p.run_id, value))
                     return await respond(req, 200, _workflow_body(result, p.run_id, thread_id))
+        # A sleep parks in the interrupt shape too, which a client naturally answers here.
+        asleep = [i for i in await self.deck.store.runs(status=RunStatus.SLEEPING, name=name,
+                                                        session_id=thread_id) if i.namespace is None]
+        if asleep:
+            raise ThreadNotWaitingError(f"run {asleep[-1].run_id} of workflow {name!r} sleeps on "
+                                        f"thread {thread_id!r}: an answer cannot wake it, a tick "
+                                        "does once its time has come (deck.tick())")
         raise ThreadNotWaitingError(f"no run of workflow {name!r} waits on thread {thread_id!r}")
 
     async def _control(self, req: Request, run_id: str, action: str) -> None:

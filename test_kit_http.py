@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 from contextlib import asynccontextmanager
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from functools import partial
 from pathlib import Path
 from typing import Annotated, TypedDict
@@ -517,6 +517,29 @@ async def test_pending_lists_only_the_threads_its_resume_route_answers():
         r = await client.post("/workflows/approve/t1/resume", json={"value": "yes"})
         assert (r.status_code, r.json()["run_id"]) == (200, ours)
         assert await app.deck.status(theirs.run_id) is RunStatus.WAITING_HUMAN
+
+
+async def test_a_resume_of_a_sleeping_thread_says_it_sleeps():
+    """A sleep answers in the interrupt shape, so a client POSTs its resume: the 404 says the
+    run sleeps and what wakes it (it said no run waits on the thread, which one does)."""
+    until = datetime.now(timezone.utc) + timedelta(hours=1)
+
+    async def nap(state: State) -> dict:
+        kit.sleep_until(until)
+        return {"log": ["woke"]}
+    deck = Deck(workflows=[Workflow("nap", graph(plan, nap), durable=True)])
+    async with served(deck) as (client, app):
+        r = await client.post("/workflows/nap", json={"input": {}, "thread_id": "t1"})
+        run_id = r.headers["x-kit-run-id"]
+        assert (r.json()["type"], r.json()["payload"]["kind"]) == ("interrupt", "sleep")
+        r = await client.post("/workflows/nap/t1/resume", json={"value": "wake up"})
+        assert (r.status_code, r.json()["error"]) == (404, "ThreadNotWaitingError")
+        assert r.json()["message"] == (f"run {run_id} of workflow 'nap' sleeps on thread 't1': an "
+                                       "answer cannot wake it, a tick does once its time has come "
+                                       "(deck.tick())")
+        assert await app.deck.status(run_id) is RunStatus.SLEEPING
+        r = await client.post("/workflows/nap/t2/resume", json={"value": 1})
+        assert r.json()["message"] == "no run of workflow 'nap' waits on thread 't2'"
 
 
 async def test_workflow_stream_bytes_on_the_wire():
