@@ -186,13 +186,16 @@ class App:
     ``playground`` serves the playground page at ``GET /`` (default: unless ``KIT_PLAYGROUND``
     is ``0``; off, ``/`` is a 404 as before). ``guard`` says which ``Host`` and ``Origin`` headers
     are answered (default: ``Guard.from_env``, which answers loopback names only unless
-    ``KIT_ALLOWED_HOSTS`` says otherwise). Raises ``ConfigError`` for an unknown surface or a
-    malformed setting. HTTP runs never carry a namespace or a context (SPEC 4.3). When the deck
+    ``KIT_ALLOWED_HOSTS`` says otherwise). Raises ``ConfigError`` for an unknown surface, a string
+    for ``surfaces`` (a list of names), or a malformed setting. HTTP runs never carry a namespace or a context (SPEC 4.3). When the deck
     does not open, ``open_error`` holds why (the server's own error only says the lifespan failed).
     """
 
     def __init__(self, deck: Deck, *, native: bool = False, surfaces: typing.Iterable[str] = (),
                  playground: bool | None = None, guard: Guard | None = None) -> None:
+        if isinstance(surfaces, str):  # its letters would each be named an unknown surface
+            raise ConfigError(f"surfaces takes a list of names, got the string {surfaces!r}: "
+                              f"wrap it in a list, surfaces=[{surfaces!r}]")
         self.deck, self.native, self.surfaces = deck, native, frozenset(surfaces)
         unknown = sorted(self.surfaces - set(SURFACES))
         if unknown:

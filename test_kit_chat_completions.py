@@ -454,6 +454,9 @@ async def test_the_surfaces_are_off_unless_asked():
             assert (r.status_code, r.json()["error"]) == (404, "RouteNotFoundError")
     with pytest.raises(kit.ConfigError, match="unknown surface"):
         kit_http.App(Deck(), surfaces=["grpc"])
+    with pytest.raises(kit.ConfigError, match="surfaces takes a list of names, got the string "
+                       "'openai': wrap it in a list"):  # not "unknown surface a, e, i, n, o, p"
+        kit_http.App(Deck(), surfaces="openai")
 
 
 def test_mcp_is_imported_only_when_served():
