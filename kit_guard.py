@@ -117,11 +117,15 @@ class Guard:
     ``allowed_hosts``: host names or addresses (a port is ignored; ``[::1]`` or ``::1``), or
     ``ANY_HOST``.
     ``cors_origins``: ``scheme://host[:port]`` origins. Raises ``ConfigError`` for an entry that
-    is neither.
+    is neither, or for either given as one string rather than a list.
     """
 
     def __init__(self, allowed_hosts: Iterable[str] = LOOPBACK_HOSTS,
                  cors_origins: Iterable[str] = ()) -> None:
+        for name, given in (("allowed_hosts", allowed_hosts), ("cors_origins", cors_origins)):
+            if isinstance(given, str):  # its letters would each be a host: every request a 421
+                raise ConfigError(f"Guard({name}=...) takes a list, got the string {given!r}: "
+                                  f"wrap it in a list, {name}=[{given!r}]")
         hosts = [h.strip() for h in allowed_hosts if h.strip()]
         for host in hosts:
             if host != ANY_HOST and ("/" in host or not _NAME.fullmatch(_host_name(host))):

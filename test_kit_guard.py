@@ -44,6 +44,10 @@ def test_origins_are_normalised_and_bad_settings_are_config_errors():
                 {"KIT_CORS_ORIGINS": "ftp://x"}, {"KIT_CORS_ORIGINS": "null"}):
         with pytest.raises(ConfigError, match=next(iter(env))):
             Guard.from_env(env)
+    # One name, not a list: it answered for the hosts l, o, c, a, h, s, t (every request a 421).
+    for kw in ({"allowed_hosts": "localhost"}, {"cors_origins": "https://app.example"}):
+        with pytest.raises(ConfigError, match=f"Guard\\({next(iter(kw))}=...\\) takes a list"):
+            Guard(**kw)
 
 
 def test_kit_serve_refuses_a_malformed_setting(monkeypatch, capsys):
