@@ -705,6 +705,7 @@ class AgentEngine:
             result = await sdk.Runner.run(self.sdk_agent, items, context=run, hooks=_HOOKS,
                                           run_config=self.limited(run_config, session),
                                           session=session)
+            output = jsonable(result.final_output)  # ContentError: one no JSON can carry fails
         except _Stop as stop:
             if stop.action == "cancel":
                 return await run.durable(RunCancelled(stop.reason))
@@ -730,7 +731,7 @@ class AgentEngine:
                                     f"{', '.join(i.name or '?' for i in result.interruptions)}")
             await run.durable(run.failure(run.error))
             raise run.error
-        return await run.durable(RunCompleted(jsonable(result.final_output), run.usage()))
+        return await run.durable(RunCompleted(output, run.usage()))
 
 
 def compile_agent(agent: Agent, *, tools: Sequence[Any] = (), skills: Sequence[Skill] = (),

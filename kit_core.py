@@ -161,8 +161,8 @@ def jsonable(v: Any) -> Any:
     if isinstance(v, datetime):
         return v.isoformat()
     dump = getattr(v, "model_dump", None)  # pydantic models (structured outputs)
-    if callable(dump):
-        return dump(mode="json")
+    if callable(dump):  # its JSON mode leaves NaN, infinities and huge integers as they are
+        return jsonable(dump(mode="json"))
     if is_dataclass(v) and not isinstance(v, type):  # dataclass outputs too
         return jsonable({f.name: getattr(v, f.name) for f in fields(v)})
     return str(v)

@@ -534,6 +534,32 @@ async def test_structured_output(store, output_type):
         assert msg.payload.output == {"city": "Oslo", "temp": 3}
 
 
+class Reading(pydantic.BaseModel):
+    value: float
+
+
+@dataclasses.dataclass
+class ReadingData:
+    value: float
+
+
+@pytest.mark.parametrize("output_type", [Reading, ReadingData])
+async def test_a_structured_output_no_json_can_carry_fails_its_run(store, output_type):
+    """A NaN in a structured output: a dataclass's raised past the run's end, a pydantic
+    model's reached the store, which refused the run's last batch; either way the caller got
+    an error while the log kept the run RUNNING, with no end."""
+    data = {"value": float("nan")}
+    model = ScriptedModel([{"json": data if output_type is Reading else {"response": data}}])
+    async with Deck([Agent("a", model=model, output_type=output_type)], store=store) as deck:
+        with anyio.fail_after(10):
+            with pytest.raises(ContentError, match="a float nan cannot be written to the log"):
+                await deck.run("a", "read it", run_id="nan-run")
+        log = await store.read("nan-run")
+        assert log[-1].kind == "run.failed" and log[-1].payload.error == "ContentError"
+        assert (await store.run_info("nan-run")).status is RunStatus.FAILED
+        assert [e.seq for e in log] == list(range(len(log)))
+
+
 async def test_context_reaches_instructions_hooks_and_tools_by_reference(store):
     deps, got = {"user": "ana"}, []
 
