@@ -593,7 +593,7 @@ def _parts(blocks: Sequence[Any], chat: bool) -> list[dict[str, Any]]:
 
 def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
                skills: Sequence[Skill] = (), mcp_servers: Sequence[Any] = ()) -> sdk.Agent:
-    tools = [(_flag_errors(t) if isinstance(t, sdk.FunctionTool) else t)
+    tools = [(_log_refusals(_flag_errors(t)) if isinstance(t, sdk.FunctionTool) else t)
              if isinstance(t, SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
     if skills:
         tools.append(_skill_tool(agent.name, skills))
@@ -654,6 +654,34 @@ def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
             lambda ctx, error: default_tool_timeout_error_message(
                 tool_name=tool.name, timeout_seconds=tool.timeout_seconds)))
     return tool if told is None else set_function_tool_failure_error_function(tool, flagged(told))
+
+
+def _log_refusals(tool: sdk.FunctionTool) -> sdk.FunctionTool:
+    """An SDK ``FunctionTool`` with input guardrails: a copy whose guardrails record a call they
+    refuse, which the SDK never hands to the hooks (the tool never starts): ``tool.started``,
+    then ``tool.completed`` with ``is_error`` and what the model is told instead (or the
+    guardrail's name, when its tripwire fails the run)."""
+    if not tool.tool_input_guardrails:
+        return tool
+
+    def logged(guardrail: Any) -> Any:
+        async def check(data: Any) -> Any:
+            out = guardrail.guardrail_function(data)
+            out = await out if inspect.isawaitable(out) else out
+            ctx = data.context
+            run, behavior = getattr(ctx, "context", None), getattr(out, "behavior", None) or {}
+            if isinstance(run, RunHandle) and behavior.get("type", "allow") != "allow":
+                call_id, origin = ctx.tool_call_id or "", _tool_origin(run, data.agent, tool)
+                await run.durable(ToolStarted(call_id, tool.name, ctx.tool_arguments or ""),
+                                  origin=origin)
+                said = behavior.get("message") or f"refused by guardrail {guardrail.get_name()}"
+                run.emit(ToolCompleted(call_id, tool.name, said, True), origin=origin)
+            return out
+        return dataclasses.replace(guardrail, guardrail_function=check, name=guardrail.get_name())
+
+    tool = copy.copy(tool)
+    tool.tool_input_guardrails = [logged(g) for g in tool.tool_input_guardrails]
+    return tool
 
 
 def _mcp_tool_error(ctx: Any, error: Exception) -> str:

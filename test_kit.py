@@ -479,6 +479,48 @@ async def test_an_agent_played_as_a_tool_counts_in_the_runs_usage(store):
     assert result.usage == usage
 
 
+async def test_a_tool_call_refused_by_its_input_guardrail_is_in_the_log(store):
+    """A tool input guardrail that refuses a call: the SDK tells the model its message and never
+    starts the tool, nor calls the hooks, so the log held no trace of the call the model made
+    and the answer it was given; a tripwire left only the run's failure."""
+    from agents import ToolGuardrailFunctionOutput, tool_input_guardrail
+
+    @tool_input_guardrail
+    def no_secrets(data):
+        if "secret" in data.context.tool_arguments:
+            return ToolGuardrailFunctionOutput.reject_content("no secrets here")
+        return ToolGuardrailFunctionOutput.allow()
+
+    @tool_input_guardrail
+    def tripwire(data):
+        return ToolGuardrailFunctionOutput.raise_exception()
+
+    @agents.function_tool(tool_input_guardrails=[no_secrets])
+    def look_up(q: str) -> str:
+        """Look something up."""
+        return f"found {q}"
+
+    @agents.function_tool(tool_input_guardrails=[tripwire])
+    def launch() -> str:
+        """Never allowed."""
+        return "launched"
+
+    model = ScriptedModel([{"tool": "look_up", "args": {"q": "the secret"}},
+                           {"tool": "look_up", "args": {"q": "cats"}}, {"tool": "launch"}])
+    async with Deck([Agent("a", tools=[look_up, launch], model=model)], store=store) as deck:
+        with pytest.raises(agents.ToolInputGuardrailTripwireTriggered):
+            await deck.run("a", "go", run_id="guarded")
+        log = await store.read("guarded")
+    tools = [(e.kind, e.payload.call_id, e.payload.tool) for e in log if e.kind.startswith("tool.")]
+    assert [k for k, _, _ in tools] == ["tool.started", "tool.completed"] * 3
+    assert [t for _, _, t in tools] == ["look_up"] * 4 + ["launch"] * 2
+    done = [e.payload for e in log if e.kind == "tool.completed"]
+    assert [(d.output, d.is_error) for d in done] == [
+        ("no secrets here", True), ("found cats", False), ("refused by guardrail tripwire", True)]
+    assert log[-1].kind == "run.failed" and log[-1].payload.error == "ToolInputGuardrailTripwireTriggered"
+    assert look_up.tool_input_guardrails[0] is no_secrets  # the caller's tool is left as built
+
+
 @agents.function_tool
 def double(x: int) -> int:
     """Double x."""
