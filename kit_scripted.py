@@ -50,8 +50,8 @@ def _check_turn(i: int, turn: Any) -> None:
     if isinstance(turn, (str, BaseException)):
         return
     if isinstance(turn, Mapping) and "json" in turn:
-        try:
-            json.dumps(turn["json"])
+        try:  # NaN and infinities are not JSON (RFC 8259), though Python writes them
+            json.dumps(turn["json"], allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"ScriptedModel: turn {i}: 'json' is not JSON ({e})") from None
         return
@@ -68,7 +68,7 @@ def _check_turn(i: int, turn: Any) -> None:
             raise ConfigError(f"ScriptedModel: turn {i}: 'args' of tool call {c['tool']!r} must be "
                               f"a dict, got {type(args).__name__}")
         try:
-            json.dumps(args)
+            json.dumps(args, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"ScriptedModel: turn {i}: 'args' of tool call {c['tool']!r} "
                               f"are not JSON ({e})") from None

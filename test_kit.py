@@ -352,6 +352,8 @@ async def test_a_failed_run_is_in_the_log_and_reaches_the_caller(store):
     ([{"tool": "add", "args": "a=1"}], {}, "'args' of tool call 'add' must be a dict"),
     ([{"tool": "add", "args": {"a": {1}}}], {}, "'args' of tool call 'add' are not JSON"),
     ([{"json": {"ids": {1, 2}}}], {}, "turn 0: 'json' is not JSON"),
+    ([{"json": {"x": float("nan")}}], {}, "turn 0: 'json' is not JSON"),  # it was, to json.dumps
+    ([{"tool": "add", "args": {"a": float("inf")}}], {}, "'args' of tool call 'add' are not JSON"),
     ([], {"cycle": True}, "cycle=True needs a script of at least one turn"),
 ])
 def test_a_malformed_script_is_refused_when_the_model_is_made(script, kw, match):
@@ -590,7 +592,7 @@ async def test_a_structured_output_no_json_can_carry_fails_its_run(store, output
     """A NaN in a structured output: a dataclass's raised past the run's end, a pydantic
     model's reached the store, which refused the run's last batch; either way the caller got
     an error while the log kept the run RUNNING, with no end."""
-    data = {"value": float("nan")}
+    data = {"value": "NaN"}  # JSON, which the output type reads as a float NaN
     model = ScriptedModel([{"json": data if output_type is Reading else {"response": data}}])
     async with Deck([Agent("a", model=model, output_type=output_type)], store=store) as deck:
         with anyio.fail_after(10):
