@@ -115,13 +115,15 @@ class Guard:
     (beside its own) whose pages may call it.
 
     ``allowed_hosts``: host names or addresses (a port is ignored; ``[::1]`` or ``::1``), or
-    ``ANY_HOST``.
+    ``ANY_HOST`` (alone, or in the list).
     ``cors_origins``: ``scheme://host[:port]`` origins. Raises ``ConfigError`` for an entry that
     is neither, or for either given as one string rather than a list.
     """
 
     def __init__(self, allowed_hosts: Iterable[str] = LOOPBACK_HOSTS,
                  cors_origins: Iterable[str] = ()) -> None:
+        if allowed_hosts == ANY_HOST:  # a string, but never a list's worth of letters
+            allowed_hosts = (ANY_HOST,)
         for name, given in (("allowed_hosts", allowed_hosts), ("cors_origins", cors_origins)):
             if isinstance(given, str):  # its letters would each be a host: every request a 421
                 raise ConfigError(f"Guard({name}=...) takes a list, got the string {given!r}: "

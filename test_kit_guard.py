@@ -12,7 +12,7 @@ import pytest
 
 import kit_http
 from kit import ConfigError, RunStatus
-from kit_guard import Guard
+from kit_guard import ANY_HOST, Guard
 from test_kit_http import catalog, served, wire
 
 pytestmark = pytest.mark.anyio
@@ -48,6 +48,7 @@ def test_origins_are_normalised_and_bad_settings_are_config_errors():
     for kw in ({"allowed_hosts": "localhost"}, {"cors_origins": "https://app.example"}):
         with pytest.raises(ConfigError, match=f"Guard\\({next(iter(kw))}=...\\) takes a list"):
             Guard(**kw)
+    assert Guard(allowed_hosts=ANY_HOST).any_host and Guard(allowed_hosts=[ANY_HOST]).any_host
 
 
 def test_kit_serve_refuses_a_malformed_setting(monkeypatch, capsys):
