@@ -702,11 +702,14 @@ class AgentEngine:
     """A compiled agent: the SDK agent, how content blocks become its input, and how it plays.
 
     ``history_limit`` (None: the whole history) is how many of a session's latest items a turn
-    sends the model before its input (``limited``).
+    sends the model before its input (``limited``); ``max_turns`` (None: the SDK's default) caps
+    a run's model calls.
     """
 
-    def __init__(self, sdk_agent: sdk.Agent, chat: bool, history_limit: int | None = None) -> None:
+    def __init__(self, sdk_agent: sdk.Agent, chat: bool, history_limit: int | None = None,
+                 max_turns: int | None = None) -> None:
         self.sdk_agent, self.chat, self.history_limit = sdk_agent, chat, history_limit
+        self.turns = {} if max_turns is None else {"max_turns": max_turns}  # Runner.run's
 
     def limited(self, run_config: Any, session: Any) -> Any:
         """``run_config`` with the agent's history limit for a turn on ``session``: the SDK's own
@@ -732,7 +735,7 @@ class AgentEngine:
         try:
             result = await sdk.Runner.run(self.sdk_agent, items, context=run, hooks=_HOOKS,
                                           run_config=self.limited(run_config, session),
-                                          session=session)
+                                          session=session, **self.turns)
             output = jsonable(result.final_output)  # ContentError: one no JSON can carry fails
         except _Stop as stop:
             if stop.action == "cancel":
@@ -777,7 +780,7 @@ def compile_agent(agent: Agent, *, tools: Sequence[Any] = (), skills: Sequence[S
     limit = agent.history_limit if agent.history_limit is not None else history_limit
     return InvocableSpec(agent.name, "agent", agent, AgentEngine(
         _sdk_agent(agent, _TapModel(agent.name, model, limit is not None), tools, skills=skills,
-                   mcp_servers=mcp_servers), _wants_chat(model), limit))
+                   mcp_servers=mcp_servers), _wants_chat(model), limit, agent.max_turns))
 
 
 def compile_headless(agent: Agent) -> AgentEngine:
@@ -786,15 +789,15 @@ def compile_headless(agent: Agent) -> AgentEngine:
     model = agent.model or os.environ.get("KIT_MODEL") or None
     limit = agent.history_limit
     tapped = model if limit is None else _TapModel(agent.name, model, windowed=True)
-    return AgentEngine(_sdk_agent(agent, tapped), _wants_chat(model), limit)
+    return AgentEngine(_sdk_agent(agent, tapped), _wants_chat(model), limit, agent.max_turns)
 
 
 async def run_headless(engine: AgentEngine, input: Any, *, session: Any = None,
                        max_turns: int | None = None) -> Any:
     """``Agent.run``: the SDK's own run of the agent, no log, no deck; returns its RunResult."""
     items = engine.to_input(as_blocks(input))
-    kw: dict[str, Any] = {"session": session}
-    if max_turns is not None:
+    kw: dict[str, Any] = {"session": session, **engine.turns}
+    if max_turns is not None:  # this call's, over the agent's
         kw["max_turns"] = max_turns
     if session is not None and engine.history_limit is not None:
         kw["run_config"] = engine.limited(sdk.RunConfig(), session)

@@ -61,20 +61,24 @@ class Agent:
     only the last ``history_limit`` items of the conversation (each message, tool call and tool
     result is one item) go with the new input; the session still stores every item. None (the
     default) takes the deck's ``history_limit``, and when that is None too the whole history is
-    sent. It is the SDK's own ``SessionSettings(limit=...)``, applied per run.
+    sent. It is the SDK's own ``SessionSettings(limit=...)``, applied per run. ``max_turns``
+    caps the model calls of one run (the SDK's ``max_turns``; None: its default, 10); a run that
+    needs more fails with the SDK's ``MaxTurnsExceeded``.
 
     Raises ``ConfigError`` for a malformed name, a non-callable tool, a bad model, a string
     where a list of names goes, ``hooks`` that is a class or has none of the hook methods, or a
-    ``history_limit`` that is not a positive int.
+    ``history_limit`` or ``max_turns`` that is not a positive int.
     """
 
     def __init__(self, name: str, instructions: str | Callable[..., Any] | None = None,
                  tools: Sequence[Any] = (), hooks: Any = None, *, model: str | Any = None,
                  model_settings: Any = None, output_type: type | None = None,
                  skills: Sequence[str] = (), mcp_servers: Sequence[str] = (),
-                 workflows: Sequence[str] = (), history_limit: int | None = None) -> None:
+                 workflows: Sequence[str] = (), history_limit: int | None = None,
+                 max_turns: int | None = None) -> None:
         self.name = check_name("agent", name)
         self.history_limit = check_limit(f"agent {name!r}: history_limit", history_limit)
+        self.max_turns = check_limit(f"agent {name!r}: max_turns", max_turns)
         if instructions is not None and not isinstance(instructions, str) and not callable(instructions):
             raise ConfigError(f"agent {name!r}: instructions must be a str or a callable, "
                               f"got {type(instructions).__name__}")

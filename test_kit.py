@@ -1042,6 +1042,29 @@ def test_a_history_limit_must_be_a_positive_int(bad):
     with pytest.raises(ConfigError, match=rf"Deck\(history_limit=...\) must be a positive int or None, got {bad!r}"):
         Deck(history_limit=bad)
     assert Agent("a", history_limit=1).history_limit == 1 and Agent("a").history_limit is None
+    with pytest.raises(ConfigError, match=rf"agent 'a': max_turns must be a positive int or None, got {bad!r}"):
+        Agent("a", max_turns=bad)
+
+
+async def test_max_turns_caps_a_runs_model_calls(store):
+    """The SDK's default is 10 model calls a run; ``Agent(max_turns=)`` moves it, on deck runs
+    and headless ones (whose own ``max_turns=`` wins)."""
+    loop = [{"tool": "add", "args": {"a": 1, "b": 2}}] * 11 + ["done"]
+    long, short = Agent("long", tools=[add], model=ScriptedModel(loop), max_turns=12), \
+        Agent("short", tools=[add], model=ScriptedModel(loop), max_turns=2)
+    async with Deck([long, short], store=store) as deck:
+        assert (await deck.run("long", "go")).output == "done"
+        with pytest.raises(agents.MaxTurnsExceeded):
+            await deck.run("short", "go")
+    [failed] = [e for e in await store.read((await store.runs(name="short"))[-1].run_id)
+                if e.kind == "run.failed"]
+    assert failed.payload.error == "MaxTurnsExceeded"
+    assert len([e for e in await store.read((await store.runs(name="short"))[-1].run_id)
+                if e.kind == "model.completed"]) == 2
+    headless = Agent("h", tools=[add], model=ScriptedModel(loop, cycle=True), max_turns=2)
+    with pytest.raises(agents.MaxTurnsExceeded):
+        await headless.run("go")
+    assert (await headless.run("go", max_turns=20)).final_output == "done"
 
 
 # --------------------------------------------------------------------------- run endings ----
