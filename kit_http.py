@@ -621,6 +621,13 @@ class App:
     # ---------------------------------------------------------------------------- streams --
     async def _stream_run(self, req: Request, events: AsyncIterator[Event], frame_of: FrameOf,
                           ending: Ending = ending_frame) -> None:
+        if req.header(b"last-event-id") is not None:
+            # An SSE client retrying the stream after a network error (fetch-event-source does)
+            # would start a second run: each POST plays a new turn.
+            raise MalformedRequestError(
+                "Last-Event-ID on a POST: a POST starts a new run, so a retried stream would play "
+                "the turn again; pick the run up with GET /runs/{run_id}/events and Last-Event-ID "
+                "(the run id is the x-kit-run-id header of the first response)")
         # The first event (run.started) gives the run id before the headers go out; a start
         # the deck refuses (409 busy session, 400 bad input) is still a JSON answer.
         first = await events.__anext__()

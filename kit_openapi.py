@@ -203,7 +203,8 @@ _SSE_COMMON = ("Every frame carries `id: <seq>` (the event's seq in the run's lo
                "comes every 15 s while the run is quiet; a server that stops first ends the "
                "stream with `event: server.shutdown` `data: {\"run_id\"}`. A client that lost "
                "the stream picks the run up with `GET /runs/{run_id}/events` and "
-               "`Last-Event-ID`; a client disconnect never ends the run.")
+               "`Last-Event-ID` (a streamed POST that carries one is a 400: it would play the "
+               "turn again); a client disconnect never ends the run.")
 
 
 def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[str] = (), *,

@@ -434,6 +434,19 @@ async def test_agent_stream_bytes_on_the_wire():
         assert await app.deck.status(r.headers["x-kit-run-id"]) is RunStatus.COMPLETED
 
 
+async def test_a_retried_stream_post_is_refused_and_starts_no_second_run():
+    """An SSE client that retries its POST after a network error sends Last-Event-ID: the turn
+    would be played twice; the retry is a 400 that points to the run's events."""
+    async with served(catalog()) as (client, app):
+        for last in ("3", ""):
+            r = await client.post("/agents/echo/chat", params={"stream": "true"},
+                                  json={"message": "hi"}, headers={"Last-Event-ID": last})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == "MalformedRequestError"
+            assert "GET /runs/{run_id}/events" in r.json()["message"]
+        assert await app.deck.store.runs() == []
+
+
 async def test_reconnect_with_last_event_id_replays_the_rest_then_204(tmp_path, monkeypatch):
     monkeypatch.setenv("KIT_STORE", f"sqlite:///{tmp_path / 'kit.db'}")
     async with served(catalog()) as (client, _):
