@@ -336,7 +336,8 @@ class App:
         if "openai" in self.surfaces and (path == "/v1" or path.startswith("/v1/")):
             req.surface = "openai"
         origin = req.header(b"origin")
-        self.guard.check(host=req.header(b"host"), origin=origin, scheme=req.scope.get("scheme", "http"))
+        self.guard.check(host=req.authority or req.header(b"host"), origin=origin,
+                         scheme=req.scope.get("scheme", "http"))
         if cors := self.guard.cors_headers(origin):
             req.send = with_headers(req.send, cors)
             if req.scope["method"] == "OPTIONS" and req.header(b"access-control-request-method"):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import MutableMapping
 from typing import Any
 from urllib.parse import parse_qs, quote_from_bytes, unquote, unquote_to_bytes
@@ -178,12 +179,27 @@ def checked_id(what: str, value: str) -> str:
 
 # ================================================================================== exchanges ====
 
+#: A request target in absolute form (``http://host:port/path``), as Hypercorn passes it on.
+_ABSOLUTE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)")
+_ABSOLUTE_RAW = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
+
+
 class Request:
     """One HTTP exchange: the scope's facts, the body reader, and whether a response started."""
-    __slots__ = ("scope", "receive", "send", "started", "run_id", "query", "surface", "reading")
+    __slots__ = ("scope", "receive", "send", "started", "run_id", "query", "surface", "reading",
+                 "authority")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope, self.receive, self.send = scope, receive, send
+        self.authority: str | None = None  # the host an absolute-form target names
+        target = _ABSOLUTE.match(scope.get("path", ""))
+        if target is not None:  # ``GET http://host/health``: a server MUST take it (RFC 9112
+            # 3.2.2), routing its path and answering for its host in place of the Host header's
+            self.authority = target.group(1).rpartition("@")[2]
+            raw = _ABSOLUTE_RAW.match(scope.get("raw_path") or b"")
+            self.scope = {**scope, "path": scope["path"][target.end():] or "/"}
+            if raw is not None:
+                self.scope["raw_path"] = scope["raw_path"][raw.end():] or b"/"
         self.started = False
         self.reading = False  # body() was called: the body is read, or refused (413, gone)
         self.surface: str | None = None  # the optional surface whose route matched

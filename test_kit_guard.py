@@ -81,6 +81,29 @@ async def test_a_rebinding_host_is_421_and_loopback_names_pass():
         assert (await client.get("/workflows/pending")).json() == {"pending": []}  # nothing ran
 
 
+async def test_an_absolute_form_target_is_routed_and_its_host_is_the_one_checked():
+    """RFC 9112 3.2.2: a server must take ``GET http://host/path``; its authority, not the Host
+    header, is the host asked for (so it is the one the rebinding check reads)."""
+    async with served(catalog()) as (client, _):
+        port = client.base_url.port
+
+        async def raw(target: str) -> bytes:
+            async with await anyio.connect_tcp("127.0.0.1", port) as conn:
+                await conn.send(f"GET {target} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+                                "connection: close\r\n\r\n".encode())
+                reply = b""
+                with anyio.fail_after(5):
+                    while chunk := await conn.receive():
+                        reply += chunk
+                        if reply.endswith(b"}"):
+                            return reply
+            return reply
+
+        ok = await raw(f"http://127.0.0.1:{port}/workflows/pending?x=1")
+        assert ok.startswith(b"HTTP/1.1 200") and ok.endswith(b'{"pending":[]}'), ok
+        assert (await raw(f"http://attacker.example:{port}/health")).startswith(b"HTTP/1.1 421")
+
+
 async def test_a_cross_site_request_is_403_before_anything_runs():
     async with served(catalog()) as (client, app):
         parked = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})
