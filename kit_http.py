@@ -187,8 +187,9 @@ class App:
     is ``0``; off, ``/`` is a 404 as before). ``guard`` says which ``Host`` and ``Origin`` headers
     are answered (default: ``Guard.from_env``, which answers loopback names only unless
     ``KIT_ALLOWED_HOSTS`` says otherwise). Raises ``ConfigError`` for an unknown surface, a string
-    for ``surfaces`` (a list of names), or a malformed setting. HTTP runs never carry a namespace or a context (SPEC 4.3). When the deck
-    does not open, ``open_error`` holds why (the server's own error only says the lifespan failed).
+    for ``surfaces`` (a list of names), or a malformed setting. HTTP runs never carry a namespace
+    or a context (SPEC 4.3). When the deck does not open, ``open_error`` holds why (the server's
+    own error only says the lifespan failed).
     """
 
     def __init__(self, deck: Deck, *, native: bool = False, surfaces: typing.Iterable[str] = (),
@@ -375,6 +376,8 @@ class App:
                     checked_id(key, params[key])
                 return await getattr(self, handler)(req, **params)
             allowed.append(route_method)
+            if route_method == "GET" and handler not in _STREAMING_GETS:
+                allowed.append("HEAD")  # answered as a GET, above
         if allowed:
             raise MethodNotAllowedError(method, allowed)
         raise RouteNotFoundError(f"no route {path!r}")

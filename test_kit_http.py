@@ -217,6 +217,8 @@ async def test_head_is_answered_as_get_without_the_body_but_on_streams():
         r = await client.head("/agents/echo/chat")
         assert (r.status_code, r.headers["allow"]) == (405, "POST")
         assert (await client.head("/nowhere")).status_code == 404
+        r = await client.post("/health")  # the routes that take HEAD say so when refusing
+        assert (r.status_code, r.headers["allow"]) == (405, "GET, HEAD")
         assert (await client.get("/health")).json()["status"] == "ok"  # the connection goes on
 
 
@@ -707,7 +709,7 @@ async def test_a_path_whose_percent_decoding_is_not_utf8_is_a_400_and_the_paths_
         r = await client.post("/agents/echo%2Fchat", json={"message": "hi"})  # %2F: no separator
         assert (r.status_code, r.json()["error"]) == (404, "RouteNotFoundError")
         r = await client.post("/workflows/pend%69ng", json={})  # the concrete path still wins
-        assert (r.status_code, r.headers["allow"]) == (405, "GET")
+        assert (r.status_code, r.headers["allow"]) == (405, "GET, HEAD")
         r = await client.get("/workflows/approve/a%2Fb/resume")
         assert (r.status_code, r.headers["allow"]) == (405, "POST")
 
