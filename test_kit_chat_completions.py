@@ -4,7 +4,6 @@ both workers; what each call leaves in the log; ``KIT_SURFACES`` in ``kit-serve`
 from __future__ import annotations
 
 import base64
-import os
 import subprocess
 import sys
 
