@@ -1,13 +1,13 @@
 """kit_agents: the openai-agents engine: agents compiled for the SDK and played on a run handle.
 
 Owns: compiling an ``Agent`` (``compile_agent``: its model tapped so every chunk reaches the log,
-its plain-function tools given SDK schemas with ``Context[...]`` parameters hidden and injected,
-its hooks handed a ``Context``, its skills' catalog and ``load_skill`` tool, its MCP servers),
-playing one turn (``AgentEngine.play``, with the session history the agent's limit lets through:
-``AgentEngine.limited``), the headless ``Agent.run`` (``run_headless``), an MCP tool call's
-error for the model, and the SDK settings a deck applies (default API, trace processors, run
-config). The conversation-memory sessions are kit_sessions'; the MCP servers the tools come
-from, kit_mcp_servers'.
+its tools, its hooks handed a ``Context``, its skills' catalog, its MCP servers), playing one
+turn (``AgentEngine.play``, with the session history the agent's limit lets through:
+``AgentEngine.limited``), the headless ``Agent.run`` (``run_headless``), and the SDK settings a
+deck applies (default API, trace processors, run config). The tools themselves are kit_tools'
+(plain functions compiled, SDK tools watched, ``load_skill``, an MCP call's error); the
+conversation-memory sessions are kit_sessions'; the MCP servers the tools come from,
+kit_mcp_servers'.
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given), import kit_runtime or anything above it, touch asyncio directly (kit_bridge does), or
@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 import dataclasses
 import functools
-import hashlib
 import inspect
-import json
 import os
 import typing
 import uuid
@@ -41,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import agents as sdk
 import anyio
-from agents.function_schema import function_schema
 from agents.memory import SessionSettings
 from agents.models import get_default_model
 from agents.models._response_terminal import (
@@ -50,14 +46,17 @@ from agents.models._response_terminal import (
 from openai.types.responses import Response
 
 from kit_bridge import on_asyncio
-from kit_context import HOOK_METHODS, is_context
+from kit_context import HOOK_METHODS
 from kit_core import (
     AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event,
-    HistoryMessage, ImageBlock, InvocableSpec, MCPServerError, MessageCompleted, ModelCompleted,
-    ResourceBlock, RunCancelled, RunCompleted, RunHandle, RunPaused, SkillLoaded, TextBlock,
-    TextDelta, ToolCompleted, ToolStarted, as_blocks, jsonable,
+    HistoryMessage, ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock,
+    RunCancelled, RunCompleted, RunHandle, RunPaused, TextBlock, TextDelta, ToolCompleted,
+    ToolStarted, as_blocks, jsonable,
 )
 from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
+from kit_tools import (
+    compile_tool, mcp_tool_error, skill_catalog, skill_tool, tool_origin, watched,
+)
 
 if TYPE_CHECKING:
     from kit_catalog import Agent, Skill
@@ -312,7 +311,7 @@ class _KitHooks(sdk.RunHooks):
                 _PLAY.get()[2] += 1
             call_id = getattr(context, "tool_call_id", None) or uuid.uuid4().hex
             await run.durable(ToolStarted(call_id, tool.name, getattr(context, "tool_arguments", "") or ""),
-                              origin=_tool_origin(run, agent, tool))
+                              origin=tool_origin(run, agent, tool))
 
     async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
         run = context.context
@@ -321,7 +320,7 @@ class _KitHooks(sdk.RunHooks):
                 _record_untapped(run, context, agent, tool)
             call_id = getattr(context, "tool_call_id", None) or ""
             run.emit(ToolCompleted(call_id, tool.name, jsonable(result), call_id in run.tool_errors),
-                     origin=_tool_origin(run, agent, tool))
+                     origin=tool_origin(run, agent, tool))
 
 
 def _record_untapped(run: RunHandle, context: Any, agent: Any, tool: Any) -> None:
@@ -349,12 +348,7 @@ def _record_untapped(run: RunHandle, context: Any, agent: Any, tool: Any) -> Non
     nested = any(getattr(t, "_is_agent_tool", False) for t in getattr(inner, "tools", ()))
     usd = _price(name, extra_in, extra_out) if alone and not nested else None
     run.add_usage(extra_in, extra_out, usd)
-    run.emit(ModelCompleted(name, extra_in, extra_out, usd), origin=_tool_origin(run, agent, tool))
-
-
-def _tool_origin(run: RunHandle, agent: Any, tool: Any) -> str:
-    base = run.origin if agent.name == run.origin else f"{run.origin}/{agent.name}"
-    return f"{base}/{tool.name}"
+    run.emit(ModelCompleted(name, extra_in, extra_out, usd), origin=tool_origin(run, agent, tool))
 
 
 _HOOKS = _KitHooks()
@@ -364,78 +358,6 @@ def _data(wrapper: Any) -> Any:
     """The caller's context object for an SDK context wrapper (None on headless runs)."""
     run = getattr(wrapper, "context", None)
     return run.data if isinstance(run, RunHandle) else None
-
-
-def _compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
-    """A plain function as an SDK ``FunctionTool``; ``Context[...]`` parameters are injected.
-
-    The schema is the SDK's own (``function_schema``, docstring descriptions included) built
-    over the function's signature without its context parameters, so the model never sees them.
-    Annotations are resolved in the function's own module first (``from __future__ import
-    annotations`` leaves them as strings, which the schema would look up in this module). A
-    ``functools.partial`` is its function's tool, less the arguments it binds. The tool's
-    exception goes back to the model as an error string, not a failed run. Raises
-    ``ConfigError`` naming the tool when it has no name or its schema cannot be built.
-    """
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    name = getattr(target, "__name__", None)
-    if not isinstance(name, str):
-        raise ConfigError(f"agent {agent!r}: tool {fn!r} has no __name__ to call it by; make it "
-                          "a function (def), or an SDK FunctionTool")
-    sig = inspect.signature(fn)
-    try:
-        hints = typing.get_type_hints(target, include_extras=True)
-    except Exception:  # e.g. a Context[T] whose T is imported for type checkers only: the
-        hints = {}  # schema reads the rest as written, and names one it cannot resolve
-    params = [p.replace(annotation=hints.get(p.name, p.annotation))
-              for p in sig.parameters.values()]
-    ctx_names = [p.name for p in params if is_context(p.annotation)]
-    if ctx_names and any(p.kind is p.VAR_POSITIONAL for p in params):
-        raise ConfigError(f"agent {agent!r}: tool {name} takes *args and a Context parameter")
-    visible = [p for p in params if p.name not in ctx_names]
-
-    def proxy(*a: Any, **k: Any) -> Any:  # only its signature and docs are read
-        raise AssertionError
-
-    proxy.__name__, proxy.__doc__ = name, target.__doc__
-    proxy.__qualname__ = getattr(target, "__qualname__", name)
-    proxy.__module__ = getattr(target, "__module__", None)
-    proxy.__signature__ = sig.replace(  # type: ignore[attr-defined]
-        parameters=visible, return_annotation=hints.get("return", sig.return_annotation))
-    proxy.__annotations__ = {p.name: p.annotation for p in visible if p.annotation is not p.empty}
-    try:
-        schema = function_schema(proxy)
-    except Exception as exc:
-        raise ConfigError(f"agent {agent!r}: cannot build a schema for tool {name}: {exc}") from None
-    names = [p.name for p in visible]
-    is_async = inspect.iscoroutinefunction(fn)
-
-    async def invoke(tool_ctx: Any, args_json: str) -> Any:
-        run = tool_ctx.context
-        try:
-            if ctx_names and not isinstance(run, RunHandle):  # SPEC 7: refused, the model is told
-                raise ConfigError(f"tool {name} requires a kit run context, but the run "
-                                  f"carries {type(run).__name__} rather than a run context "
-                                  "(headless Agent.run?)")
-            parsed = schema.params_pydantic_model(**json.loads(args_json or "{}"))
-            args, kwargs = schema.to_call_args(parsed)
-            call = dict(zip(names, args)) if ctx_names else None
-            if call is not None:
-                call.update(kwargs)
-                call.update({n: Context(run.data) for n in ctx_names})
-                args, kwargs = (), call
-            if is_async:
-                return await fn(*args, **kwargs)
-            out = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
-            return await out if inspect.isawaitable(out) else out
-        except Exception as exc:
-            if isinstance(run, RunHandle):
-                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
-            return f"error: {type(exc).__name__}: {exc}"
-
-    return sdk.FunctionTool(name=schema.name, description=schema.description or "",
-                            params_json_schema=schema.params_json_schema, on_invoke_tool=invoke,
-                            strict_json_schema=schema.strict_json_schema)
 
 
 def _instructions(agent: Agent, suffix: str = "") -> Any:
@@ -451,55 +373,6 @@ def _instructions(agent: Agent, suffix: str = "") -> Any:
         return f"{out or ''}{suffix}" if suffix else out
 
     return instructions
-
-
-# ---------------------------------------------------------------------------- skills ----
-
-def _skill_catalog(skills: Sequence[Skill]) -> str:
-    """Tier 1 of the Agent Skills progressive disclosure: each skill's name and description."""
-    if not skills:
-        return ""
-    lines = ["", "", "## Skills",
-             "A skill holds instructions for one kind of task. When a task matches a skill's "
-             "description, call load_skill with its name first and follow what it says.", ""]
-    lines += [f"- {s.name}: {' '.join(s.description.split())}" for s in skills]
-    return "\n".join(lines)
-
-
-def _skill_tool(agent: str, skills: Sequence[Skill]) -> sdk.FunctionTool:
-    """The generated ``load_skill(name)`` tool: returns the skill's body (prose, never run).
-
-    Each load appends ``skill.loaded`` with the SHA-256 of the text served. Only the agent's
-    own skills are served, looked up by exact name: a name carrying a path (``../x``) or any
-    other name is refused with an error string to the model; no path is ever built from it.
-    """
-    by_name = {s.name: s for s in skills}
-    schema = {"type": "object", "additionalProperties": False, "required": ["name"],
-              "properties": {"name": {"type": "string", "enum": sorted(by_name),
-                                      "description": "The skill's name, as listed under Skills."}}}
-
-    async def invoke(tool_ctx: Any, args_json: str) -> str:
-        run = tool_ctx.context
-        try:
-            name = json.loads(args_json or "{}").get("name")
-        except (ValueError, AttributeError):
-            name = None
-        skill = by_name.get(name) if isinstance(name, str) else None
-        if skill is None:
-            if isinstance(run, RunHandle):
-                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
-            why = "skill names never carry a path" if isinstance(name, str) and (
-                "/" in name or "\\" in name or ".." in name) else "no such skill for this agent"
-            return f"error: refused {name!r}: {why}; the skills are {', '.join(sorted(by_name))}"
-        if isinstance(run, RunHandle):
-            digest = hashlib.sha256(skill.body.encode("utf-8")).hexdigest()
-            run.emit(SkillLoaded(skill.name, digest))
-        return skill.body
-
-    return sdk.FunctionTool(name="load_skill", description=(
-        "Load a skill: returns its full instructions, to follow for the task at hand."),
-        params_json_schema=schema, on_invoke_tool=invoke, strict_json_schema=True)
-
 
 
 class _UserHooks(sdk.AgentHooks):
@@ -593,10 +466,10 @@ def _parts(blocks: Sequence[Any], chat: bool) -> list[dict[str, Any]]:
 
 def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
                skills: Sequence[Skill] = (), mcp_servers: Sequence[Any] = ()) -> sdk.Agent:
-    tools = [(_log_refusals(_flag_errors(t)) if isinstance(t, sdk.FunctionTool) else t)
-             if isinstance(t, SDK_TOOLS) else _compile_tool(agent.name, t) for t in agent.tools]
+    tools = [(watched(t) if isinstance(t, sdk.FunctionTool) else t)
+             if isinstance(t, SDK_TOOLS) else compile_tool(agent.name, t) for t in agent.tools]
     if skills:
-        tools.append(_skill_tool(agent.name, skills))
+        tools.append(skill_tool(agent.name, skills))
     tools += extra_tools
     for t in tools:  # the SDK would end the turn "completed", the call unmade, nothing said
         if getattr(t, "needs_approval", False) is not False:
@@ -611,7 +484,7 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
                           "load_skill share one namespace); rename one")
     try:
         return sdk.Agent(
-            name=agent.name, instructions=_instructions(agent, _skill_catalog(skills)),
+            name=agent.name, instructions=_instructions(agent, skill_catalog(skills)),
             tools=tools,
             hooks=_UserHooks(agent.hooks) if agent.hooks is not None else None, model=model,
             model_settings=agent.model_settings or sdk.ModelSettings(),
@@ -619,81 +492,10 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
             # Tool names qualified by server (mcp_<server>__<tool>): two servers may share a
             # name. Without servers the SDK's default config: qualifying costs a tool scan per turn.
             mcp_servers=list(mcp_servers), mcp_config={
-                "include_server_in_tool_names": True, "failure_error_function": _mcp_tool_error,
+                "include_server_in_tool_names": True, "failure_error_function": mcp_tool_error,
             } if mcp_servers else {})
     except (TypeError, ValueError) as exc:  # the SDK's checks: model_settings, output_type, ...
         raise ConfigError(f"agent {agent.name!r}: {exc}") from None
-
-
-def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
-    """An SDK ``FunctionTool`` whose exception or timeout the SDK hands the model as an error
-    string (its failure or timeout error function): a copy (the caller's object is left as
-    built) whose calls that failed say ``is_error`` in their ``tool.completed``, as a plain
-    function's do. What fails the run instead (no failure error function, a timeout that
-    raises) is left as it is."""
-    from agents.tool import (
-        default_tool_timeout_error_message, resolve_function_tool_failure_error_function,
-        set_function_tool_failure_error_function,
-    )
-    told = resolve_function_tool_failure_error_function(tool)
-    timed = tool.timeout_seconds is not None and tool.timeout_behavior == "error_as_result"
-    if told is None and not timed:
-        return tool
-
-    def flagged(say: Callable[[Any, Exception], Any]) -> Callable[[Any, Exception], Any]:
-        def failed(ctx: Any, error: Exception) -> Any:
-            run = getattr(ctx, "context", None)
-            if isinstance(run, RunHandle):
-                run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
-            return say(ctx, error)  # the SDK awaits an awaitable answer
-        return failed
-
-    tool = copy.copy(tool)
-    if timed:
-        tool.timeout_error_function = flagged(tool.timeout_error_function or (
-            lambda ctx, error: default_tool_timeout_error_message(
-                tool_name=tool.name, timeout_seconds=tool.timeout_seconds)))
-    return tool if told is None else set_function_tool_failure_error_function(tool, flagged(told))
-
-
-def _log_refusals(tool: sdk.FunctionTool) -> sdk.FunctionTool:
-    """An SDK ``FunctionTool`` with input guardrails: a copy whose guardrails record a call they
-    refuse, which the SDK never hands to the hooks (the tool never starts): ``tool.started``,
-    then ``tool.completed`` with ``is_error`` and what the model is told instead (or the
-    guardrail's name, when its tripwire fails the run)."""
-    if not tool.tool_input_guardrails:
-        return tool
-
-    def logged(guardrail: Any) -> Any:
-        async def check(data: Any) -> Any:
-            out = guardrail.guardrail_function(data)
-            out = await out if inspect.isawaitable(out) else out
-            ctx = data.context
-            run, behavior = getattr(ctx, "context", None), getattr(out, "behavior", None) or {}
-            if isinstance(run, RunHandle) and behavior.get("type", "allow") != "allow":
-                call_id, origin = ctx.tool_call_id or "", _tool_origin(run, data.agent, tool)
-                await run.durable(ToolStarted(call_id, tool.name, ctx.tool_arguments or ""),
-                                  origin=origin)
-                said = behavior.get("message") or f"refused by guardrail {guardrail.get_name()}"
-                run.emit(ToolCompleted(call_id, tool.name, said, True), origin=origin)
-            return out
-        return dataclasses.replace(guardrail, guardrail_function=check, name=guardrail.get_name())
-
-    tool = copy.copy(tool)
-    tool.tool_input_guardrails = [logged(g) for g in tool.tool_input_guardrails]
-    return tool
-
-
-def _mcp_tool_error(ctx: Any, error: Exception) -> str:
-    """An MCP tool call that failed (timed out, refused by the server, cut short by the server's
-    death): its error text goes to the model, and the call's ``tool.completed`` says
-    ``is_error``. A death is told in kit's words (``MCPServerError``: which server, what
-    happened), which the SDK wraps in its own exception."""
-    run = getattr(ctx, "context", None)
-    if isinstance(run, RunHandle):
-        run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
-    died = next((e for e in (error, error.__cause__) if isinstance(e, MCPServerError)), None)
-    return f"error: {died}" if died is not None else sdk.default_tool_error_function(ctx, error)
 
 
 # ================================================================================ compiling ====

@@ -1,0 +1,249 @@
+"""kit_tools: the tools an agent gets, as the openai-agents SDK takes them.
+
+Owns: a plain function compiled into an SDK ``FunctionTool`` (``compile_tool``: its schema the
+SDK's own, its ``Context[...]`` parameters hidden from the model and injected), an SDK tool the
+caller built, watched so its failures and refusals reach the log as a plain function's do
+(``watched``), the skills' catalog and the generated ``load_skill`` tool (``skill_catalog``,
+``skill_tool``), an MCP tool call's error for the model (``mcp_tool_error``) and a tool call's
+origin in the log (``tool_origin``). kit_agents compiles the agent around them.
+
+Must never: reach the event store or the Runtime (a call is recorded through the ``RunHandle``
+it carries as the SDK's run context), import kit_agents or anything above it, or write the
+application context anywhere (a tool gets it by reference, as ``Context(run.data)``).
+
+A tool's failure goes back to the model as an error string, never a failed run, and its call's
+``tool.completed`` says ``is_error`` (the call id is added to ``run.tool_errors``, which the
+hooks read when they record the call).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import typing
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import agents as sdk
+import anyio
+from agents.function_schema import function_schema
+
+from kit_context import is_context
+from kit_core import (
+    ConfigError, Context, MCPServerError, RunHandle, SkillLoaded, ToolCompleted, ToolStarted,
+)
+
+if TYPE_CHECKING:
+    from kit_catalog import Skill
+
+__all__ = ("compile_tool", "watched", "skill_catalog", "skill_tool", "mcp_tool_error",
+           "tool_origin")
+
+
+def tool_origin(run: RunHandle, agent: Any, tool: Any) -> str:
+    """A tool call's origin in the log: ``<run>[/<agent>]/<tool>`` (the agent named when it is
+    not the run's own: a handoff's)."""
+    base = run.origin if agent.name == run.origin else f"{run.origin}/{agent.name}"
+    return f"{base}/{tool.name}"
+
+
+def compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
+    """A plain function as an SDK ``FunctionTool``; ``Context[...]`` parameters are injected.
+
+    The schema is the SDK's own (``function_schema``, docstring descriptions included) built
+    over the function's signature without its context parameters, so the model never sees them.
+    Annotations are resolved in the function's own module first (``from __future__ import
+    annotations`` leaves them as strings, which the schema would look up in this module). A
+    ``functools.partial`` is its function's tool, less the arguments it binds. The tool's
+    exception goes back to the model as an error string, not a failed run. Raises
+    ``ConfigError`` naming the tool when it has no name or its schema cannot be built.
+    """
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(target, "__name__", None)
+    if not isinstance(name, str):
+        raise ConfigError(f"agent {agent!r}: tool {fn!r} has no __name__ to call it by; make it "
+                          "a function (def), or an SDK FunctionTool")
+    sig = inspect.signature(fn)
+    try:
+        hints = typing.get_type_hints(target, include_extras=True)
+    except Exception:  # e.g. a Context[T] whose T is imported for type checkers only: the
+        hints = {}  # schema reads the rest as written, and names one it cannot resolve
+    params = [p.replace(annotation=hints.get(p.name, p.annotation))
+              for p in sig.parameters.values()]
+    ctx_names = [p.name for p in params if is_context(p.annotation)]
+    if ctx_names and any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(f"agent {agent!r}: tool {name} takes *args and a Context parameter")
+    visible = [p for p in params if p.name not in ctx_names]
+
+    def proxy(*a: Any, **k: Any) -> Any:  # only its signature and docs are read
+        raise AssertionError
+
+    proxy.__name__, proxy.__doc__ = name, target.__doc__
+    proxy.__qualname__ = getattr(target, "__qualname__", name)
+    proxy.__module__ = getattr(target, "__module__", None)
+    proxy.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=visible, return_annotation=hints.get("return", sig.return_annotation))
+    proxy.__annotations__ = {p.name: p.annotation for p in visible if p.annotation is not p.empty}
+    try:
+        schema = function_schema(proxy)
+    except Exception as exc:
+        raise ConfigError(f"agent {agent!r}: cannot build a schema for tool {name}: {exc}") from None
+    names = [p.name for p in visible]
+    is_async = inspect.iscoroutinefunction(fn)
+
+    async def invoke(tool_ctx: Any, args_json: str) -> Any:
+        run = tool_ctx.context
+        try:
+            if ctx_names and not isinstance(run, RunHandle):  # SPEC 7: refused, the model is told
+                raise ConfigError(f"tool {name} requires a kit run context, but the run "
+                                  f"carries {type(run).__name__} rather than a run context "
+                                  "(headless Agent.run?)")
+            parsed = schema.params_pydantic_model(**json.loads(args_json or "{}"))
+            args, kwargs = schema.to_call_args(parsed)
+            call = dict(zip(names, args)) if ctx_names else None
+            if call is not None:
+                call.update(kwargs)
+                call.update({n: Context(run.data) for n in ctx_names})
+                args, kwargs = (), call
+            if is_async:
+                return await fn(*args, **kwargs)
+            out = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+            return await out if inspect.isawaitable(out) else out
+        except Exception as exc:
+            if isinstance(run, RunHandle):
+                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+            return f"error: {type(exc).__name__}: {exc}"
+
+    return sdk.FunctionTool(name=schema.name, description=schema.description or "",
+                            params_json_schema=schema.params_json_schema, on_invoke_tool=invoke,
+                            strict_json_schema=schema.strict_json_schema)
+
+
+# ---------------------------------------------------------------------------- skills ----
+
+def skill_catalog(skills: Sequence[Skill]) -> str:
+    """Tier 1 of the Agent Skills progressive disclosure: each skill's name and description."""
+    if not skills:
+        return ""
+    lines = ["", "", "## Skills",
+             "A skill holds instructions for one kind of task. When a task matches a skill's "
+             "description, call load_skill with its name first and follow what it says.", ""]
+    lines += [f"- {s.name}: {' '.join(s.description.split())}" for s in skills]
+    return "\n".join(lines)
+
+
+def skill_tool(agent: str, skills: Sequence[Skill]) -> sdk.FunctionTool:
+    """The generated ``load_skill(name)`` tool: returns the skill's body (prose, never run).
+
+    Each load appends ``skill.loaded`` with the SHA-256 of the text served. Only the agent's
+    own skills are served, looked up by exact name: a name carrying a path (``../x``) or any
+    other name is refused with an error string to the model; no path is ever built from it.
+    """
+    by_name = {s.name: s for s in skills}
+    schema = {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string", "enum": sorted(by_name),
+                                      "description": "The skill's name, as listed under Skills."}}}
+
+    async def invoke(tool_ctx: Any, args_json: str) -> str:
+        run = tool_ctx.context
+        try:
+            name = json.loads(args_json or "{}").get("name")
+        except (ValueError, AttributeError):
+            name = None
+        skill = by_name.get(name) if isinstance(name, str) else None
+        if skill is None:
+            if isinstance(run, RunHandle):
+                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+            why = "skill names never carry a path" if isinstance(name, str) and (
+                "/" in name or "\\" in name or ".." in name) else "no such skill for this agent"
+            return f"error: refused {name!r}: {why}; the skills are {', '.join(sorted(by_name))}"
+        if isinstance(run, RunHandle):
+            digest = hashlib.sha256(skill.body.encode("utf-8")).hexdigest()
+            run.emit(SkillLoaded(skill.name, digest))
+        return skill.body
+
+    return sdk.FunctionTool(name="load_skill", description=(
+        "Load a skill: returns its full instructions, to follow for the task at hand."),
+        params_json_schema=schema, on_invoke_tool=invoke, strict_json_schema=True)
+
+
+# ------------------------------------------------------------------- SDK and MCP tools ----
+
+def watched(tool: sdk.FunctionTool) -> sdk.FunctionTool:
+    """An SDK ``FunctionTool`` as a deck plays it: its failures flagged (``_flag_errors``), its
+    guardrails' refusals logged (``_log_refusals``); the caller's object is left as built."""
+    return _log_refusals(_flag_errors(tool))
+
+
+def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
+    """An SDK ``FunctionTool`` whose exception or timeout the SDK hands the model as an error
+    string (its failure or timeout error function): a copy (the caller's object is left as
+    built) whose calls that failed say ``is_error`` in their ``tool.completed``, as a plain
+    function's do. What fails the run instead (no failure error function, a timeout that
+    raises) is left as it is."""
+    from agents.tool import (
+        default_tool_timeout_error_message, resolve_function_tool_failure_error_function,
+        set_function_tool_failure_error_function,
+    )
+    told = resolve_function_tool_failure_error_function(tool)
+    timed = tool.timeout_seconds is not None and tool.timeout_behavior == "error_as_result"
+    if told is None and not timed:
+        return tool
+
+    def flagged(say: Callable[[Any, Exception], Any]) -> Callable[[Any, Exception], Any]:
+        def failed(ctx: Any, error: Exception) -> Any:
+            run = getattr(ctx, "context", None)
+            if isinstance(run, RunHandle):
+                run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
+            return say(ctx, error)  # the SDK awaits an awaitable answer
+        return failed
+
+    tool = copy.copy(tool)
+    if timed:
+        tool.timeout_error_function = flagged(tool.timeout_error_function or (
+            lambda ctx, error: default_tool_timeout_error_message(
+                tool_name=tool.name, timeout_seconds=tool.timeout_seconds)))
+    return tool if told is None else set_function_tool_failure_error_function(tool, flagged(told))
+
+
+def _log_refusals(tool: sdk.FunctionTool) -> sdk.FunctionTool:
+    """An SDK ``FunctionTool`` with input guardrails: a copy whose guardrails record a call they
+    refuse, which the SDK never hands to the hooks (the tool never starts): ``tool.started``,
+    then ``tool.completed`` with ``is_error`` and what the model is told instead (or the
+    guardrail's name, when its tripwire fails the run)."""
+    if not tool.tool_input_guardrails:
+        return tool
+
+    def logged(guardrail: Any) -> Any:
+        async def check(data: Any) -> Any:
+            out = guardrail.guardrail_function(data)
+            out = await out if inspect.isawaitable(out) else out
+            ctx = data.context
+            run, behavior = getattr(ctx, "context", None), getattr(out, "behavior", None) or {}
+            if isinstance(run, RunHandle) and behavior.get("type", "allow") != "allow":
+                call_id, origin = ctx.tool_call_id or "", tool_origin(run, data.agent, tool)
+                await run.durable(ToolStarted(call_id, tool.name, ctx.tool_arguments or ""),
+                                  origin=origin)
+                said = behavior.get("message") or f"refused by guardrail {guardrail.get_name()}"
+                run.emit(ToolCompleted(call_id, tool.name, said, True), origin=origin)
+            return out
+        return dataclasses.replace(guardrail, guardrail_function=check, name=guardrail.get_name())
+
+    tool = copy.copy(tool)
+    tool.tool_input_guardrails = [logged(g) for g in tool.tool_input_guardrails]
+    return tool
+
+
+def mcp_tool_error(ctx: Any, error: Exception) -> str:
+    """An MCP tool call that failed (timed out, refused by the server, cut short by the server's
+    death): its error text goes to the model, and the call's ``tool.completed`` says
+    ``is_error``. A death is told in kit's words (``MCPServerError``: which server, what
+    happened), which the SDK wraps in its own exception."""
+    run = getattr(ctx, "context", None)
+    if isinstance(run, RunHandle):
+        run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
+    died = next((e for e in (error, error.__cause__) if isinstance(e, MCPServerError)), None)
+    return f"error: {died}" if died is not None else sdk.default_tool_error_function(ctx, error)
