@@ -30,6 +30,7 @@ of either that stops answering without closing its connections fails the turn af
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import sqlite3
 import threading
@@ -232,6 +233,22 @@ def _pg_session_class() -> type:
     return PgSession
 
 
+def _made(session: Any, key: str) -> Any:
+    """What ``session_factory(key)`` returned, if it can be a turn's session. The SDK runs a
+    turn given ``session=None`` without one, so a factory that forgot its ``return`` had every
+    turn forget the conversation, silently; an ``async def`` one failed each turn on its
+    coroutine. Raises ``ConfigError`` saying what it returned (before the turn writes anything).
+    """
+    if all(callable(getattr(session, m, None)) for m in ("get_items", "add_items")):
+        return session
+    if inspect.iscoroutine(session):
+        session.close()  # never awaited: no RuntimeWarning at its collection
+        raise ConfigError(f"session_factory({key!r}) returned a coroutine: it must be a plain "
+                          "function returning the session (an agents.memory.Session)")
+    raise ConfigError(f"session_factory({key!r}) returned {type(session).__name__}, not a "
+                      "session: it must return an agents.memory.Session (get_items, add_items)")
+
+
 class Sessions:
     """The conversation-memory sessions (``agents.memory.Session``) of a deck's agent runs.
 
@@ -248,7 +265,8 @@ class Sessions:
     for the in-process default that *forgets the conversation* (its history is deleted; the log
     keeps every turn); for the others only the cached object goes (the data stays where it
     lives). Keep it above the number of conversations in flight at once. Raises
-    ``ConfigError`` for another URL scheme (the URL masked), a missing extra, or a bound below 1.
+    ``ConfigError`` for another URL scheme (the URL masked), a missing extra, or a bound below 1;
+    ``get`` raises it for what the factory returned when that is no session (``_made``).
     """
 
     def __init__(self, url: str | None, factory: Callable[[str], Any] | None,
@@ -343,7 +361,7 @@ class Sessions:
             self._sessions.move_to_end(key)
         else:
             if self._factory is not None:
-                session = self._factory(key)
+                session = _made(self._factory(key), key)
             elif self._redis is not None:
                 from agents.extensions.memory.redis_session import RedisSession
                 session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")

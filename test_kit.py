@@ -831,6 +831,28 @@ async def test_namespaces_separate_sessions_and_factory_overrides(store):
         assert "x" not in json.dumps(model.calls[-1]["input"])
 
 
+async def test_a_session_factory_that_returns_no_session_is_refused_before_the_turn(store):
+    """A factory that forgot its ``return`` had every turn run without a session, the
+    conversation forgotten silently; an ``async def`` one failed each turn on its coroutine."""
+    def forgot(session_id: str):
+        agents.SQLiteSession(session_id)
+
+    async def made_async(session_id: str):
+        return agents.SQLiteSession(session_id)
+
+    for factory, says in ((forgot, "returned NoneType, not a session"),
+                          (made_async, "returned a coroutine")):
+        model = ScriptedModel(["Hi Ana.", "You are Ana."])
+        async with Deck([Agent("a", model=model)], store=store, session_factory=factory) as deck:
+            for text in ("I am Ana", "Who am I?"):
+                with pytest.raises(ConfigError, match=rf"session_factory\('s1'\) {says}"):
+                    await deck.run("a", text, session_id="s1")
+            with pytest.raises(ConfigError, match=says):
+                deck.session_for("s1")
+            assert not model.calls  # no model call either
+    assert await store.runs() == []  # refused turns wrote nothing
+
+
 @pytest.mark.parametrize("kind", ["memory", "sqlite", "redis"])
 async def test_no_session_id_reaches_a_namespaced_conversation(monkeypatch, store, tmp_path,
                                                                 request, kind):
