@@ -55,8 +55,8 @@ from typing import Any
 from agents.tracing import TracingProcessor
 
 from kit_core import (
-    ConfigError, Event, ModelCompleted, NodeUpdated, RunCancelled, RunCompleted, RunFailed,
-    RunInterrupted, RunResumed, RunStarted, SkillLoaded, ToolCompleted, ToolStarted,
+    ConfigError, ControlRequested, Event, ModelCompleted, NodeUpdated, RunCancelled, RunCompleted,
+    RunFailed, RunInterrupted, RunResumed, RunStarted, SkillLoaded, ToolCompleted, ToolStarted,
 )
 
 __all__ = ("DEFAULT_HOST", "OTLP_PATH", "QUEUE_SIZE", "BATCH_SIZE", "EXPORT_DELAY_MS",
@@ -248,6 +248,8 @@ class TracingObserver:
         p, at, o = ev.payload, _ns(ev.at), self._o
         seg = self._runs.get(ev.run_id)
         if seg is None:
+            if isinstance(p, ControlRequested):  # a parked run's resume (or cancel) requested:
+                return  # the run.resumed next opens the segment, saying by whom
             seg = self._open(ev, at)
             if isinstance(p, (RunStarted, RunResumed)):
                 return

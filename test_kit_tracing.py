@@ -20,8 +20,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from kit import (
-    Agent, ConfigError, Deck, Event, ModelCompleted, RunCompleted, RunPaused, RunResumed,
-    RunStarted, ScriptedModel,
+    Agent, ConfigError, ControlRequested, Deck, Event, ModelCompleted, RunCompleted, RunPaused,
+    RunResumed, RunStarted, ScriptedModel,
 )
 from kit_observers import ObserverHub
 from kit_store import MemoryStore
@@ -165,9 +165,12 @@ async def test_a_parked_run_stays_one_trace_in_two_segments(receiver, monkeypatc
     monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
     monkeypatch.setenv("KIT_TRACING_HOST", receiver.host)
     t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    # As the log holds them: a pause or resume is requested (control.requested), then done. The
+    # resume's request opened the new segment, which said kit.resumed_by "unknown".
     payloads = [RunStarted("calc", "agent", "s9"), ModelCompleted("gpt-4o", 10, 2, None),
-                RunPaused("operator"), RunResumed("resume"), ModelCompleted("gpt-4o", 12, 3, None),
-                RunCompleted("done")]
+                ControlRequested("pause", "operator", "api"), RunPaused("operator"),
+                ControlRequested("resume", None, "api"), RunResumed("resume"),
+                ModelCompleted("gpt-4o", 12, 3, None), RunCompleted("done")]
     logged = [Event("r9", i, p, "calc", None, t0 + timedelta(seconds=i)) for i, p in enumerate(payloads)]
     with anyio.fail_after(10):
         await play(TracingObserver(), logged)
@@ -179,7 +182,8 @@ async def test_a_parked_run_stays_one_trace_in_two_segments(receiver, monkeypatc
     assert first["kit.status"] == "PAUSED" and first["kit.parked"] == "run.paused"
     assert second["kit.resumed_by"] == "resume" and second["kit.status"] == "COMPLETED"
     assert first["session.id"] == second["session.id"] == "s9"
-    assert roots[0].end_time_unix_nano == roots[0].start_time_unix_nano + 2 * 10**9
+    assert roots[0].end_time_unix_nano == roots[0].start_time_unix_nano + 3 * 10**9
+    assert roots[1].start_time_unix_nano == roots[0].start_time_unix_nano + 5 * 10**9
     chats = [s for s in spans if s.parent_span_id]
     assert [s.parent_span_id for s in chats] == [roots[0].span_id, roots[1].span_id]
     # A model call's span starts where the previous step ended (the log records its end only).
