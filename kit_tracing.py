@@ -319,9 +319,14 @@ class TracingObserver:
         if isinstance(p, RunStarted):
             meta = {"name": p.name, "invocable": p.invocable, "session.id": p.session_id,
                     "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
-        else:  # resumed, or first seen mid-run: what parking remembered, else the origin
+        else:  # resumed, or first seen mid-run: what parking remembered, else what the event
+            # tells (a run parked by another process, or before a restart): an answer or a tick
+            # resumes only a workflow, a node update is one's; its session stays unknown.
+            workflow = isinstance(p, NodeUpdated) or (isinstance(p, RunResumed)
+                                                      and p.by in ("answer", "tick"))
             meta = self._parked.pop(ev.run_id, None) or {
-                "name": (ev.origin or "run").split("/")[0], "invocable": "agent"}
+                "name": (ev.origin or "run").split("/")[0],
+                "invocable": "workflow" if workflow else "agent"}
         name, workflow = meta["name"], meta["invocable"] == "workflow"
         op = "invoke_workflow" if workflow else "invoke_agent"
         attrs: dict[str, Any] = {

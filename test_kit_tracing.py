@@ -6,25 +6,27 @@ import gzip
 import os
 import subprocess
 import sys
+import operator
 import threading
 from collections import defaultdict
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 import agents
 import anyio
 import pytest
+from langgraph.graph import END, START, StateGraph
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 )
 
 from kit import (
     Agent, ConfigError, ControlRequested, Deck, Event, ModelCompleted, RunCompleted, RunPaused,
-    RunResumed, RunStarted, ScriptedModel,
+    RunResumed, RunStarted, ScriptedModel, Workflow, interrupt,
 )
 from kit_observers import ObserverHub
-from kit_store import MemoryStore
+from kit_store import MemoryStore, SQLiteStore
 from kit_tracing import OTLP_PATH, TracingObserver
 
 pytestmark = pytest.mark.anyio
@@ -188,6 +190,40 @@ async def test_a_parked_run_stays_one_trace_in_two_segments(receiver, monkeypatc
     assert [s.parent_span_id for s in chats] == [roots[0].span_id, roots[1].span_id]
     # A model call's span starts where the previous step ended (the log records its end only).
     assert chats[1].start_time_unix_nano == roots[1].start_time_unix_nano
+
+
+class Release(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+
+
+async def approve(state: Release) -> dict:
+    return {"log": [f"approved: {interrupt({'question': 'ship it?'})}"]}
+
+
+async def test_a_workflow_answered_after_a_restart_stays_a_workflow_in_its_trace(receiver, tmp_path):
+    """A durable workflow parked by one process (here a deck before a restart) and answered by
+    another: its resumed segment was rendered as an agent's, ``invoke_agent release``."""
+    def release() -> Workflow:
+        graph = StateGraph(Release).add_node("approve", approve)
+        return Workflow("release", graph.add_edge(START, "approve").add_edge("approve", END),
+                        durable=True)
+
+    parked: list = []
+    with anyio.fail_after(30):
+        for answer in (False, True):  # a deck, and its tracer, per process
+            async with SQLiteStore(str(tmp_path / "kit.db")) as store:
+                async with Deck(workflows=[release()], store=store, observers=[TracingObserver(
+                        public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
+                    if answer:
+                        assert await deck.answer(parked[0].run_id, "yes") == {"log": ["approved: yes"]}
+                    else:
+                        parked.append(await deck.run("release", {"log": []}, session_id="rel-42"))
+    [spans] = receiver.traces().values()
+    roots = sorted((s for s in spans if not s.parent_span_id), key=lambda s: s.start_time_unix_nano)
+    assert [(r.name, attrs(r)["langfuse.observation.type"], attrs(r)["kit.status"]) for r in roots] == [
+        ("invoke_workflow release", "chain", "WAITING_HUMAN"),
+        ("invoke_workflow release", "chain", "COMPLETED")]
+    assert attrs(roots[1])["kit.resumed_by"] == "answer"
 
 
 def test_start_refuses_missing_keys_and_a_bad_host(monkeypatch):
