@@ -646,22 +646,22 @@ class Runtime(RunControl):
         fenced = session_id is not None or (run_id is not None and type(run_id) is not NewRunId)
         run = self._new_run(spec, str(run_id or new_run_id()), context, session_id, namespace,
                             streaming)
-        if spec.kind == "agent":
-            blocks = as_blocks(input)
-            items = spec.engine.to_input(blocks, history)  # refuses what it cannot express
-            session = self.sessions.get(session_id, namespace) if session_id else None  # type: ignore[union-attr]
-            job = functools.partial(spec.engine.play, run, items, session,
-                                    self._agents.run_config(self._sdk_tracing, run.run_id, session_id))
-        else:
-            block = spec.engine.to_input(input)
-            if spec.engine.durable and session_id is None:
-                raise ConfigError(f"workflow {spec.name!r} is durable: pass session_id= (its thread id)")
-            blocks = (block,)
-            job = functools.partial(spec.engine.play, run, self.graphs[spec.name],
-                                    block.data if command is None else command)
-        started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace, blocks,
-                                                  history=history), spec.name)
-        try:
+        try:  # a streamed run is listed for its commits from here: a refused one was kept for good
+            if spec.kind == "agent":
+                blocks = as_blocks(input)
+                items = spec.engine.to_input(blocks, history)  # refuses what it cannot express
+                session = self.sessions.get(session_id, namespace) if session_id else None  # type: ignore[union-attr]
+                job = functools.partial(spec.engine.play, run, items, session,
+                                        self._agents.run_config(self._sdk_tracing, run.run_id, session_id))
+            else:
+                block = spec.engine.to_input(input)
+                if spec.engine.durable and session_id is None:
+                    raise ConfigError(f"workflow {spec.name!r} is durable: pass session_id= (its thread id)")
+                blocks = (block,)
+                job = functools.partial(spec.engine.play, run, self.graphs[spec.name],
+                                        block.data if command is None else command)
+            started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace,
+                                                      blocks, history=history), spec.name)
             await self._start_run(run, [started], fenced)
         except BaseException:
             self._unstream(run)

@@ -3,6 +3,7 @@ httpx and httpx-sse as the client, the bytes on the wire; the ASGI app driven di
 lifespan and disconnects (``kit-serve``, the process: test_kit_serve.py)."""
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import operator
@@ -26,6 +27,7 @@ from langgraph.graph import END, START, StateGraph
 import kit
 import kit_http
 import kit_request
+import kit_runtime
 import kit_sse
 from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
 from kit_http import App
@@ -418,6 +420,23 @@ async def test_a_busy_session_is_409():
             assert (r.status_code, r.json()["error"]) == (409, "SessionBusyError")
             gate.release.set()
         assert first[0].json() == {"output": "done"}
+
+
+async def test_refused_streamed_requests_leave_no_run_behind():
+    """A streamed request refused before its run started (an input the workflow's checkpoints
+    cannot store, a durable workflow without its thread) stayed listed among the deck's streamed
+    runs for good: ~5 kB a request, memory any client could grow without bound."""
+    deck = Deck(workflows=[Workflow("ship", graph(plan), durable=True)])
+    def runs() -> set[int]:
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if isinstance(o, kit_runtime.Run)}
+
+    async with served(deck) as (client, _):
+        before = runs()  # (another test's, not collected yet)
+        for body in ({"input": {"n": 2**70}, "thread_id": "t1"}, {"input": {}}) * 5:
+            r = await client.post("/workflows/ship?stream=true", json=body)
+            assert r.status_code == 400 and "x-kit-run-id" not in r.headers
+        assert runs() <= before
 
 
 # -------------------------------------------------------------------------- agents, SSE ----
