@@ -395,10 +395,15 @@ class App:
             await req.send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         name = exc.error if isinstance(exc, _RunFailed) else type(exc).__name__
-        allow = ((b"allow", ", ".join(exc.allowed).encode()),) if isinstance(exc, MethodNotAllowedError) else ()
+        headers = ((b"allow", ", ".join(exc.allowed).encode()),) if isinstance(exc, MethodNotAllowedError) else ()
+        if req.surface == "openai" and req.run_id is not None:
+            # OpenAI clients retry a 409 or a 5xx (twice by default) unless told not to: a
+            # retry of a request whose run the log holds (failed, cancelled, stopped) would
+            # play the turn again. A refusal that wrote nothing (a busy session) stays retryable.
+            headers += ((b"x-should-retry", b"false"),)
         body = kit_openai.error_body(status, name, message) if req.surface == "openai" else {
             "error": name, "message": message}
-        await respond(req, status, body, allow)
+        await respond(req, status, body, headers)
 
     def _check(self, name: str, kind: str) -> None:
         """Refuse a name that is not one of the deck's agents (``kind`` "agent") or workflows:

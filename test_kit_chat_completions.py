@@ -247,6 +247,7 @@ async def test_a_busy_session_is_409_and_an_unknown_model_404_in_openais_shape()
                                                       extra_headers=session)
                 assert busy.value.code == "SessionBusyError" and busy.value.type == "invalid_request_error"
                 assert "x-kit-run-id" not in busy.value.response.headers  # a refused start wrote nothing
+                assert "x-should-retry" not in busy.value.response.headers  # so a retry may pass
             gate.release.set()
         with pytest.raises(openai.NotFoundError) as missing:
             await aio.chat.completions.create(model="plain", messages=hi())  # a workflow
@@ -395,6 +396,19 @@ async def test_a_failed_run_is_a_500_or_an_error_chunk():
             async for _ in await aio.chat.completions.create(model="boom", messages=hi(), stream=True):
                 pass
         assert {r.status.value for r in await app.deck.store.runs()} == {"FAILED"}
+        await aio.close()
+
+
+async def test_a_client_that_retries_does_not_play_a_failed_turn_again():
+    """OpenAI clients retry a 5xx or a 409 (twice by default): a failed run's 500 was retried,
+    and each retry played the turn again (three failed runs, tools called three times)."""
+    boom = Agent("boom", model=ScriptedModel([RuntimeError("x")] * 3))
+    async with served(catalog(boom), surfaces=("openai",)) as (client, app):
+        aio = openai.AsyncOpenAI(base_url=f"{client.base_url}/v1", api_key="sk-dummy", max_retries=1)
+        with pytest.raises(openai.InternalServerError) as failed:
+            await aio.chat.completions.create(model="boom", messages=hi())
+        assert failed.value.response.headers["x-should-retry"] == "false"
+        assert [r.status.value for r in await app.deck.store.runs()] == ["FAILED"]
         await aio.close()
 
 
