@@ -10,6 +10,7 @@ import sys
 import anyio
 import httpx
 import openai
+import pydantic
 import pytest
 
 import kit
@@ -294,6 +295,39 @@ async def test_more_than_one_choice_is_a_400_and_writes_nothing():
         assert await app.deck.store.runs() == []
         done = await aio.chat.completions.create(model="echo", messages=hi(), n=1)
         assert len(done.choices) == 1
+        await aio.close()
+
+
+class City(pydantic.BaseModel):
+    name: str
+
+
+async def test_a_field_asking_for_an_answer_kit_cannot_give_is_a_400_and_writes_nothing():
+    """The client's tools, a demanded tool call, a JSON response format and log probabilities
+    were ignored: the client read a text answer where it asked for a tool call, JSON of its
+    schema (``parse`` failed on the text as invalid JSON) or log probabilities (None)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    asks = {"tools": tools, "tool_choice": "required", "functions": [{"name": "f"}],
+            "function_call": {"name": "f"}, "response_format": {"type": "json_object"},
+            "logprobs": True, "top_logprobs": 2, "modalities": ["text", "audio"],
+            "audio": {"voice": "alloy", "format": "wav"}}
+    async with served(catalog(), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        for field, value in asks.items():
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as bad:
+                    await aio.chat.completions.create(model="echo", messages=hi(), stream=stream,
+                                                      extra_body={field: value})
+                assert bad.value.body["message"].startswith(f"kit cannot honour {field!r}: ")
+        with pytest.raises(openai.BadRequestError, match="'response_format'"):
+            await aio.chat.completions.parse(model="echo", messages=hi(), response_format=City)
+        assert await app.deck.store.runs() == []
+        # What asks nothing kit does not give passes.
+        done = await aio.chat.completions.create(
+            model="echo", messages=hi(), tool_choice="auto", response_format={"type": "text"},
+            logprobs=False, modalities=["text"], parallel_tool_calls=False, temperature=0.2,
+            extra_body={"tools": [], "top_logprobs": 0})
+        assert done.choices[0].message.content == "hello there world"
         await aio.close()
 
 
