@@ -297,6 +297,8 @@ class App:
             stream.stop()
         for scope in list(self._mcp_streams):  # they carry nothing to wait for
             scope.cancel()
+        if self._mcp_server is not None:  # its calls end with a result the client reads
+            self._mcp_server.stop()
         if self._inflight:
             self._idle = anyio.Event()
             with anyio.move_on_after(kit_sse.STOP_GRACE) as self._grace:

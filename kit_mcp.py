@@ -33,7 +33,10 @@ structured (``structuredContent``) and also given as text:
   ``{"error": <type>, "message"}`` (a failed run's message names its run, whose log has the
   details).
 
-Leaving a call (the client cancels it, or goes away) ends its stream, never its run. Skills are
+Leaving a call (the client cancels it, or goes away) ends its stream, never its run; so does
+the server stopping (``stop``), whose call then ends with an ``isError`` result
+``ServerStoppingError`` naming the run, since a client whose call's stream is cut without a
+result waits for one forever. Skills are
 resources ``skill://<name>`` (``text/markdown``: the body ``load_skill`` serves). The server is
 stateless (``stateless=True``): no MCP session lives between requests, so any replica sharing
 the deck's store can serve any call, and nothing is kept for idle clients.
@@ -149,6 +152,8 @@ class MCPSurface:
         self.manager = StreamableHTTPSessionManager(server, stateless=True,
                                                     max_request_body_size=max_body)
         self._running: Any = None
+        self._playing: set[anyio.CancelScope] = set()  # the calls reading their run's events
+        self._stopping = False
 
     async def __aenter__(self) -> MCPSurface:
         self._running = self.manager.run()
@@ -160,6 +165,15 @@ class MCPSurface:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self.manager.handle_request(scope, receive, send)
+
+    def stop(self) -> None:
+        """The server is stopping: every call still playing ends now with an ``isError`` result
+        ``ServerStoppingError`` naming its run (its log has the rest), while its response can
+        still carry it. An MCP client waits for a call's result forever once its stream is cut
+        without one, so leaving it to shutdown's cut would hang the caller."""
+        self._stopping = True
+        for scope in list(self._playing):
+            scope.cancel()
 
     # ------------------------------------------------------------------------------ tools --
     async def _tools(self) -> list[types.Tool]:
@@ -208,22 +222,36 @@ class MCPSurface:
         failed, cancelled or paused run is an ``isError`` one naming the run."""
         ctx = self.server.request_context
         token = ctx.meta.progressToken if ctx.meta is not None else None
-        end, sent = None, 0
+        end, sent, run_id = None, 0, None
+        reading = anyio.CancelScope()  # stop() cancels it: the events stop, never the run
+        if self._stopping:
+            reading.cancel()
         try:
             async with aclosing(stream) as events:
-                async for ev in events:
-                    if ev.payload.ends is not None:
-                        end = ev
-                    elif token is not None and (message := _progress(ev)) is not None:
-                        sent += 1
-                        try:
-                            await ctx.session.send_progress_notification(
-                                token, sent, message=message, related_request_id=ctx.request_id)
-                        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                            token = None  # the client left: the run plays on to its end
+                with reading:
+                    self._playing.add(reading)
+                    try:
+                        async for ev in events:
+                            run_id = ev.run_id
+                            if ev.payload.ends is not None:
+                                end = ev
+                            elif token is not None and (message := _progress(ev)) is not None:
+                                sent += 1
+                                try:
+                                    await ctx.session.send_progress_notification(
+                                        token, sent, message=message,
+                                        related_request_id=ctx.request_id)
+                                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                                    token = None  # the client left: the run plays on to its end
+                    finally:
+                        self._playing.discard(reading)
         except Exception:
             if end is None or not isinstance(end.payload, RunFailed):
                 raise  # refused before it started, or broke: _call answers it
+        if end is None and reading.cancelled_caught:  # stop(): the server is shutting down
+            where = (f" before run {run_id} ended; its log has the rest: GET /runs/{run_id}/events"
+                     if run_id is not None else "")
+            return _error("ServerStoppingError", f"the server is shutting down{where}")
         assert end is not None
         p, run_id = end.payload, end.run_id
         if isinstance(p, RunFailed):

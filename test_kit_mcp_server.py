@@ -18,7 +18,7 @@ import kit_mcp
 from kit_sse import STOP_GRACE
 from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Skills, Workflow
 from test_kit_control import Gate
-from test_kit_http import ask, catalog, echo, graph, plan, served
+from test_kit_http import ask, catalog, echo, gated, graph, plan, served
 
 pytestmark = [
     pytest.mark.anyio,
@@ -236,6 +236,31 @@ async def test_leaving_a_call_ends_its_stream_never_its_run(caplog):
                 await anyio.sleep(0.02)
         await anyio.sleep(0.5)  # the call's end, after the run's
     assert [r.getMessage() for r in caplog.records if r.name == "kit_mcp"] == []
+
+
+async def test_a_call_playing_when_the_server_stops_ends_with_a_result_naming_its_run():
+    """Shutdown cut a playing call's stream after the grace with no result, and the MCP client
+    waited for one forever; the call now ends at once with an error result naming the run."""
+    gate, worker = gated("done")
+    async with mcp_served(catalog(worker)) as (session, _, app):
+        results = []
+
+        async def call() -> None:
+            results.append(await session.call_tool("worker", {"message": "go"}))
+        with anyio.fail_after(3 * STOP_GRACE):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await gate.until_entered()
+                [run] = await app.deck.store.runs(name="worker")
+                try:
+                    await app.shutdown()  # returns once the call has answered
+                finally:
+                    gate.release.set()
+        [stopped] = results
+        assert stopped.isError and stopped.structuredContent == {
+            "error": "ServerStoppingError",
+            "message": f"the server is shutting down before run {run.run_id} ended; its log has "
+                       f"the rest: GET /runs/{run.run_id}/events"}
 
 
 def test_an_invocable_named_answer_refuses_the_mcp_surface():
