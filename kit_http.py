@@ -159,6 +159,7 @@ _ROUTES = [(method, path, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path
     ("POST", "/v2/invocables/{name}/chat", "_native_chat", "native"),
     ("POST", "/v1/chat/completions", "_chat_completions", "openai"),
     ("GET", "/v1/models", "_models", "openai"),
+    ("GET", "/v1/models/{model}", "_model", "openai"),
     ("POST", "/mcp", "_mcp", "mcp"),
     ("GET", "/mcp", "_mcp", "mcp"),  # stateless: no session for DELETE to end (405)
 )]
@@ -181,7 +182,7 @@ class App:
     another ASGI app (paths are matched below ``scope["root_path"]``). ``native=True`` adds the
     native routes ``POST /v2/invocables/{name}/chat``, which ``kit-serve`` never mounts (SPEC 1).
     ``surfaces`` names optional surfaces to serve too (``SURFACES``; none by default):
-    ``"openai"`` adds ``POST /v1/chat/completions`` and ``GET /v1/models`` (kit_openai), ``"mcp"``
+    ``"openai"`` adds ``POST /v1/chat/completions`` and ``GET /v1/models[/{model}]`` (kit_openai), ``"mcp"``
     an MCP server at ``/mcp`` (kit_mcp, started by the lifespan once the deck is open).
     ``playground`` serves the playground page at ``GET /`` (default: unless ``KIT_PLAYGROUND``
     is ``0``; off, ``/`` is a 404 as before). ``guard`` says which ``Host`` and ``Origin`` headers
@@ -602,6 +603,10 @@ class App:
 
     async def _models(self, req: Request) -> None:
         await respond(req, 200, kit_openai.model_list(self._agents))
+
+    async def _model(self, req: Request, model: str) -> None:
+        self._check(model, "agent")  # OpenAI's answer to a model it lacks is a 404 too
+        await respond(req, 200, kit_openai.model_object(model))
 
     async def _mcp(self, req: Request) -> None:
         async def send(message: Message) -> None:  # the MCP server answers for itself

@@ -3,7 +3,7 @@
 Owns: reading a ``POST /v1/chat/completions`` body into a turn (``read_request`` -> ``ChatTurn``:
 the agent, the input blocks, the session or the one-off history, streamed or not), the
 ``chat.completion`` body (``completion``), the chunks of a streamed one (``Chunks``), the
-``GET /v1/models`` list (``model_list``) and OpenAI's error body (``error_body``).
+``GET /v1/models`` list (``model_list``) and each model of it (``model_object``), and OpenAI's error body (``error_body``).
 
 Must never: speak ASGI or touch a socket (kit_http serves the routes, frames the chunks as SSE and
 maps errors to statuses), reach a deck, the Runtime or the store, import an SDK, or accept a
@@ -69,7 +69,7 @@ from kit_core import (
 )
 
 __all__ = ("ChatTurn", "ChatRequestError", "Chunks", "DONE", "SESSION_HEADER", "MESSAGE_BREAK",
-           "read_request", "completion", "model_list", "error_body")
+           "read_request", "completion", "model_list", "model_object", "error_body")
 
 #: The header that names a request's session (kit's; OpenAI clients send extra headers as asked).
 SESSION_HEADER = b"x-kit-session-id"
@@ -313,9 +313,12 @@ class Chunks:
 
 def model_list(agents: Iterable[str]) -> dict[str, Any]:
     """The ``GET /v1/models`` body: every agent is a model."""
-    now = int(time.time())
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": now,
-                                        "owned_by": "kit"} for name in sorted(agents)]}
+    return {"object": "list", "data": [model_object(name) for name in sorted(agents)]}
+
+
+def model_object(agent: str) -> dict[str, Any]:
+    """The model that is agent ``agent``: the ``GET /v1/models/{model}`` body, an item of the list."""
+    return {"id": agent, "object": "model", "created": int(time.time()), "owned_by": "kit"}
 
 
 def error_body(status: int, error: str, message: str) -> dict[str, Any]:

@@ -323,6 +323,11 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                {"200": {"description": "A list object", "content": {
                                    "application/json": {"schema": {"type": "object"}}}}},
                                error_schema="OpenAIError"),
+    ("GET", "/v1/models/{model}"): _op(
+        "model", "OpenAI model: an agent (KIT_SURFACES=openai)",
+        {"200": {"description": "A model object", "content": {
+            "application/json": {"schema": {"type": "object"}}}}},
+        ("404",), params=[_param("model")], error_schema="OpenAIError"),
     **{(method, "/mcp"): _op(
         f"mcp{method.title()}", "The MCP server, streamable HTTP transport (KIT_SURFACES=mcp)",
         {"200": {"description": "JSON-RPC, as MCP's streamable HTTP transport specifies",

@@ -81,6 +81,13 @@ async def test_models_are_the_agents():
         listed = await anyio.to_thread.run_sync(sync.models.list)
         assert [m.id for m in listed.data] == ["echo"]  # workflows are not models
         assert [m.id async for m in aio.models.list()] == ["echo"]
+        # models.retrieve of a listed model was a 404 "no route"
+        model = await aio.models.retrieve("echo")
+        assert (model.id, model.object, model.owned_by) == ("echo", "model", "kit")
+        for name in ("plain", "nope"):  # a workflow is no model
+            with pytest.raises(openai.NotFoundError) as missing:
+                await aio.models.retrieve(name)
+            assert missing.value.code == "UnknownNameError" and "echo" in missing.value.message
         await aio.close()
 
 

@@ -42,8 +42,8 @@ def test_the_document_describes_exactly_the_route_table():
         document([("GET", "/undocumented")])
 
 
-SURFACE_OPS = {("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/mcp"),
-               ("GET", "/mcp")}
+SURFACE_OPS = {("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+               ("GET", "/v1/models/{model}"), ("POST", "/mcp"), ("GET", "/mcp")}
 
 
 @pytest.mark.anyio
@@ -51,7 +51,7 @@ SURFACE_OPS = {("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST",
     ({}, {("POST", "/v2/invocables/{name}/chat"), *SURFACE_OPS}),
     ({"native": True, "playground": False}, {("GET", "/"), *SURFACE_OPS}),
     ({"surfaces": ("openai",)}, {("POST", "/v2/invocables/{name}/chat"), *SURFACE_OPS} - {
-        ("POST", "/v1/chat/completions"), ("GET", "/v1/models")})])
+        ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}")})])
 async def test_an_app_documents_the_routes_it_serves_and_a_validator_accepts_it(options, dropped):
     async with served(catalog(), **options) as (client, _):
         r = await client.get("/openapi.json")
