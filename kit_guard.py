@@ -51,8 +51,10 @@ PREFLIGHT_HEADERS = ((b"access-control-allow-methods", b"GET, POST"),
 #: ``last-event-id`` to resume a stream with ``fetch``, ``x-kit-session-id`` to name the
 #: conversation on the Chat Completions wire, ``mcp-protocol-version`` for MCP clients.
 _ALLOWED_HEADERS = ("content-type", "last-event-id", "x-kit-session-id", "mcp-protocol-version")
-#: The header a CORS response exposes to the page: the run a response belongs to.
-_EXPOSED = "x-kit-run-id"
+#: The headers a CORS response exposes to the page: the run a response belongs to, and whether
+#: an OpenAI client may retry an error (a page cannot read a header not exposed, so its client
+#: would retry a failed turn and play it again).
+_EXPOSED = "x-kit-run-id, x-should-retry"
 _DEFAULT_PORT = {"http": "80", "https": "443"}
 #: A host name or address as ``_host_name`` leaves it (a port or a path does not fit).
 _NAME = re.compile(r"\[[0-9a-f:.]+\]|[a-z0-9_-]+(\.[a-z0-9_-]+)*")

@@ -146,7 +146,7 @@ async def test_listed_origins_get_cors_answers_and_a_preflight():
             "x-stainless-lang")
         r = await client.post("/agents/echo/chat", json={"message": "hi"}, headers={"origin": FRONT})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == FRONT
-        assert r.headers["access-control-expose-headers"] == "x-kit-run-id"
+        assert r.headers["access-control-expose-headers"] == "x-kit-run-id, x-should-retry"
         run_id = r.headers["x-kit-run-id"]
         r, body = await wire(client, "GET", f"/runs/{run_id}/events", headers={"origin": FRONT})
         assert r.headers["access-control-allow-origin"] == FRONT and body.endswith(b"}\n\n")
