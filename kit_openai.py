@@ -24,8 +24,9 @@ kit's agents call their own tools, so a conversation holding another system's to
 one they can carry on faithfully.
 
 The conversation is kit's session when the request names one: the ``x-kit-session-id`` header,
-else ``metadata.session_id``, else ``user`` (so one end user is one conversation; the first one
-sent is checked, an empty one refused). The session
+else ``metadata.session_id`` (the first one sent is checked, an empty one refused). ``user``
+names an end user, not a conversation: clients send it with every chat of that user (LibreChat
+does), so read as a session it would merge them all into one. The session
 already holds what came before, so the earlier messages of the request are the client's copy of
 it: checked like any (one kit could not carry is still a 400, so nothing passes silently) and
 then not replayed; the session, not the client's copy, is what the model reads. Without a
@@ -145,13 +146,12 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
         raise ChatRequestError(f"messages[{len(earlier)}]: the last message must be the user's: "
                                "it is the turn's input")
     metadata = body.get("metadata")
-    named = (session_header, metadata.get("session_id") if isinstance(metadata, Mapping) else None,
-             body.get("user"))
+    named = (session_header, metadata.get("session_id") if isinstance(metadata, Mapping) else None)
     # The first one given: an empty one is refused (check_id), never passed over for a one-off turn.
     session_id = next((s for s in named if s is not None), None)
     if session_id is not None:
         try:
-            check_id("a session id (x-kit-session-id, metadata.session_id or user)", session_id)
+            check_id("a session id (x-kit-session-id or metadata.session_id)", session_id)
         except ConfigError as exc:
             raise ChatRequestError(str(exc)) from None
     carried = [_message(i, m) for i, m in enumerate(messages)]

@@ -211,10 +211,24 @@ async def test_a_named_session_is_the_conversation():
         assert "I am Ana" in str(model.calls[-1]["input"]) and "ignored" not in str(model.calls[-1]["input"])
         by_metadata = await anyio.to_thread.run_sync(lambda: sync.chat.completions.create(
             model="a", messages=hi(), metadata={"session_id": "conv-2"}))
-        by_user = await aio.chat.completions.create(model="a", messages=hi(), user="ana@example")
-        for done, session in ((by_metadata, "conv-2"), (by_user, "ana@example")):
-            info = await app.deck.store.run_info(done.id.removeprefix("chatcmpl-"))
-            assert info.session_id == session
+        info = await app.deck.store.run_info(by_metadata.id.removeprefix("chatcmpl-"))
+        assert info.session_id == "conv-2"
+        await aio.close()
+
+
+async def test_an_end_user_is_not_a_conversation():
+    """``user`` names an end user, whose every chat carries it (LibreChat sends it): read as
+    the session, a user's new chat went on with their other one, and two at once were a 409."""
+    model = ScriptedModel(["Nice to meet you, Ana.", "I do not know you yet."])
+    async with served(Deck([Agent("a", model=model)]), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        await aio.chat.completions.create(model="a", messages=hi("I am Ana"), user="ana@example")
+        done = await aio.chat.completions.create(model="a", messages=hi("Who am I?"),
+                                                 user="ana@example")  # a new chat
+        assert done.choices[0].message.content == "I do not know you yet."
+        assert "I am Ana" not in str(model.calls[-1]["input"])
+        started = (await app.deck.store.read(done.id.removeprefix("chatcmpl-")))[0].payload
+        assert started.session_id is None
         await aio.close()
 
 
@@ -371,7 +385,7 @@ async def test_no_message_kit_cannot_carry_passes_with_a_session_or_without(mess
         _, aio = clients(client)
         with pytest.raises(openai.BadRequestError) as bad:
             await aio.chat.completions.create(model="echo", messages=messages,
-                                              **({} if session is None else {"user": session}))
+                                              **({} if session is None else {"metadata": {"session_id": session}}))
         message = bad.value.body["message"]  # the SDK's own .message prefixes the status
         assert message.startswith(f"messages[{at}]: ") and why in message
         assert await app.deck.store.runs() == []
@@ -383,7 +397,7 @@ async def test_a_conversation_resent_as_the_sdk_returned_it_goes_on(session):
     model = ScriptedModel(["Nice to meet you, Ana.", "You are Ana."])
     async with served(Deck([Agent("a", model=model)]), surfaces=("openai",)) as (client, app):
         _, aio = clients(client)
-        named = {} if session is None else {"user": session}
+        named = {} if session is None else {"metadata": {"session_id": session}}
         messages = [{"role": "system", "content": "Be brief."}, hi("I am Ana")[0]]
         first = await aio.chat.completions.create(model="a", messages=messages, **named)
         # The message as the SDK returned it, every field it has: those kit never sets are null.
@@ -409,16 +423,16 @@ async def test_a_conversation_resent_as_the_sdk_returned_it_goes_on(session):
 async def test_a_session_id_no_store_can_hold_is_a_400_and_writes_nothing():
     async with served(catalog(), surfaces=("openai",)) as (client, app):
         _, aio = clients(client)
-        for user, why in (("ana\x00", "must not hold a control character or a lone surrogate"),
-                          ("a" * 257, "must be at most 256 characters")):
+        for session, why in (("ana\x00", "must not hold a control character or a lone surrogate"),
+                             ("a" * 257, "must be at most 256 characters")):
             with pytest.raises(openai.BadRequestError) as bad:
-                await aio.chat.completions.create(model="echo", messages=hi(), user=user)
-            assert f"a session id (x-kit-session-id, metadata.session_id or user) {why}" in bad.value.message
+                await aio.chat.completions.create(model="echo", messages=hi(),
+                                                  metadata={"session_id": session})
+            assert f"a session id (x-kit-session-id or metadata.session_id) {why}" in bad.value.message
         # An empty one is refused wherever it comes from: it used to pass, from the header or
         # the metadata, for a one-off turn that forgot the conversation without a word.
-        for named in ({"user": ""}, {"metadata": {"session_id": ""}},
-                      {"extra_headers": {"x-kit-session-id": ""}},
-                      {"extra_headers": {"x-kit-session-id": ""}, "user": "ana"}):
+        for named in ({"metadata": {"session_id": ""}}, {"extra_headers": {"x-kit-session-id": ""}},
+                      {"extra_headers": {"x-kit-session-id": ""}, "metadata": {"session_id": "ana"}}):
             with pytest.raises(openai.BadRequestError, match="must be a non-empty str"):
                 await aio.chat.completions.create(model="echo", messages=hi(), **named)
         assert await app.deck.store.runs() == []
