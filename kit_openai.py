@@ -43,12 +43,14 @@ for a run that wrote none (its output came from a tool), its output as text. A s
 know which message will be the last while it plays, so it sends them all; the JSON answer folds
 the run's log by the same rule, so it says exactly what its stream would have.
 
-Sampling parameters (``temperature``, ``max_tokens``, ...) are not the client's to set: the
-agent's own model settings apply. A field that asks for an answer of another shape is refused,
-never ignored, since the client would read what it did not ask for: its own ``tools`` (or a
-``tool_choice`` that demands a call), a ``response_format`` other than text (the agent's output
-type is the answer's shape), ``logprobs``, audio out. ``n`` may be 1 only: an agent answers once
-a turn, and an answer with fewer choices than asked would break a client that reads them. Usage comes from the run's ``run.completed``
+Sampling parameters (``temperature``, ``max_tokens``, ...) and the client's own ``tools`` are not
+the client's to set: the agent's own model settings and tools apply (a text answer reads as one
+where the model called no tool). A field that asks for an answer of another shape is refused,
+never ignored, since the client would read what it did not ask for: a ``tool_choice`` that
+demands a call, a ``response_format`` other than text (the agent's output type is the answer's
+shape), ``logprobs``, audio out. ``n`` may be 1 only: an agent answers once a turn, and an
+answer with fewer choices than asked would break a client that reads them. Usage comes from the
+run's ``run.completed``
 (the run's authoritative total), in the body or in the final chunk, which also carries
 ``finish_reason``; ``data: [DONE]`` ends a stream (``DONE``). A run that fails partway ends its
 stream with one ``data: {"error": {...}}`` frame, which OpenAI clients raise as an ``APIError``;
@@ -81,12 +83,14 @@ DONE = "[DONE]"
 _CARRIED = frozenset({"role", "content"})
 #: Between the text of two messages of one answer: a paragraph break, as a reader expects.
 MESSAGE_BREAK = "\n\n"
-_TOOLS = "kit agents call their own tools and answer no tool calls; send none (the agent's apply)"
+_TOOLS = ("kit agents call their own tools and answer no tool calls; leave the choice to the "
+          "model (auto) or send none")
 #: Request fields that ask for an answer kit's agents cannot give, each with the values that ask
 #: nothing kit does not give (besides null and empty) and why any other is refused: ignored, the
-#: client would read an answer of another shape than it asked for (module docstring).
+#: client would read an answer of another shape than it asked for (module docstring). A client's
+#: own ``tools`` are ignored, not refused: coding assistants and chat front ends offer theirs
+#: with every request and read a text answer as one where the model called none.
 _UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((), _TOOLS), "functions": ((), _TOOLS),
     "tool_choice": (("auto", "none"), _TOOLS), "function_call": (("auto", "none"), _TOOLS),
     "response_format": (({"type": "text"},), "the agent's output type is the answer's shape (an "
                         "agent with one answers its JSON); send none or {'type': 'text'}"),
@@ -123,7 +127,7 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
     is checked, with a session too (where the earlier ones are then not replayed).
 
     Raises ``ChatRequestError`` for a malformed body, a role, field or part kit cannot carry, a
-    field asking for an answer kit cannot give (``tools``, ...), or a last message that is not
+    field asking for an answer kit cannot give (``tool_choice``, ...), or a last message that is not
     the user's; ``ContentError`` for a malformed image or audio
     payload. Either names the index of the message at fault (``messages[2]: ...``).
     """

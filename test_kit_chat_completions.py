@@ -324,12 +324,13 @@ class City(pydantic.BaseModel):
 
 
 async def test_a_field_asking_for_an_answer_kit_cannot_give_is_a_400_and_writes_nothing():
-    """The client's tools, a demanded tool call, a JSON response format and log probabilities
-    were ignored: the client read a text answer where it asked for a tool call, JSON of its
-    schema (``parse`` failed on the text as invalid JSON) or log probabilities (None)."""
+    """A demanded tool call, a JSON response format and log probabilities were ignored: the
+    client read a text answer where it asked for a tool call, JSON of its schema (``parse``
+    failed on the text as invalid JSON) or log probabilities (None). The client's own tools
+    alone ask for nothing: they are ignored, as coding assistants send theirs every time."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    asks = {"tools": tools, "tool_choice": "required", "functions": [{"name": "f"}],
-            "function_call": {"name": "f"}, "response_format": {"type": "json_object"},
+    asks = {"tool_choice": "required", "function_call": {"name": "f"},
+            "response_format": {"type": "json_object"},
             "logprobs": True, "top_logprobs": 2, "modalities": ["text", "audio"],
             "audio": {"voice": "alloy", "format": "wav"}}
     async with served(catalog(), surfaces=("openai",)) as (client, app):
@@ -347,7 +348,7 @@ async def test_a_field_asking_for_an_answer_kit_cannot_give_is_a_400_and_writes_
         done = await aio.chat.completions.create(
             model="echo", messages=hi(), tool_choice="auto", response_format={"type": "text"},
             logprobs=False, modalities=["text"], parallel_tool_calls=False, temperature=0.2,
-            extra_body={"tools": [], "top_logprobs": 0})
+            extra_body={"tools": tools, "functions": [{"name": "f"}], "top_logprobs": 0})
         assert done.choices[0].message.content == "hello there world"
         await aio.close()
 
