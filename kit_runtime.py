@@ -80,6 +80,10 @@ DEFAULT_LEASE_SECONDS = 30.0
 #: How long closing the deck waits for cancelled runs to record their end; also how long a
 #: cancelled run waits for its ``run.cancelled`` to commit before its caller goes on.
 CLOSE_TIMEOUT = 10.0
+#: How a new run on a durable thread finds the run before it (``Runtime._abandoned``): pages of
+#: the runs of its workflow and session, newest first, up to this many (runs of the same session
+#: in other namespaces come between); past them it carries the thread on, as if none ended it.
+PREVIOUS_PAGE, PREVIOUS_PAGES = 20, 5
 _log = logging.getLogger("kit.runtime")
 
 
@@ -644,6 +648,9 @@ class Runtime(RunControl):
         if namespace is not None:
             check_name("namespace", namespace)
         fenced = session_id is not None or (run_id is not None and type(run_id) is not NewRunId)
+        abandoned = (spec.kind == "workflow" and spec.engine.durable and command is None
+                     and session_id is not None
+                     and await self._abandoned(spec.name, session_id, namespace))
         run = self._new_run(spec, str(run_id or new_run_id()), context, session_id, namespace,
                             streaming)
         try:  # a streamed run is listed for its commits from here: a refused one was kept for good
@@ -659,7 +666,8 @@ class Runtime(RunControl):
                     raise ConfigError(f"workflow {spec.name!r} is durable: pass session_id= (its thread id)")
                 blocks = (block,)
                 job = functools.partial(spec.engine.play, run, self.graphs[spec.name],
-                                        block.data if command is None else command)
+                                        block.data if command is None else command,
+                                        abandoned=abandoned)
             started = Event(run.run_id, 0, RunStarted(spec.name, spec.kind, session_id, namespace,
                                                       blocks, history=history), spec.name)
             await self._start_run(run, [started], fenced)
@@ -668,6 +676,28 @@ class Runtime(RunControl):
             raise
         self.active[run.run_id] = run
         return run, job, started
+
+    async def _abandoned(self, workflow: str, session_id: str, namespace: str | None) -> bool:
+        """Kit side: whether the last run of durable ``workflow`` on thread ``session_id`` was
+        abandoned (its process died: ``RunAbandoned``, or not ended yet, which a new run's claim
+        then records), or the log has none, so a new run carries on whatever the thread stopped
+        at. False when it completed, failed or was cancelled: the new run applies its input, and
+        LangGraph discards the tasks it stopped at. Read before the new run's claim, so a
+        failure here writes nothing."""
+        before = None
+        for _ in range(PREVIOUS_PAGES):  # the thread's runs, newest first
+            page = await self.store.runs(name=workflow, session_id=session_id,
+                                         limit=PREVIOUS_PAGE, before=before)
+            for info in reversed(page):
+                if info.namespace == namespace:
+                    if info.status is RunStatus.FAILED:
+                        last = (await self.store.read(info.run_id))[-1].payload
+                        return getattr(last, "error", None) == "RunAbandoned"
+                    return info.status not in (RunStatus.COMPLETED, RunStatus.CANCELLED)
+            if len(page) < PREVIOUS_PAGE:
+                break
+            before = page[0].run_id
+        return True
 
     async def _start_run(self, run: Run, events: Sequence[Event], fenced: bool) -> None:
         """Write a run's start (its ``run.started``, or a parked run's resume: ``_take_over``),

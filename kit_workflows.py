@@ -28,8 +28,9 @@ ends (completed, failed, cancelled) its checkpoints are deleted (a durable run's
 thread is its own run id: a child run's, which no later run reaches); while it is parked
 (waiting for a human, asleep, paused) they stay, for the run that resumes it, so only the
 process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops
-the tasks it stopped at, so the next run on its thread applies its input and no tick wakes its
-sleep; only a run whose process died leaves them, for the next run to carry on. A sleep is an
+the tasks it stopped at, so no tick wakes its sleep, and the next run on its thread applies its
+input (LangGraph discards any task left); only after a run whose process died (the Runtime reads
+that off the log: ``abandoned``) does the next run carry on from the last checkpoint. A sleep is an
 interrupt of exactly ``{"kind": "sleep", "until": <aware ISO time>}``; any other is a human's
 question. A value a checkpoint cannot store fails the run at its first checkpoint, once the
 run is in the log (an answered one for good: its interrupt cannot be answered again), so an
@@ -182,13 +183,16 @@ class WorkflowEngine:
     def key(self, namespace: str | None, thread_id: str) -> str:
         return f"{self.name}:{namespace or ''}:{thread_id}"
 
-    async def play(self, run: RunHandle, graph: Any, inp: Any) -> Event:
+    async def play(self, run: RunHandle, graph: Any, inp: Any, *, abandoned: bool = False
+                   ) -> Event:
         """Engine side: play (or resume) ``run`` on the compiled ``graph``, ending it with a
         terminal or parking event (durable when this returns).
 
-        ``inp`` is the initial state, or a ``resume_command``. On a durable thread that stopped
-        mid-run (its process died), a new run carries on from the last checkpoint and the new
-        input is not applied. A run's failure is recorded, then re-raised. A cancel asked for
+        ``inp`` is the initial state, or a ``resume_command``. ``abandoned``: the log says the
+        thread's previous run was abandoned (its process died, an answer it took included), so
+        a new run on a durable thread that stopped mid-run carries on from the last checkpoint
+        and the new input is not applied; otherwise the input is applied and LangGraph discards
+        whatever tasks the thread stopped at. A run's failure is recorded, then re-raised. A cancel asked for
         while the run's last step was on its way to an interrupt cancels it there instead of
         parking it. A run that ends gives up its thread (``forget``); one that parks keeps it
         for the run that resumes it.
@@ -202,7 +206,7 @@ class WorkflowEngine:
         parks = completed = False  # parks: its thread is kept for the run that resumes it
         try:
             try:
-                final, interrupts = await self._stream(run, graph, inp, control)
+                final, interrupts = await self._stream(run, graph, inp, control, abandoned)
                 # Made here, so a payload or a final state the log cannot write (a NaN) fails
                 # the run like a node's error, instead of leaving it running with no end.
                 cancel = bool(interrupts) and (run.requested or ("",))[0] == "cancel"
@@ -240,8 +244,8 @@ class WorkflowEngine:
         stay for the life of the process). A durable one keeps its state but drops the tasks its
         run stopped at (LangGraph's ``update_state(None, as_node=END)``), so the next run on
         it starts from its own input and no ``tick`` wakes a sleep that was cancelled or
-        failed. A checkpointer that fails here is logged: the next run then carries on from the
-        last checkpoint, as after a process that died. ``whole``: the thread is a run's own (no
+        failed. A failure here is logged: the next run still applies its own input, and LangGraph
+        discards the tasks then. ``whole``: the thread is a run's own (no
         session: a child run's), which no later run reaches, so a durable one is deleted too."""
         if not self.durable or whole:
             await graph.checkpointer.adelete_thread(key)
@@ -254,16 +258,18 @@ class WorkflowEngine:
             _log.warning("workflow %s: could not drop the stopped tasks of thread %r: %s: %s",
                          self.name, key, type(exc).__name__, exc)
 
-    async def _stream(self, run: RunHandle, graph: Any, inp: Any, control: Any
-                      ) -> tuple[Any, Any]:
+    async def _stream(self, run: RunHandle, graph: Any, inp: Any, control: Any,
+                      abandoned: bool) -> tuple[Any, Any]:
         """Stream the graph on ``run``'s thread, recording each node's update: the last state
         and the interrupts it stopped on (empty when it ran to its end)."""
         config = _config(run.thread_key)
         interrupts: Any = ()
         final: Any = None
         if self.durable and isinstance(inp, dict):
-            snapshot = await graph.aget_state(config)
-            if snapshot.next and not snapshot.interrupts:
+            # Carried on only after a process that died (the log says so, ``abandoned``): an
+            # answered question still counts as pending in LangGraph, and a failed run whose
+            # tasks ``forget`` could not drop left them too.
+            if abandoned and (await graph.aget_state(config)).next:
                 inp = None
         elif isinstance(inp, dict) and await graph.checkpointer.aget_tuple(config) is not None:
             await self.forget(graph, run.thread_key)  # a new run starts afresh, whatever was left

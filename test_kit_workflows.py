@@ -829,6 +829,64 @@ async def test_a_thread_whose_process_died_carries_on_from_its_checkpoint(tmp_pa
             assert (await store.read(dead_run))[-1].payload.error == "RunAbandoned"
 
 
+async def ask_then_hang(state: State) -> dict:
+    answer = kit.interrupt({"question": "approve?"})
+    if os.environ.get("KIT_TEST_HANG"):  # the answering process is killed here
+        print("answered", flush=True)
+        await anyio.sleep_forever()
+    return {"log": [f"answer={answer}"]}
+
+
+def durable_answered() -> Workflow:
+    return Workflow("answered", graph(plan, ask_then_hang, done), durable=True)
+
+
+ANSWER_AND_DIE = """
+import sys, anyio, kit
+from kit_store import SQLiteStore
+import test_kit_workflows as t
+
+async def main():
+    async with SQLiteStore(sys.argv[1]) as store:
+        async with kit.Deck(workflows=[t.durable_answered()], store=store) as deck:
+            parked = await deck.run("answered", {"log": []}, session_id="a1")
+            print(parked.run_id, flush=True)
+            await deck.answer(parked.run_id, "yes")  # hangs after the answer is taken
+
+anyio.run(main)
+"""
+
+
+async def test_a_thread_whose_process_died_after_an_answer_carries_on_from_its_checkpoint(
+        tmp_path, monkeypatch):
+    """The process that took an answer died before the node finished: the next run on the
+    thread carries on from the last checkpoint, the question (the answer was never
+    checkpointed), and its input is not applied. It used to apply its input and start over
+    from START, since LangGraph counts an answered question as still pending."""
+    db = tmp_path / "shared.db"
+    env = {**os.environ, "PYTHONPATH": str(HERE), "KIT_TEST_HANG": "1", "KIT_LEASE_SECONDS": "0.5"}
+    child = subprocess.Popen([sys.executable, "-c", ANSWER_AND_DIE, str(db)], cwd=HERE, env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        with anyio.fail_after(60):
+            dead_run = (await anyio.to_thread.run_sync(child.stdout.readline)).strip()
+            assert (await anyio.to_thread.run_sync(child.stdout.readline)).strip() == "answered"
+        child.kill()
+        child.wait(10)
+    finally:
+        child.kill()
+        child.stdout.close()
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.5")
+    await anyio.sleep(0.7)  # the dead process's lease lapses
+    async with SQLiteStore(db) as store:
+        async with Deck(workflows=[durable_answered()], store=store) as deck:
+            asked = await deck.run("answered", {"log": ["not applied"]}, session_id="a1")
+            assert asked.payload == {"question": "approve?"}
+            state = await deck.answer(asked.run_id, "again")
+            assert state == {"log": ["plan", "answer=again", "done"]}  # plan did not run again
+            assert (await store.read(dead_run))[-1].payload.error == "RunAbandoned"
+
+
 async def test_a_cancelled_or_failed_durable_run_leaves_no_task_for_a_later_run_or_tick(store):
     """A durable run that ends by cancel or failure drops the tasks it stopped at: the next run
     on its thread applies its own input, and no tick wakes a sleep that was cancelled or failed
@@ -885,6 +943,39 @@ async def test_a_cancelled_or_failed_durable_run_leaves_no_task_for_a_later_run_
         assert isinstance(results[0], kit.RunStoppedError)
         state = await deck.run("gated", {"log": ["second"]}, session_id="g")
         assert state["log"][-3:] == ["second", "gate", "done"]  # its input, not the rest of the first
+
+
+class Pair(TypedDict, total=False):
+    clash: bool
+    x: int
+    log: Annotated[list[str], operator.add]
+
+
+def left(state: Pair) -> dict:
+    return {"x": 1}
+
+
+def right(state: Pair) -> dict:
+    return {"x": 2} if state["clash"] else {"log": ["right"]}
+
+
+async def test_a_durable_run_failed_by_its_updates_leaves_its_thread_usable(store):
+    """Two parallel nodes write one plain key: LangGraph fails the run as it applies their
+    updates, and cannot drop the tasks it stopped at either. The next run on the thread
+    applies its own input on the state kept (every later run failed the same way, whatever
+    its input, reading the thread's state)."""
+    g = StateGraph(Pair)
+    g.add_node("left", left).add_node("right", right)
+    g.add_edge(START, "left").add_edge(START, "right").add_edge("left", END).add_edge("right", END)
+    async with Deck(workflows=[Workflow("pair", g, durable=True)], store=store) as deck:
+        assert (await deck.run("pair", {"clash": False, "log": ["one"]}, session_id="t"))["log"] == [
+            "one", "right"]
+        with pytest.raises(Exception, match="Can receive only one value per step"):
+            await deck.run("pair", {"clash": True}, session_id="t")
+        state = await deck.run("pair", {"clash": False, "log": ["two"]}, session_id="t")
+        assert state == {"clash": False, "x": 1, "log": ["one", "right", "two", "right"]}
+        assert [i.status for i in await store.runs(name="pair")] == [
+            RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.COMPLETED]
 
 
 async def test_a_cancel_asked_while_the_run_heads_for_an_interrupt_cancels_it(store):
