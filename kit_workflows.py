@@ -30,14 +30,16 @@ thread is its own run id: a child run's, which no later run reaches); while it i
 process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops
 the tasks it stopped at, so no tick wakes its sleep, and the next run on its thread applies its
 input (LangGraph discards any task left); only after a run whose process died (the Runtime reads
-that off the log: ``abandoned``) does the next run carry on from the last checkpoint. A sleep is an
-interrupt of exactly ``{"kind": "sleep", "until": <aware ISO time>}``; any other is a human's
-question. A value a checkpoint cannot store fails the run at its first checkpoint, once the
-run is in the log (an answered one for good: its interrupt cannot be answered again), so an
-input or an answer is checked before anything is written (``to_input``, ``check_answer``) and
-refused as a ``ContentError``. The Postgres checkpointer's pool (``kit-checkpoints:<schema>``
-in ``pg_stat_activity``) tests each connection when taken, so a durable step after the server
-dropped them (a restart, a failover) reconnects instead of failing its run.
+that off the log: ``abandoned``) does the next run carry on from the last checkpoint. A thread
+whose state LangGraph cannot read any more (it no longer fits the state schema) is deleted by the
+next run, which starts it afresh (``_stuck``). A sleep is an interrupt of exactly ``{"kind":
+"sleep", "until": <aware ISO time>}``; any other is a human's question. A value a checkpoint cannot
+store fails the run at its first checkpoint, once the run is in the log (an answered one for good:
+its interrupt cannot be answered again), so an input or an answer is checked before anything is
+written (``to_input``, ``check_answer``) and refused as a ``ContentError``. The Postgres
+checkpointer's pool (``kit-checkpoints:<schema>`` in ``pg_stat_activity``) tests each connection
+when taken, so a durable step after the server dropped them (a restart, a failover) reconnects
+instead of failing its run.
 """
 from __future__ import annotations
 
@@ -254,25 +256,76 @@ class WorkflowEngine:
         try:
             if (await graph.aget_state(config)).next:
                 await graph.aupdate_state(config, None, as_node="__end__")
-        except Exception as exc:
-            _log.warning("workflow %s: could not drop the stopped tasks of thread %r: %s: %s",
-                         self.name, key, type(exc).__name__, exc)
+        except Exception as exc:  # its type only: a state's error (pydantic's) quotes the state
+            _log.warning("workflow %s: could not drop the stopped tasks of thread %r: %s",
+                         self.name, key, type(exc).__name__)
 
     async def _stream(self, run: RunHandle, graph: Any, inp: Any, control: Any,
                       abandoned: bool) -> tuple[Any, Any]:
         """Stream the graph on ``run``'s thread, recording each node's update: the last state
         and the interrupts it stopped on (empty when it ran to its end)."""
         config = _config(run.thread_key)
-        interrupts: Any = ()
-        final: Any = None
+        head = None  # the thread's checkpoint before this run applies its input
         if self.durable and isinstance(inp, dict):
             # Carried on only after a process that died (the log says so, ``abandoned``): an
             # answered question still counts as pending in LangGraph, and a failed run whose
             # tasks ``forget`` could not drop left them too.
-            if abandoned and (await graph.aget_state(config)).next:
+            if abandoned and await self._stopped_tasks(graph, config):
                 inp = None
+            else:
+                head = await graph.checkpointer.aget_tuple(config)
         elif isinstance(inp, dict) and await graph.checkpointer.aget_tuple(config) is not None:
             await self.forget(graph, run.thread_key)  # a new run starts afresh, whatever was left
+        seen: list[str] = []  # the first chunk's mode, once the graph streamed one
+        try:
+            return await self._chunks(run, graph, inp, config, control, seen)
+        except Exception:
+            # Before its first chunk (no node ran) and its input's checkpoint, as it discarded
+            # the tasks the thread stopped at: if LangGraph cannot read the thread's state
+            # either, that state no longer fits the graph (a pydantic state given a bad type),
+            # and every later run would fail the same way, whatever its input: the thread goes,
+            # and the run starts it afresh, once.
+            if seen or head is None or not await self._stuck(graph, config, head):
+                raise
+        _log.warning("workflow %s: thread %r was deleted: LangGraph can read neither its state "
+                     "nor the tasks it stopped at; the new run starts it afresh",
+                     self.name, run.thread_key)
+        await graph.checkpointer.adelete_thread(run.thread_key)
+        return await self._chunks(run, graph, inp, config, control, seen)
+
+    @staticmethod
+    async def _stopped_tasks(graph: Any, config: Any) -> bool:
+        """Whether the thread stopped at tasks (False when LangGraph cannot read its state:
+        a run that applies its input deletes it then, ``_stuck``)."""
+        try:
+            return bool((await graph.aget_state(config)).next)
+        except Exception:
+            return False
+
+    @staticmethod
+    async def _stuck(graph: Any, config: Any, head: Any) -> bool:
+        """Whether the checkpointer reads the thread still at ``head`` (it works, and the run
+        saved nothing) and LangGraph cannot make its state of it: only the thread as it was
+        before the run is at fault then, not a passing outage nor the run's own input."""
+        try:
+            now = await graph.checkpointer.aget_tuple(config)
+        except Exception:
+            return False
+        if now is None or now.config["configurable"].get("checkpoint_id") != \
+                head.config["configurable"].get("checkpoint_id"):
+            return False
+        try:
+            await graph.aget_state(config)
+        except Exception:
+            return True
+        return False
+
+    async def _chunks(self, run: RunHandle, graph: Any, inp: Any, config: Any, control: Any,
+                      seen: list[str]) -> tuple[Any, Any]:
+        """``_stream``'s stream of the graph (its first chunk's mode noted in ``seen``): the
+        last state and the interrupts."""
+        interrupts: Any = ()
+        final: Any = None
         # A node's empty update waits for the stream's next chunk: LangGraph also reports one
         # for a resumed node that then fails (its resume write hides its error write), and
         # raises right after it, so no failed node is recorded as updated.
@@ -285,6 +338,8 @@ class WorkflowEngine:
         async for mode, chunk in graph.astream(
                 inp, config, context=run.data, control=control,
                 stream_mode=["updates", "values"], durability="sync" if self.durable else "async"):
+            if not seen:
+                seen.append(mode)
             self._updated(run, empty)
             if mode == "values":
                 final = chunk

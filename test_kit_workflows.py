@@ -3,6 +3,7 @@ headless runs, across processes, Postgres checkpoints past dropped connections (
 trio)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import operator
@@ -17,6 +18,7 @@ from typing import Annotated, TypedDict
 
 import agents
 import anyio
+import pydantic
 import pytest
 from langgraph.graph import END, START, StateGraph
 
@@ -976,6 +978,48 @@ async def test_a_durable_run_failed_by_its_updates_leaves_its_thread_usable(stor
         assert state == {"clash": False, "x": 1, "log": ["one", "right", "two", "right"]}
         assert [i.status for i in await store.runs(name="pair")] == [
             RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.COMPLETED]
+
+
+class Counted(pydantic.BaseModel):
+    n: int = 0
+
+
+@dataclasses.dataclass
+class Needs:
+    n: int
+
+
+def count(state: Counted | Needs) -> dict:
+    return {"n": state.n + 1}
+
+
+async def test_a_durable_thread_whose_state_no_longer_fits_is_started_afresh(store, caplog):
+    """A run whose input does not fit the state schema (a pydantic state given a bad type, a
+    dataclass missing a field) fails, and LangGraph can then neither read the thread's state
+    nor drop its tasks: the next run deletes the thread and starts it afresh, with a warning
+    naming the workflow and the thread, never the state (every later run on the session failed
+    the same way, whatever its input)."""
+    flows = [Workflow(name, StateGraph(schema).add_node("count", count).add_edge(START, "count")
+                      .add_edge("count", END), durable=True)
+             for name, schema in (("counted", Counted), ("needs", Needs))]
+    async with Deck(workflows=flows, store=store) as deck:
+        assert (await deck.run("counted", {"n": 1}, session_id="t")) == {"n": 2}
+        with pytest.raises(pydantic.ValidationError):
+            await deck.run("counted", {"n": "secret-abc"}, session_id="t")
+        with pytest.raises(TypeError, match="missing 1 required positional argument"):
+            await deck.run("needs", {}, session_id="t")
+        for _ in range(2):
+            assert await deck.run("counted", {"n": 5}, session_id="t") == {"n": 6}
+            assert await deck.run("needs", {"n": 5}, session_id="t") == {"n": 6}
+        warned = [r.getMessage() for r in caplog.records if r.name == "kit_workflows"]
+        assert warned == [
+            "workflow counted: could not drop the stopped tasks of thread 'counted::t': "
+            "ValidationError",
+            "workflow needs: could not drop the stopped tasks of thread 'needs::t': TypeError",
+            *(f"workflow {name}: thread '{name}::t' was deleted: LangGraph can read neither its "
+              "state nor the tasks it stopped at; the new run starts it afresh"
+              for name in ("counted", "needs"))]
+        assert "secret-abc" not in caplog.text
 
 
 async def test_a_cancel_asked_while_the_run_heads_for_an_interrupt_cancels_it(store):
