@@ -3,7 +3,7 @@
 Owns: finding the parameters annotated ``Context[...]`` in a callable (``context_params``),
 deciding whether a declared context type satisfies one (``context_fits``), and walking a compiled
 catalog's injection sites (``check_context``): tools, instructions callables, hook methods and
-workflow nodes.
+workflow nodes (a compiled subgraph's too: ``workflow_nodes``).
 
 Must never: do I/O, import an engine SDK or a sibling above ``kit_core``, or look at a context
 *object* (only types: the object reaches the callables at run time and is never stored).
@@ -20,7 +20,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kit_core import Context, ContextTypeError, InvocableSpec
@@ -120,8 +120,8 @@ def check_context(specs: Sequence[InvocableSpec], provided: Any) -> None:
                 if fn is not None:
                     sites.append((f"hook {method} of agent {agent.name!r}", fn))
         else:
-            sites = [(f"node {name} of workflow {spec.name!r}", node_function(node))
-                     for name, node in spec.source.graph.nodes.items()]
+            sites = [(f"node {name} of workflow {spec.name!r}", fn)
+                     for name, fn in workflow_nodes(spec.source.graph)]
         for site, fn in sites:
             for required in context_params(fn).values():
                 if context_fits(required, provided) is False:
@@ -157,6 +157,19 @@ def context_of(annotation: Any) -> Any:
         arms = [arm for arm in typing.get_args(annotation) if arm is not type(None)]
         return context_of(arms[0]) if len(arms) == 1 else None
     return annotation if annotation is Context or typing.get_origin(annotation) is Context else None
+
+
+def workflow_nodes(graph: Any, path: str = "", above: tuple[int, ...] = ()
+                   ) -> Iterator[tuple[str, Any]]:
+    """The nodes of a ``StateGraph`` as ``(name, function)``, a compiled subgraph's too (named
+    ``inner/node``, as in an event's origin); the function is None when a node is not a plain
+    one. ``above``: the builders that hold ``graph`` (one that holds its own compiled graph is
+    walked once)."""
+    for name, node in graph.nodes.items():
+        yield path + name, node_function(node)
+        builder = getattr(node.runnable, "builder", None)  # a compiled subgraph's StateGraph
+        if isinstance(getattr(builder, "nodes", None), dict) and id(builder) not in above:
+            yield from workflow_nodes(builder, f"{path}{name}/", (*above, id(graph)))
 
 
 def node_function(node: Any) -> Any:

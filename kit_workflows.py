@@ -1,14 +1,14 @@
 """kit_workflows: the LangGraph engine: workflows compiled, played on a run handle, parked, woken.
 
-Owns: compiling a ``Workflow`` for Deck runs (``compile_workflow``: a copy of its graph whose
-nodes that declare a ``Context`` receive the run's), the checkpointers (``open_graphs``: durable
-workflows on a SQLite file beside the log or in the Postgres schema of the log, the others in
-memory, where a run that ended leaves no thread behind) and the locks that keep two tickers off
-one thread (``ThreadLocks``), what an input or an answer may hold (``WorkflowEngine.to_input``
-and ``check_answer``: ``INT_RANGE``, ``MAX_DEPTH``), playing and resuming a run
-(``WorkflowEngine.play``), reading sleeping threads off a checkpointer (``sleeping_until``,
-``sleeping_threads``), the headless ``Workflow.run``/``resume`` (``run_headless``) and
-workflow-as-tool (``workflow_tool``).
+Owns: compiling a ``Workflow`` for Deck runs (``compile_workflow``: a copy of its graph whose nodes
+that declare a ``Context`` receive the run's, a compiled subgraph's too), the checkpointers
+(``open_graphs``: durable workflows on a SQLite file beside the log or in the Postgres schema of
+the log, the others in memory, where a run that ended leaves no thread behind) and the locks that
+keep two tickers off one thread (``ThreadLocks``), what an input or an answer may hold
+(``WorkflowEngine.to_input`` and ``check_answer``: ``INT_RANGE``, ``MAX_DEPTH``), playing and
+resuming a run (``WorkflowEngine.play``), reading sleeping threads off a checkpointer
+(``sleeping_until``, ``sleeping_threads``), the headless ``Workflow.run``/``resume``
+(``run_headless``) and workflow-as-tool (``workflow_tool``).
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
@@ -437,23 +437,53 @@ def _bind_context(workflow: str, name: str, fn: Callable[..., Any], ctx_names: l
 
 def compile_workflow(workflow: Workflow) -> InvocableSpec:
     """Check a ``Workflow`` for Deck runs and make the deck's copy of its graph, whose nodes
-    that declare a ``Context`` receive the run's. Raises ``ConfigError`` for a graph that does
-    not compile or a node that takes both a Context and ``config``."""
-    from langgraph._internal._runnable import coerce_to_runnable
+    that declare a ``Context`` receive the run's (inside a compiled subgraph too). Raises
+    ``ConfigError`` for a graph that does not compile or a node that takes both a Context and
+    ``config``."""
     name = workflow.name
-    deck_graph = copy.copy(workflow.graph)
-    deck_graph.nodes = dict(deck_graph.nodes)
-    for node_name, node in deck_graph.nodes.items():
-        fn = node_function(node)
-        ctx_names = list(context_params(fn)) if fn is not None else []
-        if ctx_names:
-            deck_graph.nodes[node_name] = dataclasses.replace(node, runnable=coerce_to_runnable(
-                _bind_context(name, node_name, fn, ctx_names), name=node_name, trace=False))
+    deck_graph = _bound(name, workflow.graph, "", set()) or _copy_graph(workflow.graph)
     try:
         deck_graph.compile()  # a graph that cannot compile is a configuration error now
     except Exception as exc:
         raise ConfigError(f"workflow {name!r} does not compile: {exc}") from None
     return InvocableSpec(name, "workflow", workflow, WorkflowEngine(name, deck_graph, workflow.durable))
+
+
+def _copy_graph(graph: Any) -> Any:
+    out = copy.copy(graph)
+    out.nodes = dict(graph.nodes)
+    return out
+
+
+def _bound(workflow: str, graph: Any, path: str, above: set[int]) -> Any:
+    """A copy of ``StateGraph`` ``graph`` whose nodes that declare a ``Context`` are bound to
+    the run's (``_bind_context``), or None when none does. A node that is a compiled subgraph
+    is compiled again, as it was, from such a copy of its builder: LangGraph hands a subgraph
+    its parent's run context, so its nodes read the run's too. ``path``: where ``graph`` is
+    (``inner/`` for a subgraph's nodes, as in an event's origin); ``above``: the builders
+    that hold it (a builder that holds its own compiled graph is bound once)."""
+    from langgraph._internal._runnable import coerce_to_runnable
+    from langgraph.graph.state import CompiledStateGraph
+    if id(graph) in above:
+        return None
+    out = None
+    for node_name, node in graph.nodes.items():
+        runnable = None
+        fn = node_function(node)
+        if ctx_names := list(context_params(fn)) if fn is not None else []:
+            runnable = coerce_to_runnable(_bind_context(workflow, path + node_name, fn, ctx_names),
+                                          name=node_name, trace=False)
+        elif isinstance(sub := node.runnable, CompiledStateGraph) and (
+                builder := _bound(workflow, sub.builder, f"{path}{node_name}/",
+                                  above | {id(graph)})) is not None:
+            runnable = builder.compile(
+                sub.checkpointer, cache=sub.cache, store=sub.store, name=sub.name,
+                interrupt_before=sub.interrupt_before_nodes, debug=sub.debug,
+                interrupt_after=sub.interrupt_after_nodes, transformers=sub.stream_transformers)
+        if runnable is not None:
+            out = out or _copy_graph(graph)
+            out.nodes[node_name] = dataclasses.replace(node, runnable=runnable)
+    return out
 
 
 # ============================================================================ checkpointers ====

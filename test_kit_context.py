@@ -133,11 +133,14 @@ def test_every_kind_of_site_is_named():
 
     graph = StateGraph(dict).add_node("approve", node)
     graph.add_edge(START, "approve").add_edge("approve", END)
+    outer = StateGraph(dict).add_node("inner", graph.compile())  # a compiled subgraph's node
+    outer.add_edge(START, "inner").add_edge("inner", END)
     for catalog, site in (
             (dict(agents=[Agent("a", instructions)]),
              "instructions callable test_every_kind_of_site_is_named.<locals>.instructions of agent 'a'"),
             (dict(agents=[Agent("a", hooks=Hooks())]), "hook on_start of agent 'a'"),
-            (dict(workflows=[Workflow("w", graph)]), "node approve of workflow 'w'")):
+            (dict(workflows=[Workflow("w", graph)]), "node approve of workflow 'w'"),
+            (dict(workflows=[Workflow("w", outer)]), "node inner/approve of workflow 'w'")):
         deck = Deck(**catalog, context=Other)
         with pytest.raises(ContextTypeError, match=site) as err:
             deck.build()
@@ -260,6 +263,28 @@ async def test_a_node_kept_as_an_object_gets_the_context(store):
     g.add_edge(START, "review").add_edge("review", "note").add_edge("note", END)
     async with Deck(workflows=[Workflow("w", g)], store=store, context=Deps) as deck:
         assert await deck.run("w", {"log": []}, context=Deps("s")) == {"log": ["async s", "sync s"]}
+
+
+async def test_a_node_inside_a_compiled_subgraph_gets_the_context(store):
+    """Nodes of a compiled subgraph (two levels down here) take the run's context, a resumed
+    one the resume's; they failed with Python's TypeError for the missing ``ctx``."""
+    async def greet(state: State, ctx: Context[Deps]) -> dict:
+        return {"log": [f"hi {ctx.data.secret}"]}
+
+    inner = StateGraph(State).add_node("greet", greet).add_node("review", review)
+    inner.add_edge(START, "greet").add_edge("greet", "review").add_edge("review", END)
+    middle = StateGraph(State).add_node("inner", inner.compile())
+    middle.add_edge(START, "inner").add_edge("inner", END)
+    outer = StateGraph(State).add_node("middle", middle.compile()).add_node("note", sync_note)
+    outer.add_edge(START, "middle").add_edge("middle", "note").add_edge("note", END)
+    SEEN.clear()
+    async with Deck(workflows=[Workflow("w", outer, durable=True)], store=store,
+                    context=Deps) as deck:
+        parked = await deck.run("w", {"log": []}, session_id="t", context=Deps("a"))
+        assert parked.payload == {"question": "ok?"}
+        state = await deck.answer(parked.run_id, "yes", context=Deps("b"))
+        assert state == {"log": ["hi a", "reviewed: yes", "noted"]}
+    assert [deps.secret for deps in SEEN] == ["a", "b", "b"]
 
 
 async def test_headless_workflow_reaching_a_context_node_raises_the_engines_type_error():
