@@ -27,19 +27,20 @@ the next superstep starts. A non-durable run's thread lives only while the run d
 ends (completed, failed, cancelled) its checkpoints are deleted (a durable run's too when its
 thread is its own run id: a child run's, which no later run reaches); while it is parked
 (waiting for a human, asleep, paused) they stay, for the run that resumes it, so only the
-process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops
-the tasks it stopped at, so no tick wakes its sleep, and the next run on its thread applies its
-input (LangGraph discards any task left); only after a run whose process died (the Runtime reads
-that off the log: ``abandoned``) does the next run carry on from the last checkpoint. A thread
-whose state LangGraph cannot read any more (it no longer fits the state schema) is deleted by the
-next run, which starts it afresh (``_stuck``). A sleep is an interrupt of exactly ``{"kind":
-"sleep", "until": <aware ISO time>}``; any other is a human's question. A value a checkpoint cannot
-store fails the run at its first checkpoint, once the run is in the log (an answered one for good:
-its interrupt cannot be answered again), so an input or an answer is checked before anything is
-written (``to_input``, ``check_answer``) and refused as a ``ContentError``. The Postgres
-checkpointer's pool (``kit-checkpoints:<schema>`` in ``pg_stat_activity``) tests each connection
-when taken, so a durable step after the server dropped them (a restart, a failover) reconnects
-instead of failing its run.
+process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops the
+tasks it stopped at, so no tick wakes its sleep, and the next run on its thread applies its input
+(LangGraph discards any task left); only after a run whose process died (the Runtime reads that off
+the log: ``abandoned``) does the next run carry on from the last checkpoint, with the answer its
+run had taken (saved before its node ran: ``_keep_answer``). A thread whose state LangGraph cannot
+read any more (it no longer fits the state schema) is deleted by the next run, which starts it
+afresh (``_stuck``). A sleep is an interrupt of exactly ``{"kind": "sleep", "until": <aware ISO
+time>}``; any other is a human's question. A value a checkpoint cannot store fails the run at its
+first checkpoint, once the run is in the log (an answered one for good: its interrupt cannot be
+answered again), so an input or an answer is checked before anything is written (``to_input``,
+``check_answer``) and refused as a ``ContentError``. The Postgres checkpointer's pool
+(``kit-checkpoints:<schema>`` in ``pg_stat_activity``) tests each connection when taken, so a
+durable step after the server dropped them (a restart, a failover) reconnects instead of failing
+its run.
 """
 from __future__ import annotations
 
@@ -276,6 +277,8 @@ class WorkflowEngine:
                 head = await graph.checkpointer.aget_tuple(config)
         elif isinstance(inp, dict) and await graph.checkpointer.aget_tuple(config) is not None:
             await self.forget(graph, run.thread_key)  # a new run starts afresh, whatever was left
+        elif self.durable and isinstance(getattr(inp, "resume", None), dict):  # by interrupt id
+            await _keep_answer(graph, config, inp.resume)
         seen: list[str] = []  # the first chunk's mode, once the graph streamed one
         try:
             return await self._chunks(run, graph, inp, config, control, seen)
@@ -678,6 +681,26 @@ def _pending_interrupts(ct: Any) -> list[Any]:
         elif channel not in _CONTROL_WRITES:
             finished.add(task_id)
     return [i for t, found in asked.items() if t not in finished for i in found]
+
+
+async def _keep_answer(graph: Any, config: dict[str, Any], resume: dict[str, Any]) -> None:
+    """Save the answers (or the wake) ``resume`` holds by interrupt id in the thread's latest
+    checkpoint, as the resume values of the tasks that asked, before the graph runs: LangGraph
+    keeps such an answer in memory until its node ends, so a process that died while the
+    answered node ran lost it, and the run that carried the thread on asked again. (A question
+    asked inside a subgraph belongs to the subgraph's own task, which this does not reach.)"""
+    ct = await graph.checkpointer.aget_tuple(config)
+    writes = ct.pending_writes or () if ct is not None else ()
+    for interrupt_id, value in resume.items():
+        asked = next((task for task, channel, found in writes if channel == "__interrupt__"
+                      and any(getattr(i, "id", None) == interrupt_id for i in
+                              (found if isinstance(found, (list, tuple)) else [found]))), None)
+        if asked is None:
+            continue
+        answered = next((list(v) if isinstance(v, list) else [v] for task, channel, v in writes
+                         if task == asked and channel == "__resume__"), [])
+        await graph.checkpointer.aput_writes(ct.config, [("__resume__", [*answered, value])],
+                                             asked)
 
 
 async def sleeping_until(graph: Any, key: str) -> tuple[datetime, str] | None:
