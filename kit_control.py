@@ -228,20 +228,23 @@ class RunControl:
                     await self._act_or_raise(req)
                 self._seen_request = req.id
 
-    async def _missed_requests(self, backlog: Sequence[ControlRequest]) -> None:
-        """At open: the requests made while no deck was open to hear them (``kit runs signal``
-        against a stopped service) are orders still, not history. A cancel of a run still parked
-        was never acted on (it would have ended the run); a resume of a run still paused is, when
-        no pause followed it. Acted on as the watch acts (the first deck to write wins)."""
+    async def _missed_requests(self, seen: int) -> None:
+        """At open: the requests up to ``seen`` made while no deck was open to hear them (``kit
+        runs signal`` against a stopped service) are orders still, not history. A cancel of a
+        run still parked was never acted on (it would have ended the run); a resume of a run
+        still paused is, when no pause followed it. Acted on as the watch acts (the first deck
+        to write wins); the watch has those after ``seen``. Only the parked runs' requests are
+        read: every request the log ever took cost an open 0.48 s at 200,000."""
         try:
             parked = {info.run_id: info.status for status in _PARKED
                       for info in await self.store.runs(status=status)}
+            backlog = await self.store.requests(run_ids=list(parked)) if parked else []
         except Exception as exc:  # the store failed: they wait for the next open
             _log.error("reading the parked runs at open failed: %s: %s", type(exc).__name__, exc)
             return
         last: dict[str, ControlRequest] = {}
         for req in backlog:  # per parked run: its first cancel, else its last request
-            if req.run_id in parked and getattr(last.get(req.run_id), "action", "") != "cancel":
+            if req.id <= seen and getattr(last.get(req.run_id), "action", "") != "cancel":
                 last[req.run_id] = req
         for req in last.values():
             if req.action == "cancel":

@@ -63,7 +63,7 @@ import sniffio
 from kit_bridge import Bridge, spawn
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunInfo,
                       RunStarted, RunStatus, SessionBusyError, fold_status)
-from kit_store import (KIT_COLUMNS, RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, abandoned,
+from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, abandoned,
                        by_run, event_of, event_row, foreign_table, run_row, runs_query)
 from kit_storebase import StoreBase
 
@@ -284,6 +284,7 @@ _TABLES = (
     *RUN_INDEXES,
     "CREATE TABLE IF NOT EXISTS controls(id bigserial PRIMARY KEY, run_id text NOT NULL, "
     "action text NOT NULL, reason text, source text, at double precision NOT NULL)",
+    CONTROLS_INDEX,
 )
 #: What opening an older schema does besides ``_TABLES`` (whose ``IF NOT EXISTS`` add what is
 #: new), by the version it brings the schema to: removing what is gone.
@@ -767,10 +768,14 @@ class PostgresStore(StoreBase):
             again=False)  # not twice
         return rows[0][0]
 
-    async def _requests(self, after: int) -> list[ControlRequest]:
+    async def _requests(self, after: int, run_ids: list[str] | None) -> list[ControlRequest]:
         rows = await self._fetch("SELECT id, run_id, action, reason, source FROM controls "
-                                 "WHERE id > %s ORDER BY id", (after,))
+                                 "WHERE id > %s AND (%s::text[] IS NULL OR run_id = ANY(%s)) "
+                                 "ORDER BY id", (after, run_ids, run_ids))
         return [ControlRequest(*r) for r in rows]
+
+    async def _last_request(self) -> int:
+        return (await self._fetch("SELECT coalesce(max(id), 0) FROM controls"))[0][0]
 
 
 # ==================================================================================== factory ====

@@ -327,9 +327,9 @@ class Runtime(RunControl):
         # let another process reap this one's live runs as abandoned).
         self._tg.start_soon(self._every, self.lease / 3, self._keep_leases, "renewing leases",
                             self.lease / 6)
-        backlog = await self.store.requests()  # older requests are history, but for the
-        self._seen_request = backlog[-1].id if backlog else 0  # ones no deck heard (below)
-        self._tg.start_soon(self._missed_requests, backlog)
+        # Older requests are history, but for those of the runs still parked (no deck heard them).
+        self._seen_request = await self.store.last_request_id()
+        self._tg.start_soon(self._missed_requests, self._seen_request)
         self._tg.start_soon(self._every, CONTROL_RETRY, self._watch_requests,
                             "following control requests")
         if self.sessions is not None:

@@ -51,7 +51,7 @@ from kit_storebase import NotJSONError, StoreBase
 
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
            "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS",
-           "RUN_INDEXES", "WAL_LIMIT", "ENDED", "KIT_COLUMNS", "foreign_table")
+           "RUN_INDEXES", "CONTROLS_INDEX", "WAL_LIMIT", "ENDED", "KIT_COLUMNS", "foreign_table")
 
 #: WAL checkpoints run on a thread of their own, after this many commits: on the event loop, a
 #: checkpoint (page copies and an fsync) stalls every stream for milliseconds, and costs ~12 us
@@ -112,6 +112,9 @@ RUN_INDEXES = (
     "CREATE INDEX IF NOT EXISTS runs_session ON runs(session_id, started_at, run_id) "
     "WHERE session_id IS NOT NULL",
 )
+#: A run's control requests (``requests(run_ids=)``): a deck's open reads those of the parked runs
+#: only, not every request the log ever took.
+CONTROLS_INDEX = "CREATE INDEX IF NOT EXISTS controls_run ON controls(run_id, id)"
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS events(run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
     "kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY(run_id, seq)) WITHOUT ROWID",
@@ -129,6 +132,7 @@ _SCHEMA = (
     "DROP INDEX IF EXISTS runs_live",  # a log written before RUN_INDEXES: runs_status covers it
     "CREATE TABLE IF NOT EXISTS controls(id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, "
     "action TEXT NOT NULL, reason TEXT, source TEXT, at REAL NOT NULL)",
+    CONTROLS_INDEX,
 )
 RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
 #: The columns of kit's tables, as ``_SCHEMA`` (and ``kit_pg``'s tables) make them. A database
@@ -550,10 +554,18 @@ class SQLiteStore(StoreBase):
             return db.execute("INSERT INTO controls(run_id, action, reason, source, at) "
                               "VALUES (?, ?, ?, ?, ?)", (run_id, action, reason, source, at)).lastrowid
 
-    def _requests(self, after: int) -> list[ControlRequest]:
-        rows = self._con.execute("SELECT id, run_id, action, reason, source FROM controls "
-                                 "WHERE id > ? ORDER BY id", (after,)).fetchall()
+    def _requests(self, after: int, run_ids: list[str] | None) -> list[ControlRequest]:
+        query = "SELECT id, run_id, action, reason, source FROM controls WHERE id > ?"
+        if run_ids is None:
+            rows = self._con.execute(query + " ORDER BY id", (after,)).fetchall()
+        else:  # a few hundred ids a query: SQLite caps a statement's parameters
+            rows = sorted(row for i in range(0, len(run_ids), 500) for row in self._con.execute(
+                f"{query} AND run_id IN ({','.join('?' * len(run_ids[i:i + 500]))})",
+                (after, *run_ids[i:i + 500])))
         return [ControlRequest(*r) for r in rows]
+
+    def _last_request(self) -> int:
+        return self._con.execute("SELECT coalesce(max(id), 0) FROM controls").fetchone()[0]
 
 
 # ===================================================================================== memory ====
@@ -693,8 +705,15 @@ class MemoryStore(StoreBase):
         self._controls.append(ControlRequest(len(self._controls) + 1, run_id, action, reason, source))
         return len(self._controls)
 
-    def _requests(self, after: int) -> list[ControlRequest]:
-        return self._controls[max(after, 0):]  # (ids are 1, 2, ...: a negative index is no id)
+    def _requests(self, after: int, run_ids: list[str] | None) -> list[ControlRequest]:
+        found = self._controls[max(after, 0):]  # (ids are 1, 2, ...: a negative index is no id)
+        if run_ids is None:
+            return found
+        wanted = set(run_ids)
+        return [r for r in found if r.run_id in wanted]
+
+    def _last_request(self) -> int:
+        return len(self._controls)
 
     def _holder(self, session_id: str, namespace: str) -> str | None:
         return next((r for r, lease in self._leases.items()

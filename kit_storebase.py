@@ -348,9 +348,15 @@ class StoreBase:
         self._woken(None, request_id)
         return request_id
 
-    async def requests(self, after: int = 0) -> list[ControlRequest]:
-        """Control requests with an id above ``after``, oldest first."""
-        return await self._call(self._requests, after)
+    async def requests(self, after: int = 0, run_ids: Sequence[str] | None = None
+                       ) -> list[ControlRequest]:
+        """Control requests with an id above ``after``, oldest first; only those of ``run_ids``
+        when given (a read of an index, not of every request)."""
+        return await self._call(self._requests, after, None if run_ids is None else list(run_ids))
+
+    async def last_request_id(self) -> int:
+        """The id of the newest control request (0: none yet)."""
+        return await self._call(self._last_request)
 
     async def session_holder(self, session_id: str, namespace: str | None = None) -> str | None:
         """The run id holding ``(namespace, session_id)``, or None.
@@ -371,4 +377,5 @@ class StoreBase:
     def _reap(self, now: float) -> list[str]: ...
     def _holder(self, session_id: str, namespace: str) -> str | None: ...
     def _request(self, run_id: str, action: str, reason: str | None, source: str | None, at: float) -> int: ...
-    def _requests(self, after: int) -> list[ControlRequest]: ...
+    def _requests(self, after: int, run_ids: list[str] | None) -> list[ControlRequest]: ...
+    def _last_request(self) -> int: ...

@@ -239,13 +239,18 @@ async def test_a_workflow_pauses_between_supersteps_and_resumes(store):
 async def test_requests_made_while_no_deck_was_open_are_acted_on_when_one_opens(tmp_path):
     """`kit runs signal` against a stopped service records its request; the next deck to open
     acts on it (a cancel of a parked run, a resume of a paused one no pause followed)."""
-    gate, names = Gate(), ("cancel", "resume", "kept")
+    gate, names, reads = Gate(), ("cancel", "resume", "kept"), []
 
     def agents(*script):
         return [Agent(name, tools=[gate.wait_tool()], model=ScriptedModel(list(script)))
                 for name in names]
 
-    async with SQLiteStore(tmp_path / "kit.db") as store:
+    class Reads(SQLiteStore):  # which requests a deck reads
+        async def requests(self, after=0, run_ids=None):
+            reads.append((after, run_ids))
+            return await super().requests(after, run_ids)
+
+    async with Reads(tmp_path / "kit.db") as store:
         async with Deck(agents({"tool": "wait", "args": {"step": 1}}, "all done"), store=store) as deck:
             for name in names:
                 gate.entered.clear()
@@ -261,6 +266,7 @@ async def test_requests_made_while_no_deck_was_open_are_acted_on_when_one_opens(
         await store.request("resume", "resume", None, "cli")
         await store.request("kept", "resume", None, "cli")
         await store.request("kept", "pause", None, "cli")  # a later pause: the run stays
+        last, reads = await store.last_request_id(), []
         async with Deck(agents("all done"), store=store):
             with anyio.fail_after(10):
                 while (await store.run_info("cancel")).status is not RunStatus.CANCELLED or \
@@ -269,6 +275,10 @@ async def test_requests_made_while_no_deck_was_open_are_acted_on_when_one_opens(
         assert (await store.read("cancel"))[-1].payload == kit.RunCancelled("stop it")
         assert (await store.read("resume"))[-1].payload.output == "all done"
         assert (await store.run_info("kept")).status is RunStatus.PAUSED
+        # The open read the parked runs' requests, not every one the log took (the watch goes
+        # on from the newest).
+        assert (0, sorted(names)) in [(a, sorted(ids or [])) for a, ids in reads]
+        assert all(ids is not None or after >= last for after, ids in reads), reads
 
 
 async def test_the_cli_pauses_a_run_playing_in_another_process(tmp_path):

@@ -93,9 +93,9 @@ class FaultyStore(SQLiteStore):
         self._fault("fail_renewals", "fail_background")
         await super().renew(owner, lease_seconds, run_ids)
 
-    async def requests(self, after=0):
+    async def requests(self, after=0, run_ids=None):
         self._fault("fail_background", "fail_requests")
-        return await super().requests(after)
+        return await super().requests(after, run_ids)
 
     async def run_info(self, run_id):
         self._fault("fail_reads")

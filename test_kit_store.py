@@ -515,6 +515,20 @@ async def test_requests_after_any_id_below_the_first_are_all_of_them(store):
     assert [r.action for r in await store.requests(ids[0])] == ["resume", "cancel"]
 
 
+async def test_requests_of_chosen_runs_and_the_last_request_id(store):
+    assert await store.last_request_id() == 0
+    runs = [f"r{i}" for i in range(700)]  # more than one of SQLite's statements takes
+    await store.append([started(r) for r in runs])
+    ids = [await store.request(r, "pause") for r in runs[:3]]
+    ids += [await store.request(r, "cancel") for r in (runs[0], runs[650])]
+    assert await store.last_request_id() == ids[-1]
+    got = await store.requests(run_ids=[runs[650], "nowhere", *runs[:1], *runs[300:700]])
+    assert [(r.id, r.run_id, r.action) for r in got] == [
+        (ids[0], "r0", "pause"), (ids[3], "r0", "cancel"), (ids[4], "r650", "cancel")]
+    assert [r.id for r in await store.requests(ids[0], run_ids=runs)] == ids[1:]
+    assert await store.requests(run_ids=[]) == []
+
+
 async def test_follow_replays_then_goes_live_and_stops_at_terminal(store):
     early: list[Event] = []
     late: list[Event] = []
