@@ -351,7 +351,8 @@ class RunControl:
             last = (await self.store.read(info.run_id))[-1]
             if isinstance(last.payload, RunInterrupted):
                 out.append(Pending(info.run_id, info.name, last.payload.thread_id or "",
-                                   info.session_id, last.payload.payload, last.at))
+                                   info.session_id, last.payload.payload, last.at,
+                                   info.namespace))
         return out
 
     async def _due(self, now: datetime) -> list[tuple[Due, str, str | None]]:

@@ -416,6 +416,7 @@ class Pending:
     session_id: str | None
     payload: Any
     since: datetime
+    namespace: str | None = None  # the tenant's whose run it is (``run(namespace=)``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -485,9 +485,7 @@ class App:
     async def _pending(self, req: Request) -> None:
         # Only HTTP's threads (no namespace): the resume route answers no other, and a
         # namespaced run is one tenant's, payload and all.
-        pending = [p for p in await self.deck.pending()
-                   if (info := await self.deck.store.run_info(p.run_id)) is not None
-                   and info.namespace is None]
+        pending = [p for p in await self.deck.pending() if p.namespace is None]
         await respond(req, 200, {"pending": [
             {"run_id": p.run_id, "workflow": p.workflow, "thread_id": p.thread_id,
              "session_id": p.session_id, "payload": p.payload, "since": p.since.isoformat()}

@@ -541,6 +541,7 @@ async def test_pending_lists_only_the_threads_its_resume_route_answers():
     async with served(catalog()) as (client, app):
         theirs = await app.deck.run("approve", {}, session_id="t1", namespace="acme")
         assert isinstance(theirs, kit.InterruptResult)
+        assert [p.namespace for p in await app.deck.pending()] == ["acme"]
         assert (await client.get("/workflows/pending")).json() == {"pending": []}
         r = await client.post("/workflows/approve/t1/resume", json={"value": "yes"})
         assert (r.status_code, r.json()["error"]) == (404, "ThreadNotWaitingError")

@@ -251,8 +251,8 @@ async def test_interrupt_pending_answer_and_a_second_answer_is_refused(store):
         parked = await deck.run("w", {"log": []}, session_id="t1")
         [pending] = await deck.pending()
         assert parked == kit.InterruptResult({"question": "approve?"}, "t1", run_id=pending.run_id)
-        assert (pending.workflow, pending.thread_id, pending.session_id, pending.payload) == (
-            "w", "t1", "t1", {"question": "approve?"})
+        assert (pending.workflow, pending.thread_id, pending.session_id, pending.payload,
+                pending.namespace) == ("w", "t1", "t1", {"question": "approve?"}, None)
         assert await deck.status(pending.run_id) is RunStatus.WAITING_HUMAN
         with pytest.raises(kit.SessionBusyError):  # the parked run keeps its thread
             await deck.run("w", {"log": []}, session_id="t1")
