@@ -687,20 +687,31 @@ async def _keep_answer(graph: Any, config: dict[str, Any], resume: dict[str, Any
     """Save the answers (or the wake) ``resume`` holds by interrupt id in the thread's latest
     checkpoint, as the resume values of the tasks that asked, before the graph runs: LangGraph
     keeps such an answer in memory until its node ends, so a process that died while the
-    answered node ran lost it, and the run that carried the thread on asked again. (A question
-    asked inside a subgraph belongs to the subgraph's own task, which this does not reach.)"""
-    ct = await graph.checkpointer.aget_tuple(config)
-    writes = ct.pending_writes or () if ct is not None else ()
-    for interrupt_id, value in resume.items():
-        asked = next((task for task, channel, found in writes if channel == "__interrupt__"
-                      and any(getattr(i, "id", None) == interrupt_id for i in
-                              (found if isinstance(found, (list, tuple)) else [found]))), None)
-        if asked is None:
-            continue
-        answered = next((list(v) if isinstance(v, list) else [v] for task, channel, v in writes
-                         if task == asked and channel == "__resume__"), [])
-        await graph.checkpointer.aput_writes(ct.config, [("__resume__", [*answered, value])],
-                                             asked)
+    answered node ran lost it, and the run that carried the thread on asked again. A question
+    asked inside a subgraph is its own task's, in the subgraph's checkpoint: each subgraph's
+    latest one gets its answer too (the parent's task that ran it has it only as a copy)."""
+    configs = [config]
+    try:
+        snapshots = [await graph.aget_state(config, subgraphs=True)]
+    except Exception:  # a state LangGraph cannot read: the run fails, or the thread goes
+        snapshots = []
+    while snapshots:  # the subgraphs the thread stopped in, at any depth
+        for task in snapshots.pop().tasks:
+            if task.state is not None and hasattr(task.state, "tasks"):
+                configs.append(task.state.config)
+                snapshots.append(task.state)
+    for ct in [await graph.checkpointer.aget_tuple(c) for c in configs]:
+        writes = ct.pending_writes or () if ct is not None else ()
+        for interrupt_id, value in resume.items():
+            asked = next((task for task, channel, found in writes if channel == "__interrupt__"
+                          and any(getattr(i, "id", None) == interrupt_id for i in
+                                  (found if isinstance(found, (list, tuple)) else [found]))), None)
+            if asked is None:
+                continue
+            answered = next((list(v) if isinstance(v, list) else [v] for task, channel, v in writes
+                             if task == asked and channel == "__resume__"), [])
+            await graph.checkpointer.aput_writes(ct.config, [("__resume__", [*answered, value])],
+                                                 asked)
 
 
 async def sleeping_until(graph: Any, key: str) -> tuple[datetime, str] | None:

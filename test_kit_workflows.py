@@ -839,8 +839,22 @@ async def ask_then_hang(state: State) -> dict:
     return {"log": [f"answer={answer}"]}
 
 
-def durable_answered() -> Workflow:
-    return Workflow("answered", graph(plan, ask_then_hang, done), durable=True)
+def durable_answered(nested: bool = False) -> Workflow:
+    """The question asked by a node of the graph, or (``nested``) of a subgraph of a subgraph."""
+    if not nested:
+        return Workflow("answered", graph(plan, ask_then_hang, done), durable=True)
+    inner = graph(ask_then_hang).compile()
+    middle = StateGraph(State)
+    middle.add_node("inner", inner)
+    middle.add_edge(START, "inner")
+    outer = StateGraph(State)
+    outer.add_node("plan", plan)
+    outer.add_node("middle", middle.compile())
+    outer.add_node("done", done)
+    outer.add_edge(START, "plan")
+    outer.add_edge("plan", "middle")
+    outer.add_edge("middle", "done")
+    return Workflow("answered", outer, durable=True)
 
 
 ANSWER_AND_DIE = """
@@ -850,7 +864,8 @@ import test_kit_workflows as t
 
 async def main():
     async with SQLiteStore(sys.argv[1]) as store:
-        async with kit.Deck(workflows=[t.durable_answered()], store=store) as deck:
+        async with kit.Deck(workflows=[t.durable_answered(sys.argv[2] == "nested")],
+                            store=store) as deck:
             parked = await deck.run("answered", {"log": []}, session_id="a1")
             print(parked.run_id, flush=True)
             await deck.answer(parked.run_id, "yes")  # hangs after the answer is taken
@@ -859,16 +874,18 @@ anyio.run(main)
 """
 
 
+@pytest.mark.parametrize("where", ["node", "nested"])
 async def test_a_thread_whose_process_died_after_an_answer_carries_the_answer_on(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, where):
     """The process that took an answer died before the node finished: the next run on the
     thread carries on from the last checkpoint with that answer, and its input is not applied.
     It used to apply its input and start over from START (LangGraph counts an answered
-    question as still pending), and the answer reached no checkpoint."""
+    question as still pending), and the answer reached no checkpoint; a question asked in a
+    subgraph's node was asked again."""
     db = tmp_path / "shared.db"
     env = {**os.environ, "PYTHONPATH": str(HERE), "KIT_TEST_HANG": "1", "KIT_LEASE_SECONDS": "0.5"}
-    child = subprocess.Popen([sys.executable, "-c", ANSWER_AND_DIE, str(db)], cwd=HERE, env=env,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", ANSWER_AND_DIE, str(db), where], cwd=HERE,
+                             env=env, stdout=subprocess.PIPE, text=True)
     try:
         with anyio.fail_after(60):
             dead_run = (await anyio.to_thread.run_sync(child.stdout.readline)).strip()
@@ -881,9 +898,11 @@ async def test_a_thread_whose_process_died_after_an_answer_carries_the_answer_on
     monkeypatch.setenv("KIT_LEASE_SECONDS", "0.5")
     await anyio.sleep(0.7)  # the dead process's lease lapses
     async with SQLiteStore(db) as store:
-        async with Deck(workflows=[durable_answered()], store=store) as deck:
+        async with Deck(workflows=[durable_answered(where == "nested")], store=store) as deck:
             state = await deck.run("answered", {"log": ["not applied"]}, session_id="a1")
-            assert state == {"log": ["plan", "answer=yes", "done"]}  # plan did not run again
+            # plan did not run again (a subgraph hands its whole state back: a copy per level)
+            copies = ["plan"] * (3 if where == "nested" else 1)
+            assert state == {"log": [*copies, "answer=yes", "done"]}
             assert (await store.read(dead_run))[-1].payload.error == "RunAbandoned"
 
 
