@@ -809,14 +809,17 @@ anyio.run(main)
 """
 
 
-async def test_a_thread_whose_process_died_carries_on_from_its_checkpoint(tmp_path, monkeypatch):
-    db = tmp_path / "shared.db"
+async def killed(script: str, argv: list[str], lines: int, monkeypatch) -> list[str]:
+    """Play ``script`` with ``argv`` in a process of its own (its leases 0.5 s, its workflow
+    told to hang) and kill it once it printed ``lines`` lines, which are returned; the dead
+    process's leases have lapsed then, and this process's are as short."""
     env = {**os.environ, "PYTHONPATH": str(HERE), "KIT_TEST_HANG": "1", "KIT_LEASE_SECONDS": "0.5"}
-    child = subprocess.Popen([sys.executable, "-c", CRASH, str(db)], cwd=HERE, env=env,
+    child = subprocess.Popen([sys.executable, "-c", script, *argv], cwd=HERE, env=env,
                              stdout=subprocess.PIPE, text=True)
     try:
         with anyio.fail_after(60):
-            dead_run = (await anyio.to_thread.run_sync(child.stdout.readline)).strip()
+            printed = [(await anyio.to_thread.run_sync(child.stdout.readline)).strip()
+                       for _ in range(lines)]
         child.kill()
         child.wait(10)
     finally:
@@ -824,6 +827,12 @@ async def test_a_thread_whose_process_died_carries_on_from_its_checkpoint(tmp_pa
         child.stdout.close()
     monkeypatch.setenv("KIT_LEASE_SECONDS", "0.5")
     await anyio.sleep(0.7)  # the dead process's lease lapses
+    return printed
+
+
+async def test_a_thread_whose_process_died_carries_on_from_its_checkpoint(tmp_path, monkeypatch):
+    db = tmp_path / "shared.db"
+    [dead_run] = await killed(CRASH, [str(db)], 1, monkeypatch)
     async with SQLiteStore(db) as store:
         async with Deck(workflows=[durable_crashy()], store=store) as deck:
             state = await deck.run("crashy", {"log": ["not applied"]}, session_id="c1")
@@ -883,20 +892,8 @@ async def test_a_thread_whose_process_died_after_an_answer_carries_the_answer_on
     question as still pending), and the answer reached no checkpoint; a question asked in a
     subgraph's node was asked again."""
     db = tmp_path / "shared.db"
-    env = {**os.environ, "PYTHONPATH": str(HERE), "KIT_TEST_HANG": "1", "KIT_LEASE_SECONDS": "0.5"}
-    child = subprocess.Popen([sys.executable, "-c", ANSWER_AND_DIE, str(db), where], cwd=HERE,
-                             env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        with anyio.fail_after(60):
-            dead_run = (await anyio.to_thread.run_sync(child.stdout.readline)).strip()
-            assert (await anyio.to_thread.run_sync(child.stdout.readline)).strip() == "answered"
-        child.kill()
-        child.wait(10)
-    finally:
-        child.kill()
-        child.stdout.close()
-    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.5")
-    await anyio.sleep(0.7)  # the dead process's lease lapses
+    dead_run, answered = await killed(ANSWER_AND_DIE, [str(db), where], 2, monkeypatch)
+    assert answered == "answered"
     async with SQLiteStore(db) as store:
         async with Deck(workflows=[durable_answered(where == "nested")], store=store) as deck:
             state = await deck.run("answered", {"log": ["not applied"]}, session_id="a1")
