@@ -557,8 +557,11 @@ class App:
         if status is None:
             raise UnknownRunError(run_id)
         store, req.run_id = self.deck.store, run_id
-        if status in _TERMINAL and not await store.read(run_id, after):
-            return await respond(req, 204, None)  # past the end: 204 stops EventSource retrying
+        if status in _TERMINAL:  # its log is whole: read once, sent as read
+            log = await store.read(run_id, after)
+            if not log:
+                return await respond(req, 204, None)  # past the end: 204 stops EventSource retrying
+            return await self._sse(req, run_id, log[0], _replayed(log[1:]), native_frame)
         if after >= 0 and not await store.read(run_id, after - 1):  # no event `after` (yet)
             raise MalformedRequestError(f"run {run_id} has no event {after}: a client only ever "
                                         "receives events the log holds")
@@ -678,6 +681,11 @@ def _openai_ending(run_id: str, error: Exception | None) -> bytes:
         503 if isinstance(error, StoreUnavailableError) else 500, kind,
         f"the stream of run {run_id} ended before the run did ({kind}); its log has the rest: "
         f"GET /runs/{run_id}/events")))
+
+
+async def _replayed(events: list[Event]) -> AsyncIterator[Event]:
+    for event in events:
+        yield event
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

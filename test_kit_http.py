@@ -31,6 +31,7 @@ import kit_runtime
 import kit_sse
 from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
 from kit_http import App
+from kit_store import SQLiteStore
 from kit_sse import sse_frame
 from test_kit_control import Gate
 
@@ -490,6 +491,37 @@ async def test_reconnect_with_last_event_id_replays_the_rest_then_204(tmp_path, 
         assert "content-length" not in r.headers  # RFC 9110 section 8.6: a 204 has none
         r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": "x"})
         assert r.status_code == 400
+
+
+class CountingReads(SQLiteStore):
+    """The real SQLite store, counting the reads of each run's log."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.reads: list[str] = []
+
+    async def read(self, run_id, after=-1):
+        self.reads.append(run_id)
+        return await super().read(run_id, after)
+
+
+async def test_the_events_of_a_finished_run_are_read_from_the_store_once(tmp_path):
+    """GET /runs/{id}/events of a finished run read its log two or three times (to find it was
+    not past the end, that the client's Last-Event-ID was an event, then to follow it)."""
+    async with CountingReads(tmp_path / "kit.db") as store:
+        async with served(Deck([echo()], store=store)) as (client, _):
+            r = await client.post("/agents/echo/chat", json={"message": "hi"})
+            run_id = r.headers["x-kit-run-id"]
+            log = await store.read(run_id)
+            for headers, sent in (({}, log), ({"Last-Event-ID": str(log[-3].seq)}, log[-2:])):
+                store.reads.clear()
+                r, body = await wire(client, "GET", f"/runs/{run_id}/events", headers=headers)
+                assert r.status_code == 200
+                assert body == b"".join(kit_sse.native_frame(e) for e in sent)
+                assert store.reads == [run_id]
+            store.reads.clear()
+            r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": str(log[-1].seq)})
+            assert (r.status_code, store.reads) == (204, [run_id])
 
 
 async def test_a_client_disconnect_ends_the_stream_never_the_run():
