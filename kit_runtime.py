@@ -143,7 +143,10 @@ class Run(RunHandle):
         while True:
             if self.lagged:
                 self.lagged = False
-                backlog = await self._read(self.run_id, last)
+                try:
+                    backlog = await self._read(self.run_id, last)
+                except StoreUnavailableError as exc:  # what its caller is told, if told already
+                    raise self.abort_error or exc from None
             else:
                 n = ready()
                 if not n:
@@ -492,9 +495,12 @@ class Runtime(RunControl):
             raise error
 
     async def _read_committed(self, run_id: str, after: int) -> list[Event]:
-        """Kit side: commit what is buffered, then read the run's events after ``after``."""
-        await self.writer.flush()
-        return await self.store.read(run_id, after)
+        """Kit side: commit what is buffered, then read the run's events after ``after``; while
+        the store takes no writes, ``StoreUnavailableError`` after the bound (a lagged reader)."""
+        with anyio.move_on_after(self.down_limit):
+            await self.writer.flush()
+            return await self.store.read(run_id, after)
+        raise StoreUnavailableError(run_id, self.down_limit)
 
     def _committed(self, events: Sequence[Event]) -> None:
         """The writer committed ``events``: the observers get them, streamed runs' readers may

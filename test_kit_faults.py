@@ -24,6 +24,7 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 import kit
+import kit_runtime
 import kit_writer
 from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableError, TextDelta, Workflow
 from kit_pg import store_from_url
@@ -190,6 +191,34 @@ async def test_a_chat_completions_stream_an_outage_stops_ends_in_openais_error_s
             assert failed.value.message == (
                 f"the stream of run {info.run_id} ended before the run did "
                 f"(StoreUnavailableError); its log has the rest: GET /runs/{info.run_id}/events")
+
+
+async def test_a_stream_that_fell_behind_ends_with_an_error_frame_within_the_bound(tmp_path, monkeypatch):
+    """A stream whose reader fell behind the run's live buffer catches up from the log, and
+    committed what was buffered first: while the store took no writes, its SSE response hung
+    until the store came back, long after the run was stopped."""
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
+    monkeypatch.setattr(kit_runtime, "LIVE_MAX", 20)  # the run's reply overflows it
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        def outage() -> str:
+            """The store goes away."""
+            store.down = True
+            return "ok"
+
+        agent = Agent("a", tools=[outage], model=ScriptedModel([{"tool": "outage"}, LONG]))
+        async with served(Deck([agent], store=store)) as (client, app):
+            with anyio.fail_after(20):
+                async with client.stream("POST", "/agents/a/chat?stream=true",
+                                         json={"message": "hi"}) as r:
+                    body = b"".join([chunk async for chunk in r.aiter_raw()])
+            assert body.endswith(b'event: error\ndata: {"error":"StoreUnavailableError"}\n\n')
+            assert b"delta" not in body  # nothing the log does not hold yet
+            store.down = False
+            [info] = await store.runs()
+
+            async def written() -> bool:  # it had played to its end: the log has all of it
+                return await app.deck.status(info.run_id) is RunStatus.COMPLETED
+            await until(written)
 
 
 async def test_what_a_caller_stopped_by_an_outage_is_told_is_what_the_log_will_hold(tmp_path, monkeypatch):
