@@ -67,7 +67,7 @@ class RunControl:
 
     def _init_control(self) -> None:
         self._seen_request = 0  # the newest control request this deck has acted on
-        self._handled: set[int] = set()  # requests made here, acted on already
+        self._handled: set[int] = set()  # requests made here, acted on already, not met yet
         self._failing = (0, 0)  # (request id, failed tries) of a request the store failed
         self._orphans: dict[str, str] = {}  # sleeping thread keys no log run parks -> workflow
         self._orphans_at = 0.0  # when tick next scans the checkpointers for them
@@ -85,7 +85,8 @@ class RunControl:
             with anyio.move_on_after(self.down_limit):  # (not for as long as the store is down)
                 await self.writer.flush()  # its start may wait in the buffer: the store must know it
         request_id = await self.store.request(run_id, action, reason, source)
-        self._handled.add(request_id)
+        if request_id > self._seen_request:  # else the watch met it already: it never comes again
+            self._handled.add(request_id)
         if run is None:
             await self._act(ControlRequest(request_id, run_id, action, reason, source))
 
@@ -221,12 +222,14 @@ class RunControl:
         async with contextlib.aclosing(requests):
             async for req in requests:
                 if req.id in self._handled:
-                    self._handled.discard(req.id)
+                    pass  # made here: acted on then
                 elif req.action == "resume" and req.run_id not in self.active:
                     self._tg.start_soon(self._resume_quietly, req.run_id)
                 else:
                     await self._act_or_raise(req)
                 self._seen_request = req.id
+                if self._handled:  # met in id order: none at or below it comes again
+                    self._handled = {i for i in self._handled if i > req.id}
 
     async def _missed_requests(self, seen: int) -> None:
         """At open: the requests up to ``seen`` made while no deck was open to hear them (``kit

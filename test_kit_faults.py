@@ -491,6 +491,45 @@ async def test_a_resume_request_that_meets_a_store_blip_is_taken_up_once_it_pass
             assert store.failures == 1 and await deck.status(run_id) is RunStatus.COMPLETED
 
 
+class MetFirst(SQLiteStore):
+    """Returns a control request's id only once a watch has read past it: the deck's watch meets
+    the request before the caller that made it hears its id."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.read_past, self.moved = 0, anyio.Event()
+
+    async def requests(self, after=0):
+        if after > self.read_past:
+            self.read_past = after
+            self.moved.set()
+        return await super().requests(after)
+
+    async def request(self, run_id, action, reason=None, source=None):
+        request_id = await super().request(run_id, action, reason, source)
+        while self.read_past < request_id:
+            self.moved = anyio.Event()
+            await self.moved.wait()
+        return request_id
+
+
+async def test_requests_the_watch_met_before_their_maker_are_acted_on_once_and_not_kept(tmp_path):
+    """The deck kept the id of each request made here until its watch met it, to pass over it
+    then; one the watch had met already was kept for good, an id per cancel for the process's
+    life."""
+    run_ids = [kit.new_run_id() for _ in range(3)]
+    async with MetFirst(tmp_path / "kit.db") as store:
+        for run_id in run_ids:
+            await store.append(paused_run(run_id))
+        async with Deck([Agent("a", model=ScriptedModel(["x"]))], store=store) as deck:
+            with anyio.fail_after(10):
+                for run_id in run_ids:
+                    await deck.cancel(run_id)
+            for run_id in run_ids:
+                assert kinds(await store.read(run_id))[3:] == ["control.requested", "run.cancelled"]
+            assert deck._runtime._handled == set()
+
+
 def paused_run(run_id: str, session_id: str | None = None) -> list[Event]:
     """A paused agent run, as another process left it."""
     return [Event(run_id, 0, kit.RunStarted("a", "agent", session_id, None, (kit.TextBlock("hi"),)), "a"),
