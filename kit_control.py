@@ -33,8 +33,8 @@ import kit_workflows
 from kit_core import (
     CheckpointMissingError, ControlRequest, ControlRequested, Due, Event, LogConflictError,
     ModelCompleted, Pending, RunCancelled, RunInterrupted, RunNotWaitingError, RunResumed,
-    RunSleeping, RunStatus, SessionBusyError, Ticked, UnknownNameError, UnknownRunError, check_id,
-    check_text,
+    RunSleeping, RunStatus, SessionBusyError, StoreUnavailableError, Ticked, UnknownNameError,
+    UnknownRunError, check_id, check_text,
 )
 
 if TYPE_CHECKING:
@@ -106,6 +106,28 @@ class RunControl:
             await self._cancel_parked(req)
 
     async def _cancel_parked(self, req: ControlRequest) -> None:
+        """Cancel a parked run (``_cancel_now``) in the deck's task group: while the store takes
+        no writes its caller gets ``StoreUnavailableError`` after the bound, and the cancel is
+        written (its thread let go) once the store is back; until then its fence keeps a second
+        cancel from writing it again (their one commit would refuse both)."""
+        done, failed = anyio.Event(), list[Exception]()
+
+        async def cancel() -> None:
+            try:
+                await self._cancel_now(req)
+            except Exception as exc:  # its caller's, if it still waits
+                failed.append(exc)
+            finally:
+                done.set()
+        self._tg.start_soon(cancel)
+        with anyio.move_on_after(self.down_limit):
+            await done.wait()
+        if failed:
+            raise failed[0]
+        if not done.is_set():
+            raise StoreUnavailableError(req.run_id, self.down_limit)
+
+    async def _cancel_now(self, req: ControlRequest) -> None:
         """A parked run has no writer: whoever handles its cancel becomes it (DESIGN 6); of two
         processes racing, the unique ``(run_id, seq)`` lets one write. A workflow's thread goes
         with it, in every deck that sees the cancel (a non-durable one's checkpoints live in the

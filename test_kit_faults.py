@@ -25,6 +25,7 @@ from langgraph.graph import END, START, StateGraph
 
 import kit
 import kit_runtime
+import kit_workflows
 import kit_writer
 from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableError, TextDelta, Workflow
 from kit_pg import store_from_url
@@ -33,7 +34,7 @@ from test_kit import CountingStore, kinds
 from test_kit_control import Gate, multi_turn_agent, start_in_background
 from test_kit_http import served
 from test_kit_observers import Recorder
-from test_kit_workflows import State, durable_approval
+from test_kit_workflows import State, ask, durable_approval, graph, plan
 
 pytestmark = pytest.mark.anyio
 HERE = Path(__file__).parent
@@ -566,6 +567,36 @@ async def test_a_resume_while_the_store_takes_no_writes_is_told_so_within_the_bo
             assert await store.session_holder("s") is None  # its session is free again
             assert await deck.status(second) is RunStatus.PAUSED  # it can still be resumed
             assert (await deck.resume(second))[-1].payload.output == "resumed"
+
+
+async def test_a_parked_runs_cancel_while_the_store_takes_no_writes_is_told_so_within_the_bound(
+        tmp_path, monkeypatch):
+    """A cancel of a parked run waited for its write for as long as the store took no writes
+    (an HTTP cancel hung until the store came back); it is told after KIT_STORE_DOWN_SECONDS, and
+    the cancel is written once, with the run's thread let go, when the store is back."""
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck(workflows=[Workflow("approve", graph(plan, ask))], store=store) as deck:
+            parked = await deck.run("approve", {"log": []})
+            store.down = True
+            with anyio.fail_after(10):
+                with pytest.raises(StoreUnavailableError) as told:
+                    await deck.cancel(parked.run_id)
+                await deck.cancel(parked.run_id)  # again meanwhile: the first is written, once
+            assert told.value.run_id == parked.run_id
+            store.down = False
+            runtime = deck._runtime
+
+            async def let_go() -> bool:  # a workflow's thread in memory: deleted with its run
+                key = runtime.specs["approve"].engine.key(None, parked.thread_id)
+                return not await runtime._on_engine(kit_workflows.holds_thread,
+                                                    runtime.graphs["approve"], key)
+            await until(let_go)
+            assert await deck.status(parked.run_id) is RunStatus.CANCELLED
+            assert kinds(await store.read(parked.run_id))[-3:] == [
+                "run.interrupted", "control.requested", "run.cancelled"]
+            with pytest.raises(kit.RunNotWaitingError):
+                await deck.answer(parked.run_id, "yes")
 
 
 async def test_a_runs_status_asked_while_the_store_takes_no_writes_comes_within_the_bound(
