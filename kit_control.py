@@ -110,17 +110,20 @@ class RunControl:
         no writes its caller gets ``StoreUnavailableError`` after the bound, and the cancel is
         written (its thread let go) once the store is back; until then its fence keeps a second
         cancel from writing it again (their one commit would refuse both)."""
-        done, failed = anyio.Event(), list[Exception]()
+        done, failed, gone = anyio.Event(), [], anyio.move_on_after(self.down_limit)
 
         async def cancel() -> None:
             try:
                 await self._cancel_now(req)
-            except Exception as exc:  # its caller's, if it still waits
+            except Exception as exc:  # its caller's; logged once no caller waits for it
                 failed.append(exc)
+                if gone.cancel_called:
+                    _log.error("the cancel of run %s, written after its caller gave up, failed: "
+                               "%s: %s", req.run_id, type(exc).__name__, exc)
             finally:
                 done.set()
         self._tg.start_soon(cancel)
-        with anyio.move_on_after(self.down_limit):
+        with gone:
             await done.wait()
         if failed:
             raise failed[0]
