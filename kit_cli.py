@@ -218,12 +218,15 @@ def _store(a: argparse.Namespace) -> tuple[EventStorePort, str]:
     env = os.environ
     if a.store:
         url, source = a.store, "--store"
-    elif env.get("KIT_STORE"):
-        url, source = env["KIT_STORE"], "KIT_STORE"
+    elif env.get("KIT_STORE", "").strip():  # exported but empty: unset, as a deck reads it
+        url, source = env["KIT_STORE"].strip(), "KIT_STORE"
     else:
         project = env.get("KIT_PROJECT", ".kit")
         url, source = project_log_url(project), f"the project {project} (KIT_PROJECT)"
-    store = store_from_url(url, read_only=True)  # ConfigError naming a malformed URL
+    try:
+        store = store_from_url(url, read_only=True)
+    except ConfigError as exc:  # a malformed URL: say whose
+        raise ConfigError(f"{source}: {exc}") from None
     if url == "memory":
         raise ConfigError(f"{source} names the in-memory store, whose log lives and dies with its "
                           "process: pass --store sqlite:///path/to/kit.db")

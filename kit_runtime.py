@@ -240,7 +240,7 @@ def _result(run: Run, end: Event) -> Any:
 class Runtime(RunControl):
     """Plays the deck's runs on one event store; created and opened by ``Deck``.
 
-    Settings are read at ``open()``: ``KIT_STORE`` (when no store is passed in; else
+    Settings are read at ``open()``: ``KIT_STORE`` (when no store is passed in; unset or empty:
     ``default_store``), ``KIT_SESSION``, ``KIT_OPENAI_API``, ``KIT_LEASE_SECONDS``.
     """
 
@@ -294,8 +294,14 @@ class Runtime(RunControl):
                                                   kept or kit_sessions.MAX_SESSIONS)
         try:
             if self._own_store:
-                self.store = store_from_url(env.get("KIT_STORE", self._default_store),
-                                            sqlite_sync=env.get("KIT_SQLITE_SYNC"))
+                url = env.get("KIT_STORE", "").strip()  # exported but empty: unset
+                try:
+                    self.store = store_from_url(url or self._default_store,
+                                                sqlite_sync=env.get("KIT_SQLITE_SYNC"))
+                except ConfigError as exc:  # a bad URL is a setting's: name it
+                    if not url or str(exc).startswith("KIT_"):
+                        raise
+                    raise ConfigError(f"KIT_STORE: {str(exc).removeprefix('store URL: ')}") from None
                 await self.store.__aenter__()
             elif not getattr(self.store, "opened", True):
                 raise ConfigError("the store passed to Deck(store=...) is not open: open it with "

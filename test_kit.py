@@ -1277,6 +1277,27 @@ async def test_bad_settings_are_config_errors(monkeypatch, tmp_path):
         assert (await deck.run("a", "hi", session_id="s")).output == "x"
 
 
+async def test_an_empty_kit_store_is_unset_and_a_bad_one_is_named(monkeypatch, tmp_path):
+    """``KIT_STORE=`` (exported but empty, as a compose file or a .env template leaves it) is the
+    default store, as unset is; a URL kit cannot use is refused naming the setting."""
+    for empty in ("", " "):
+        monkeypatch.setenv("KIT_STORE", empty)
+        async with Deck([Agent("a", model=ScriptedModel(["x"]))]) as deck:
+            assert (await deck.run("a", "hi")).output == "x"
+    bundle = tmp_path / "proj" / "agents" / "a" / "agent.py"
+    bundle.parent.mkdir(parents=True)
+    bundle.write_text("import kit\nagent = kit.Agent('a', model=kit.ScriptedModel(['x']))\n")
+    async with Deck.from_project(tmp_path / "proj") as deck:  # the project's own log
+        await deck.run("a", "hi")
+    assert (tmp_path / "proj" / ".state" / "kit.db").exists()
+    for bad in ("mysql://x", "sqlite:///", "postgresql://u:hunter2@h/db?schema=a-b"):
+        monkeypatch.setenv("KIT_STORE", bad)
+        with pytest.raises(ConfigError, match="^KIT_STORE: ") as info:
+            async with Deck():
+                pass
+        assert "hunter2" not in str(info.value)
+
+
 @pytest.mark.parametrize("url, modules, extra", [
     ("redis://127.0.0.1:6379/15", ["redis"], "redis"),
     # SQLAlchemy without psycopg (installed for something else): a ModuleNotFoundError once

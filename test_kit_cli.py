@@ -147,6 +147,19 @@ def test_usage_errors_exit_2_and_a_missing_log_exits_1(tmp_path, monkeypatch):
     assert not (tmp_path / "none.db").exists()
 
 
+def test_an_empty_kit_store_is_unset_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("KIT_PROJECT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KIT_STORE", " ")  # exported but empty: the project's log, as unset
+    out = kit_cli("runs", "list")
+    assert out.returncode == 1 and f"no event log at {tmp_path}/.kit/.state/kit.db" in out.stderr
+    monkeypatch.setenv("KIT_STORE", "mysql://x")
+    out = kit_cli("runs", "list")
+    assert out.returncode == 2 and out.stderr.startswith("kit: KIT_STORE: unsupported store URL")
+    out = kit_cli("runs", "list", "--store", "mysql://y")
+    assert out.returncode == 2 and out.stderr.startswith("kit: --store: unsupported store URL")
+
+
 async def one_run(root: Path, name: str) -> str:
     """A project at ``root`` with one agent, played once into the project's own log."""
     bundle = root / "agents" / name / "agent.py"
