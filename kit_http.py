@@ -248,8 +248,9 @@ class App:
                         await self._open_mcp()
                     except Exception as exc:
                         self.open_error = exc
-                        with anyio.CancelScope(shield=True):
-                            await self.deck.aclose()  # a failed open frees the live-deck slot
+                        # A failed open frees the live-deck slot. Unshielded: the deck leaves its
+                        # task group from the scope it entered it in (its close shields the rest).
+                        await self.deck.aclose()
                         await send({"type": "lifespan.startup.failed",
                                     "message": f"{type(exc).__name__}: {exc}"})
                         return

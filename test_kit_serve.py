@@ -227,6 +227,22 @@ def test_a_deck_that_does_not_open_is_one_masked_line_naming_why(tmp_path):
     assert "hunter2222" not in out.stderr
 
 
+@pytest.mark.parametrize("worker", ["asyncio", "trio"])
+def test_an_agent_named_like_the_mcp_answer_tool_exits_1_naming_the_clash(tmp_path, worker):
+    """The deck opened, the MCP surface refused the name, and closing the deck from inside a
+    shield broke the lifespan: Hypercorn went on without one, serving a closed deck, for good."""
+    root = project(tmp_path, answer="import kit\nagent = kit.Agent('answer', model=kit.ScriptedModel(['hi']))\n")
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", HOST="127.0.0.1",
+               PORT=str(free_port()), KIT_WORKER=worker)
+    out = subprocess.run([sys.executable, "-m", "kit_http", "--surfaces", "mcp"], cwd=HERE, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    listening, failed = out.stderr.splitlines()
+    assert listening.startswith("kit-serve: listening on ")
+    assert failed == ("kit-serve: ConfigError: an invocable named 'answer' clashes with the MCP "
+                      "server's 'answer' tool; rename it to serve MCP")
+
+
 def test_ctrl_c_while_the_project_loads_exits_130_without_a_traceback(tmp_path):
     """A user who gives up waiting for a slow start (a bundle that takes its time, a store that
     does not answer) gets the prompt back, not a screen of traceback."""
