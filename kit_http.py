@@ -239,11 +239,13 @@ class App:
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Open the deck on ``lifespan.startup``, close it on ``lifespan.shutdown``, both in this
         task: the deck's task group is entered here and must be left here."""
+        entered = False
         try:
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
                     try:
+                        entered = True
                         await self.deck.__aenter__()
                         await self._open_mcp()
                     except Exception as exc:
@@ -268,11 +270,12 @@ class App:
                     await self.deck.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        finally:
-            if self._open:  # the lifespan was cancelled or broke: still close the deck here
+        finally:  # cancelled or broke, opening or open: still close the deck (idempotent)
+            if entered:  # unshielded: each task group is left from the scope it was entered in
                 self._open = False
-                with anyio.CancelScope(shield=True):
+                try:
                     await self._close_mcp()
+                finally:
                     await self.deck.aclose()
 
     async def _open_mcp(self) -> None:

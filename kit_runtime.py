@@ -373,11 +373,18 @@ class Runtime(RunControl):
                     await self.writer.flush()
             if self.hub is not None:
                 await self.hub.close()  # before the task group: its drains deliver the backlog
-        # The task group must be left from the scope it was entered in, so outside any shield.
-        if self._tg is not None:
-            tg, self._tg = self._tg, None
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
+        # The task group must be left from the scope it was entered in, so outside any shield;
+        # leaving it raises the cancellation of a cancelled open or lifespan: the rest still runs.
+        try:
+            if self._tg is not None:
+                tg, self._tg = self._tg, None
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:
+            await self._release()
+
+    async def _release(self) -> None:
+        """What outlives the task group: sessions, graphs, the bridge, the store kit built."""
         with anyio.CancelScope(shield=True):
             for run in self.active.values():
                 if run.parent is None:

@@ -3,10 +3,12 @@ httpx and httpx-sse as the client, the bytes on the wire; the ASGI app driven di
 lifespan and disconnects (``kit-serve``, the process: test_kit_serve.py)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import gzip
 import json
 import operator
+import os
 import re
 import socket
 import subprocess
@@ -34,6 +36,7 @@ from kit_http import App
 from kit_store import SQLiteStore
 from kit_sse import sse_frame
 from test_kit_control import Gate
+from test_kit_mcp import gone
 
 pytestmark = pytest.mark.anyio
 HERE = Path(__file__).parent
@@ -953,6 +956,69 @@ async def test_lifespan_startup_failure_is_reported_and_frees_the_deck():
     [failed] = life.sent
     assert failed["type"] == "lifespan.startup.failed" and "tracing backend unreachable" in failed["message"]
     Deck([echo()]).build()  # the failed deck does not hold the one live-deck slot
+
+
+SLOW_MCP = """
+import os, subprocess, sys, time
+helper = subprocess.Popen(["sleep", "300"])  # outlives this server unless its group is ended
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {helper.pid}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(300)  # never answers the handshake: the deck is still opening
+"""
+
+
+def open_files(path: Path) -> list[str]:
+    """This process's open descriptors on ``path`` or its WAL (a store's live connections)."""
+    fds = [os.path.join("/proc/self/fd", fd) for fd in os.listdir("/proc/self/fd")]
+    links = []
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(fd))
+    return [link for link in links if link.startswith(str(path))]
+
+
+async def test_a_lifespan_cancelled_while_the_deck_opens_closes_it(tmp_path, monkeypatch):
+    """Ctrl-C while ``kit-serve`` starts cancels the lifespan in the middle of the deck's open
+    (an MCP server that takes its time): the server, the helper it spawned and the store's
+    connection are closed and the deck frees its slot. Under trio the store stayed open."""
+    db, pids, script = tmp_path / "kit.db", tmp_path / "pids", tmp_path / "slow.py"
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{db}")
+    script.write_text(SLOW_MCP)
+    server = {"command": sys.executable, "args": [str(script), str(pids)], "timeout": 120}
+    deck = Deck([Agent("a", model=ScriptedModel(["hi"]), mcp_servers=["slow"])], mcp={"slow": server})
+    life = Scripted({"type": "lifespan.startup"})
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(App(deck, surfaces=["mcp"]), {"type": "lifespan", "asgi": {"version": "3.0"}},
+                          life.receive, life.send)
+            while not pids.exists():
+                await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+        assert life.sent == []
+        for pid in map(int, pids.read_text().split()):
+            assert await gone(pid), pid
+    assert open_files(db) == []
+    Deck([echo()]).build()  # the slot is free
+
+
+async def test_a_lifespan_cancelled_once_the_deck_is_open_closes_it(tmp_path, monkeypatch):
+    """A lifespan cancelled (not shut down) while it serves closed the deck inside a shield,
+    where its task group cannot be left: a RuntimeError, and the store stayed open."""
+    db = tmp_path / "kit.db"
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{db}")
+    deck = catalog()
+    life = Scripted({"type": "lifespan.startup"})
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(App(deck, surfaces=["mcp"]), {"type": "lifespan", "asgi": {"version": "3.0"}},
+                          life.receive, life.send)
+            while not life.sent:
+                await anyio.sleep(0.01)
+            assert await deck.run("echo", "hi")
+            tg.cancel_scope.cancel()
+    assert life.sent == [{"type": "lifespan.startup.complete"}]
+    assert deck._state == "CLOSED" and open_files(db) == []
 
 
 async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_body_is_counted_and_measured(monkeypatch):
