@@ -221,7 +221,7 @@ def _store(a: argparse.Namespace) -> tuple[EventStorePort, str]:
     elif env.get("KIT_STORE", "").strip():  # exported but empty: unset, as a deck reads it
         url, source = env["KIT_STORE"].strip(), "KIT_STORE"
     else:
-        project = env.get("KIT_PROJECT", ".kit")
+        project = env.get("KIT_PROJECT") or ".kit"  # empty: unset, as kit-serve reads it
         url, source = project_log_url(project), f"the project {project} (KIT_PROJECT)"
     try:
         store = store_from_url(url, read_only=True)

@@ -150,7 +150,7 @@ def _console() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kit-serve``: serve the project at ``KIT_PROJECT`` (default ``.kit``) on ``HOST``:``PORT``
+    """``kit-serve``: serve the project at ``KIT_PROJECT`` (unset or empty: ``.kit``) on ``HOST``:``PORT``
     (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio or trio), the surfaces
     ``KIT_SURFACES`` names, the playground at ``/`` unless ``--no-playground`` or
     ``KIT_PLAYGROUND=0``, and the ``Host``/``Origin`` policy of ``KIT_ALLOWED_HOSTS`` /
@@ -202,7 +202,7 @@ def _serve(kit: Any, args: argparse.Namespace, surfaces: list[str], env: Mapping
     try:  # the observers the settings ask for, then the failed-run lines
         guard = Guard.from_env(env, bind=args.host)
         failed = FailedRunLog(env)
-        deck = kit.Deck.from_project(env.get("KIT_PROJECT", ".kit"),
+        deck = kit.Deck.from_project(env.get("KIT_PROJECT") or ".kit",  # empty: unset
                                      observers=[*resolve_observers(None, env), failed])
         app = App(deck, surfaces=surfaces, playground=args.playground, guard=guard)
     except KitError as exc:

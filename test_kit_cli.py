@@ -160,6 +160,14 @@ def test_an_empty_kit_store_is_unset_and_a_bad_one_is_named(tmp_path, monkeypatc
     assert out.returncode == 2 and out.stderr.startswith("kit: --store: unsupported store URL")
 
 
+def test_an_empty_kit_project_is_the_default_project(tmp_path, monkeypatch):
+    monkeypatch.delenv("KIT_STORE", raising=False)
+    monkeypatch.setenv("KIT_PROJECT", "")  # exported but empty: .kit, as unset
+    monkeypatch.chdir(tmp_path)
+    out = kit_cli("runs", "list")
+    assert out.returncode == 1 and f"no event log at {tmp_path}/.kit/.state/kit.db" in out.stderr
+
+
 async def one_run(root: Path, name: str) -> str:
     """A project at ``root`` with one agent, played once into the project's own log."""
     bundle = root / "agents" / name / "agent.py"

@@ -51,13 +51,13 @@ def project(tmp_path: Path, **bundles: str) -> Path:
     return tmp_path / "proj"
 
 
-def kit_serve(root: Path, *args: str, **env: str) -> tuple[subprocess.Popen, str]:
+def kit_serve(root: Path, *args: str, cwd: Path = HERE, **env: str) -> tuple[subprocess.Popen, str]:
     """``kit-serve`` (as ``python -m kit_http``, which runs it) serving ``root`` on a free loopback
     port, once its /health answers; its stderr is a text pipe."""
     port = free_port()
     env = {**os.environ, "KIT_PROJECT": str(root), "KIT_STORE": "memory", "PORT": str(port),
-           "HOST": "127.0.0.1", **env}
-    proc = subprocess.Popen([sys.executable, "-m", "kit_http", *args], cwd=HERE, env=env,
+           "HOST": "127.0.0.1", "PYTHONPATH": str(HERE), **env}
+    proc = subprocess.Popen([sys.executable, "-m", "kit_http", *args], cwd=cwd, env=env,
                             stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -98,6 +98,19 @@ def test_kit_serve_serves_the_project_and_stops_its_streams_on_sigterm(tmp_path,
     finally:
         stderr = stop(proc)
     assert f"{base}" in stderr and "unauthenticated" in stderr
+
+
+def test_an_empty_kit_project_serves_the_default_kit_project(tmp_path):
+    """``KIT_PROJECT=`` (exported but empty) is ``.kit``, as unset is; it served the working
+    directory itself, with none of the project's agents."""
+    bundle = tmp_path / ".kit" / "agents" / "hi" / "agent.py"
+    bundle.parent.mkdir(parents=True)
+    bundle.write_text("import kit\nagent = kit.Agent('hi', model=kit.ScriptedModel(['hello']))\n")
+    proc, base = kit_serve(tmp_path / "unused", cwd=tmp_path, KIT_PROJECT="")
+    try:
+        assert httpx.get(f"{base}/health", timeout=10).json()["agents"] == ["hi"]
+    finally:
+        stop(proc)
 
 
 @pytest.mark.parametrize("worker", ["asyncio", "trio"])
