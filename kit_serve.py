@@ -199,14 +199,14 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(kit: Any, args: argparse.Namespace, surfaces: list[str], env: Mapping[str, str]) -> int:
     """``main`` once its arguments are good: build the deck (``kit``: the module, which ``main``
     imports) and serve it until a signal."""
+    failed = FailedRunLog(env)
     try:  # the observers the settings ask for, then the failed-run lines
         guard = Guard.from_env(env, bind=args.host)
-        failed = FailedRunLog(env)
         deck = kit.Deck.from_project(env.get("KIT_PROJECT") or ".kit",  # empty: unset
                                      observers=[*resolve_observers(None, env), failed])
         app = App(deck, surfaces=surfaces, playground=args.playground, guard=guard)
-    except KitError as exc:
-        _log.error("%s", exc)
+    except KitError as exc:  # a bundle that failed to import: what it raised may quote secrets
+        _log.error("%s", failed.redact(str(exc)))
         return 1
     if deck.agents:  # this process is kit's: no exporter to OpenAI's tracing
         import kit_agents

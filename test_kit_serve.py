@@ -256,6 +256,22 @@ def test_an_agent_named_like_the_mcp_answer_tool_exits_1_naming_the_clash(tmp_pa
                       "server's 'answer' tool; rename it to serve MCP")
 
 
+def test_a_project_that_fails_to_import_is_one_masked_capped_line(tmp_path):
+    """What a bundle raises at import may quote a setting, a URL with its password, or a page
+    of text: kit-serve says it on one line, masked and capped, and exits 1."""
+    root = project(tmp_path, broken='import os\nraise RuntimeError("no postgresql://app:hunter2222@db/x '
+                                    'with " + os.environ["MY_SERVICE_TOKEN"] + "\\n" + "x" * 2000)\n')
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", HOST="127.0.0.1",
+               PORT=str(free_port()), MY_SERVICE_TOKEN="zz-token-value-1234")
+    out = subprocess.run([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    [line] = out.stderr.splitlines()
+    assert line.startswith(f"kit-serve: {root}/agents/broken/agent.py failed to import: RuntimeError: ")
+    assert "hunter2222" not in line and "zz-token-value-1234" not in line and "postgresql://***@db/x" in line
+    assert len(line) <= len("kit-serve: ") + MAX_LOG_MESSAGE
+
+
 def test_ctrl_c_while_the_project_loads_exits_130_without_a_traceback(tmp_path):
     """A user who gives up waiting for a slow start (a bundle that takes its time, a store that
     does not answer) gets the prompt back, not a screen of traceback."""
