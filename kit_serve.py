@@ -194,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(kit, args, surfaces, env)
     except KeyboardInterrupt:  # before Hypercorn took SIGINT: a user who gave up waiting
         return 130
+    except BaseExceptionGroup as group:  # the same, wrapped by Hypercorn's trio nursery
+        if group.split(KeyboardInterrupt)[1] is not None:
+            raise
+        return 130
 
 
 def _serve(kit: Any, args: argparse.Namespace, surfaces: list[str], env: Mapping[str, str]) -> int:

@@ -2,6 +2,7 @@
 port, its exit codes and every line it writes on stderr (asyncio and trio workers)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,7 +16,8 @@ import httpx
 import pytest
 
 from kit_serve import MAX_LOG_MESSAGE, FailedRunLog
-from test_kit_http import free_port
+from test_kit_http import SLOW_MCP, free_port
+from test_kit_mcp import alive
 
 HERE = Path(__file__).parent
 
@@ -295,6 +297,55 @@ def test_ctrl_c_while_the_project_loads_exits_130_without_a_traceback(tmp_path):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def opening(tmp_path: Path, worker: str) -> tuple[subprocess.Popen, list[int]]:
+    """``kit-serve`` whose deck is still opening: its MCP server (SLOW_MCP) started, spawned a
+    helper and never answers; with that server's and its helper's process ids. Its stderr is
+    the file ``tmp_path / "stderr"`` (a pipe would stay open in an orphaned server)."""
+    root = project(tmp_path, a="import kit\nagent = kit.Agent('a', model=kit.ScriptedModel(['hi']), "
+                               "mcp_servers=['slow'])\n")
+    pids, script = tmp_path / "pids", tmp_path / "slow.py"
+    script.write_text(SLOW_MCP)
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {"slow": {
+        "command": sys.executable, "args": [str(script), str(pids)], "timeout": 120}}}))
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", HOST="127.0.0.1",
+               PORT=str(free_port()), KIT_WORKER=worker)
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env, stderr=stderr)
+    deadline = time.monotonic() + 60
+    while not pids.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+        time.sleep(0.05)
+    return proc, [int(pid) for pid in pids.read_text().split()]
+
+
+def ended(proc: subprocess.Popen, pids: list[int]) -> tuple[int | None, list[int]]:
+    """``proc``'s exit code (None: still running after 30 s) and which of ``pids`` outlived it
+    by 10 s; every one of them is killed."""
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        code = None
+    deadline = time.monotonic() + 10
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in [proc.pid, *left] if code is None else left:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    return code, left
+
+
+@pytest.mark.parametrize("worker", ["asyncio", "trio"])
+def test_ctrl_c_while_the_deck_opens_exits_130_quietly_and_ends_its_mcp_servers(tmp_path, worker):
+    """Under trio, Hypercorn's nursery wrapped the KeyboardInterrupt in an exception group: a
+    traceback and exit 1."""
+    proc, pids = opening(tmp_path, worker)
+    proc.send_signal(signal.SIGINT)
+    assert ended(proc, pids) == (130, [])
+    [listening] = (tmp_path / "stderr").read_text().splitlines()
+    assert listening.startswith("kit-serve: listening on ")
 
 
 def test_kit_serve_logs_no_mcp_request_body(tmp_path):
