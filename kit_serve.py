@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -150,14 +151,15 @@ def _console() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kit-serve``: serve the project at ``KIT_PROJECT`` (unset or empty: ``.kit``) on ``HOST``:``PORT``
-    (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio or trio), the surfaces
-    ``KIT_SURFACES`` names, the playground at ``/`` unless ``--no-playground`` or
+    """``kit-serve``: serve the project at ``KIT_PROJECT`` (unset or empty: ``.kit``) on
+    ``HOST``:``PORT`` (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio or trio), the
+    surfaces ``KIT_SURFACES`` names, the playground at ``/`` unless ``--no-playground`` or
     ``KIT_PLAYGROUND=0``, and the ``Host``/``Origin`` policy of ``KIT_ALLOWED_HOSTS`` /
     ``KIT_CORS_ORIGINS`` (kit_guard); ``--access-log`` (or ``KIT_ACCESS_LOG=1``) logs every
-    request. Returns 0 after SIGINT/SIGTERM, 1 when the project
-    cannot be served (a missing extra, a broken project, a taken address), 2 on usage, 130 on
-    Ctrl-C before it serves (while the project loads or the deck opens; no traceback)."""
+    request. Returns 0 after SIGINT/SIGTERM, 1 when the project cannot be served (a missing
+    extra, a broken project, a taken address), 2 on usage, 130 on Ctrl-C before it serves (while
+    the project loads or the deck opens; no traceback), 143 on SIGTERM then (128 + its number,
+    as a shell reports it; the deck is closed)."""
     env = os.environ
     parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
                                      "and SSE. The API is unauthenticated.")
@@ -189,15 +191,20 @@ def main(argv: list[str] | None = None) -> int:
         if (extra == "serve" or args.worker == "trio") and importlib.util.find_spec(module) is None:
             _log.error("%s is missing: pip install 'kit[%s]'", module, extra)
             return 1
+    terminated: list[int] = []  # SIGTERM while it starts takes Ctrl-C's path: the deck is closed
+
+    def terminate(signum: int, frame: Any) -> None:
+        terminated.append(signum)
+        held = signal.getsignal(signal.SIGINT)  # trio's, asyncio's runner's or Python's own
+        (held if callable(held) else signal.default_int_handler)(signal.SIGINT, frame)
+    signal.signal(signal.SIGTERM, terminate)
     try:
         import kit  # the composition root: only the console entry point builds a deck itself
         return _serve(kit, args, surfaces, env)
-    except KeyboardInterrupt:  # before Hypercorn took SIGINT: a user who gave up waiting
-        return 130
-    except BaseExceptionGroup as group:  # the same, wrapped by Hypercorn's trio nursery
-        if group.split(KeyboardInterrupt)[1] is not None:
-            raise
-        return 130
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:  # before Hypercorn took SIGINT (trio's
+        if isinstance(exc, BaseExceptionGroup) and exc.split(KeyboardInterrupt)[1] is not None:
+            raise  # nursery wraps it): a user who gave up waiting
+        return 143 if terminated else 130
 
 
 def _serve(kit: Any, args: argparse.Namespace, surfaces: list[str], env: Mapping[str, str]) -> int:

@@ -348,6 +348,17 @@ def test_ctrl_c_while_the_deck_opens_exits_130_quietly_and_ends_its_mcp_servers(
     assert listening.startswith("kit-serve: listening on ")
 
 
+@pytest.mark.parametrize("worker", ["asyncio", "trio"])
+def test_sigterm_while_the_deck_opens_exits_143_and_ends_its_mcp_servers(tmp_path, worker):
+    """A service manager stopping kit-serve as it starts: SIGTERM's default killed the process
+    at once, and the MCP server starting and the helper it spawned lived on, orphaned."""
+    proc, pids = opening(tmp_path, worker)
+    proc.send_signal(signal.SIGTERM)
+    assert ended(proc, pids) == (143, [])
+    [listening] = (tmp_path / "stderr").read_text().splitlines()
+    assert listening.startswith("kit-serve: listening on ")
+
+
 def test_kit_serve_logs_no_mcp_request_body(tmp_path):
     """The mcp package logs a request that fails validation, quoted, many lines long, through
     the root logger; kit-serve's console says one line that it was refused."""
