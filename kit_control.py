@@ -153,6 +153,8 @@ class RunControl:
                 if info is None or info.status is not RunStatus.CANCELLED:
                     # resumed: its thread is in use (a cancel elsewhere: forget ours too)
                     return self._reach(req)
+        if self.sessions is not None:  # (cancelled by another deck: no run.cancelled put here)
+            self.sessions.release(req.run_id)
         spec = self.specs.get(info.name)
         if spec is None or spec.kind != "workflow":
             return
@@ -213,7 +215,7 @@ class RunControl:
         except LogConflictError:
             return None  # another caller resumed it first
         if spec.kind == "agent":
-            session = self.sessions.get(info.session_id, info.namespace) if info.session_id else None  # type: ignore[union-attr]
+            session = self.sessions.hold(run_id, info.session_id, info.namespace) if info.session_id else None  # type: ignore[union-attr]
             items = [] if session is not None else (paused.payload.items or [])
             job = functools.partial(spec.engine.play, run, items, session,
                                     self._agents.run_config(self._sdk_tracing, run_id, info.session_id))

@@ -492,6 +492,8 @@ class Runtime(RunControl):
         self.writer.put(event, claim)
         if run is not None:
             run.feed(event)
+        if event.payload.ends == "terminal" and self.sessions is not None:
+            self.sessions.release(event.run_id)  # its conversation is evictable again
 
     async def _write(self, run: Run | None, events: Sequence[Event], claim: Claim | None = None) -> None:
         """Kit side: ``_put`` the events (the claim with the first), then commit now. Raises what
@@ -694,6 +696,8 @@ class Runtime(RunControl):
             self._unstream(run)
             raise
         self.active[run.run_id] = run
+        if spec.kind == "agent" and session_id:  # claimed: never evicted until its end (_put)
+            self.sessions.hold(run.run_id, session_id, namespace, session)  # type: ignore[union-attr]
         return run, job, started
 
     async def _abandoned(self, workflow: str, session_id: str, namespace: str | None) -> bool:

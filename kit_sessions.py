@@ -17,15 +17,18 @@ Its own session classes cost a connection or a private database per conversation
 what they would each build: one in-memory database (``MemorySession``), one connection per
 SQLite file, one set of SQLAlchemy table objects per Postgres deck. A deck keeps at most
 ``max_sessions`` objects, least recently used dropped first; only the in-process default loses a
-conversation's history that way (the log still holds every turn). The Postgres sessions' pooled
-connections (``kit-session:<schema>`` in ``pg_stat_activity``) are pinged when taken, so a turn
-after the server dropped them (a restart, a failover) reconnects instead of failing. The Redis
-client's connections (``kit-session`` in ``CLIENT LIST``) are pinged before a command when they
-sat idle past ``REDIS_CHECK``, and reopened when the ping finds them dropped, or at once when the
-server's close has reached them already (one dropped right after a turn); a command itself
-is never retried, so a write whose reply was lost is never made twice (``_pinged``). A server
-of either that stops answering without closing its connections fails the turn after
-``REDIS_TIMEOUT`` / ``PG_TIMEOUT``, which frees its session.
+conversation's history that way (the log still holds every turn), so a conversation held by a
+run of the deck, live or parked (paused), is never dropped: the Runtime says when a run takes
+one and when it ends (``hold``, ``release``; a run id is only a name here), and while every kept
+one is held the bound is exceeded rather than a history a run still needs lost.
+The Postgres sessions' pooled connections (``kit-session:<schema>`` in ``pg_stat_activity``) are
+pinged when taken, so a turn after the server dropped them (a restart, a failover) reconnects
+instead of failing. The Redis client's connections (``kit-session`` in ``CLIENT LIST``) are
+pinged before a command when they sat idle past ``REDIS_CHECK``, and reopened when the ping
+finds them dropped, or at once when the server's close has reached them already (one dropped
+right after a turn); a command itself is never retried, so a write whose reply was lost is never
+made twice (``_pinged``). A server of either that stops answering without closing its
+connections fails the turn after ``REDIS_TIMEOUT`` / ``PG_TIMEOUT``, which frees its session.
 """
 from __future__ import annotations
 
@@ -249,6 +252,10 @@ def _made(session: Any, key: str) -> Any:
                       "session: it must return an agents.memory.Session (get_items, add_items)")
 
 
+def _key(session_id: str, namespace: str | None) -> str:
+    return session_id if namespace is None else f"{namespace}{NAMESPACE_SEP}{session_id}"
+
+
 class Sessions:
     """The conversation-memory sessions (``agents.memory.Session``) of a deck's agent runs.
 
@@ -264,9 +271,12 @@ class Sessions:
     At most ``max_sessions`` are kept (``KIT_SESSION_MAX``), least recently used dropped first:
     for the in-process default that *forgets the conversation* (its history is deleted; the log
     keeps every turn); for the others only the cached object goes (the data stays where it
-    lives). Keep it above the number of conversations in flight at once. Raises
-    ``ConfigError`` for another URL scheme (the URL masked), a missing extra, or a bound below 1;
-    ``get`` raises it for what the factory returned when that is no session (``_made``).
+    lives). A conversation held by a live or parked run of the deck (``hold``, from the run's
+    claim to its terminal end, ``release``) is never dropped: its run would play on without
+    its history (a paused run's resume, a turn waiting for its tool). While every kept one is
+    held the bound is exceeded; nothing else grows past it. Raises ``ConfigError`` for another
+    URL scheme (the URL masked), a missing extra, or a bound below 1; ``get`` raises it for
+    what the factory returned when that is no session (``_made``).
     """
 
     def __init__(self, url: str | None, factory: Callable[[str], Any] | None,
@@ -274,7 +284,9 @@ class Sessions:
         if not isinstance(max_sessions, int) or max_sessions < 1:
             raise ConfigError(f"KIT_SESSION_MAX must be a positive integer, got {max_sessions!r}")
         self._factory, self._url, self.max_sessions = factory, url, max_sessions
-        self._sessions: OrderedDict[str, Any] = OrderedDict()
+        self._sessions: OrderedDict[str, Any] = OrderedDict()  # unheld, least recently used first
+        self._held: dict[str, tuple[str, Any]] = {}  # key -> (run id, session): never evicted
+        self._holders: dict[str, str] = {}  # run id -> the key it holds
         self._redis: Any = None
         self._sqlite: str | None = None
         self._sqlite_conn: sqlite3.Connection | None = None  # every session of that file's
@@ -355,32 +367,75 @@ class Sessions:
             await pool.close()
 
     def get(self, session_id: str, namespace: str | None = None) -> Any:
-        key = session_id if namespace is None else f"{namespace}{NAMESPACE_SEP}{session_id}"
+        """The session of a conversation, kept (the least recently used unheld one dropped
+        past the bound). Raises ``ConfigError`` for what the factory returned (``_made``)."""
+        key = _key(session_id, namespace)
+        session = self._kept(key)
+        if session is None:
+            session = self._sessions[key] = self._make(key)
+            self._evict()
+        return session
+
+    def hold(self, run_id: str, session_id: str, namespace: str | None,
+             session: Any = None) -> Any:
+        """The conversation's session (``session`` when given, else ``get``'s, unkept), held
+        for run ``run_id``, whose claim is written, and never evicted until ``release``: a run
+        waiting for its tool or parked still needs the conversation. A run id is only a name
+        here. Raises as ``get`` does."""
+        key = _key(session_id, namespace)
+        held = self._held.get(key)
+        if held is not None:  # the claim just written says the run before it is over
+            self._holders.pop(held[0], None)  # (resumed in another process: never seen ending)
+            kept = held[1]
+        else:
+            kept = self._sessions.pop(key, None)
+        if session is None:
+            session = self._make(key) if kept is None else kept
+        self._held[key] = (run_id, session)
+        self._holders[run_id] = key
+        self._evict()
+        return session
+
+    def release(self, run_id: str) -> None:
+        """Run ``run_id`` ended (terminally, not parked): its conversation may be evicted again,
+        the most recently used. Does nothing for a run that holds none."""
+        key = self._holders.pop(run_id, None)
+        if key is not None:
+            self._sessions[key] = self._held.pop(key)[1]
+            self._evict()
+
+    def _kept(self, key: str) -> Any:
+        held = self._held.get(key)
+        if held is not None:
+            return held[1]
         session = self._sessions.get(key)
         if session is not None:
             self._sessions.move_to_end(key)
-        else:
-            if self._factory is not None:
-                session = _made(self._factory(key), key)
-            elif self._redis is not None:
-                from agents.extensions.memory.redis_session import RedisSession
-                session = RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
-            elif self._sqlite_conn is not None:
-                session = _FileSession(key, self._sqlite, self._sqlite_conn)
-            elif self._engine is not None:
-                session = _pg_session_class()(key, self._engine, self._pg_tables,
-                                              masked(self._url))  # type: ignore[arg-type]
-            else:
-                session = MemorySession(self.memory, key)  # type: ignore[arg-type]
-            self._sessions[key] = session
-            if len(self._sessions) > self.max_sessions:
-                _, dropped = self._sessions.popitem(last=False)
-                if isinstance(dropped, MemorySession):
-                    dropped.forget()
         return session
 
+    def _make(self, key: str) -> Any:
+        if self._factory is not None:
+            return _made(self._factory(key), key)
+        if self._redis is not None:
+            from agents.extensions.memory.redis_session import RedisSession
+            return RedisSession(key, redis_client=self._redis, key_prefix="kit:session")
+        if self._sqlite_conn is not None:
+            return _FileSession(key, self._sqlite, self._sqlite_conn)
+        if self._engine is not None:
+            return _pg_session_class()(key, self._engine, self._pg_tables,
+                                       masked(self._url))  # type: ignore[arg-type]
+        return MemorySession(self.memory, key)  # type: ignore[arg-type]
+
+    def _evict(self) -> None:
+        """Drop the least recently used unheld sessions past the bound (forgetting an
+        in-process one's history); held ones may keep it exceeded."""
+        while self._sessions and len(self._sessions) + len(self._held) > self.max_sessions:
+            _, dropped = self._sessions.popitem(last=False)
+            if isinstance(dropped, MemorySession):
+                dropped.forget()
+
     def __len__(self) -> int:
-        return len(self._sessions)
+        return len(self._sessions) + len(self._held)
 
     async def aclose(self) -> None:
         """Engine side: close the Redis client or the SQLAlchemy engine (their connections

@@ -1,0 +1,96 @@
+"""Tests of the in-process sessions' bound (``KIT_SESSION_MAX``): evicting a conversation forgets
+it, so one a live or parked run still needs is never evicted."""
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kit import Agent, Deck, RunStatus, ScriptedModel
+from test_kit import said
+from test_kit_control import Gate, running_run_id, start_in_background
+
+pytestmark = pytest.mark.anyio
+
+
+def kept(deck) -> set[str]:
+    """The conversations whose history the in-process sessions still hold."""
+    db = deck._runtime.sessions.memory.db
+    return {r[0] for r in db.execute("SELECT DISTINCT session FROM items")}
+
+
+async def pause_on(deck, store, gate: Gate, session_id: str) -> str:
+    """Start a turn on ``session_id``, pause it while its tool runs; its run id."""
+    results: list = []
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "worker", "go", session_id=session_id)
+            await gate.until_entered()
+            run_id = await running_run_id(store)
+            await deck.pause(run_id)
+            gate.release.set()
+    assert results[0].status is RunStatus.PAUSED
+    return run_id
+
+
+async def test_a_paused_run_keeps_its_conversation_while_others_push_it_out(monkeypatch, store):
+    """KIT_SESSION_MAX=2: turns on b and c while a's run is paused leave a's history, so the
+    resumed run's model is sent a's earlier turns (it was sent none: a had been forgotten);
+    once the run ends, a is evicted like any other conversation."""
+    monkeypatch.setenv("KIT_SESSION_MAX", "2")
+    gate = Gate()
+    model = ScriptedModel(["noted", {"tool": "wait", "args": {"step": 1}}, "ok b", "ok c",
+                           "all done", "ok d", "ok e"])
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        await deck.run("worker", "remember 7", session_id="a")
+        run_id = await pause_on(deck, store, gate, "a")
+        await deck.run("worker", "b", session_id="b")
+        await deck.run("worker", "c", session_id="c")
+        with anyio.fail_after(20):
+            produced = await deck.resume(run_id)
+        assert produced[-1].payload.output == "all done"
+        assert said(model) == ["remember 7", "noted", "go", "call:wait", "result:step 1 done"]
+        await deck.run("worker", "d", session_id="d")
+        await deck.run("worker", "e", session_id="e")
+        assert kept(deck) == {"d", "e"} and len(deck._runtime.sessions) == 2
+
+
+async def test_a_turn_in_flight_keeps_its_conversation_while_others_push_it_out(monkeypatch,
+                                                                                store):
+    """KIT_SESSION_MAX=2: turns on b and c while a's turn waits for its tool leave a's
+    history, so a's next turn sends the model all of it (it lost the first turn's message)."""
+    monkeypatch.setenv("KIT_SESSION_MAX", "2")
+    gate = Gate()
+    model = ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "ok b", "ok c", "done a",
+                           "again a"])
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        results: list = []
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                await start_in_background(tg, deck, results, "worker", "go", session_id="a")
+                await gate.until_entered()
+                await deck.run("worker", "b", session_id="b")
+                await deck.run("worker", "c", session_id="c")
+                gate.release.set()
+        assert results[0].output == "done a"
+        await deck.run("worker", "again", session_id="a")
+        assert said(model) == ["go", "call:wait", "result:step 1 done", "done a", "again"]
+
+
+async def test_a_cancelled_paused_run_lets_its_conversation_go(monkeypatch, store):
+    """KIT_SESSION_MAX=2: a paused run's conversation outlives turns on b and c (it was
+    forgotten); once the parked run is cancelled, it is evicted like any other."""
+    monkeypatch.setenv("KIT_SESSION_MAX", "2")
+    gate = Gate()
+    model = ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "ok"], cycle=True)
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        run_id = await pause_on(deck, store, gate, "a")
+        model._next = 1  # plain replies from here on
+        await deck.run("worker", "b", session_id="b")
+        await deck.run("worker", "c", session_id="c")
+        assert "a" in kept(deck)
+        await deck.cancel(run_id)
+        for session_id in ("d", "e"):
+            await deck.run("worker", session_id, session_id=session_id)
+            model._next = 1
+        assert kept(deck) == {"d", "e"} and len(deck._runtime.sessions) == 2
+
