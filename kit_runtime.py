@@ -674,11 +674,12 @@ class Runtime(RunControl):
                      and await self._abandoned(spec.name, session_id, namespace))
         run = self._new_run(spec, str(run_id or new_run_id()), context, session_id, namespace,
                             streaming)
+        session = None
         try:  # a streamed run is listed for its commits from here: a refused one was kept for good
             if spec.kind == "agent":
                 blocks = as_blocks(input)
                 items = spec.engine.to_input(blocks, history)  # refuses what it cannot express
-                session = self.sessions.get(session_id, namespace) if session_id else None  # type: ignore[union-attr]
+                session = self.sessions.peek(session_id, namespace) if session_id else None  # type: ignore[union-attr]
                 job = functools.partial(spec.engine.play, run, items, session,
                                         self._agents.run_config(self._sdk_tracing, run.run_id, session_id))
             else:
@@ -694,10 +695,12 @@ class Runtime(RunControl):
             await self._start_run(run, [started], fenced)
         except BaseException:
             self._unstream(run)
+            if session is not None:  # refused, at its claim or before: it evicts nothing
+                self.sessions.unpeek(session_id, namespace)  # type: ignore[union-attr, arg-type]
             raise
         self.active[run.run_id] = run
-        if spec.kind == "agent" and session_id:  # claimed: never evicted until its end (_put)
-            self.sessions.hold(run.run_id, session_id, namespace, session)  # type: ignore[union-attr]
+        if session is not None:  # claimed: never evicted until its end (_put)
+            self.sessions.hold(run.run_id, session_id, namespace, session)  # type: ignore[union-attr, arg-type]
         return run, job, started
 
     async def _abandoned(self, workflow: str, session_id: str, namespace: str | None) -> bool:

@@ -274,9 +274,10 @@ class Sessions:
     lives). A conversation held by a live or parked run of the deck (``hold``, from the run's
     claim to its terminal end, ``release``) is never dropped: its run would play on without
     its history (a paused run's resume, a turn waiting for its tool). While every kept one is
-    held the bound is exceeded; nothing else grows past it. Raises ``ConfigError`` for another
-    URL scheme (the URL masked), a missing extra, or a bound below 1; ``get`` raises it for
-    what the factory returned when that is no session (``_made``).
+    held the bound is exceeded; nothing else grows past it. A turn takes its session before
+    its claim (``peek``), so one refused at the claim evicts nothing. Raises ``ConfigError``
+    for another URL scheme (the URL masked), a missing extra, or a bound below 1; ``get``
+    raises it for what the factory returned when that is no session (``_made``).
     """
 
     def __init__(self, url: str | None, factory: Callable[[str], Any] | None,
@@ -287,6 +288,7 @@ class Sessions:
         self._sessions: OrderedDict[str, Any] = OrderedDict()  # unheld, least recently used first
         self._held: dict[str, tuple[str, Any]] = {}  # key -> (run id, session): never evicted
         self._holders: dict[str, str] = {}  # run id -> the key it holds
+        self._claiming: dict[str, int] = {}  # key -> turns peeked, not held or refused yet
         self._redis: Any = None
         self._sqlite: str | None = None
         self._sqlite_conn: sqlite3.Connection | None = None  # every session of that file's
@@ -376,13 +378,32 @@ class Sessions:
             self._evict()
         return session
 
+    def peek(self, session_id: str, namespace: str | None = None) -> Any:
+        """``get`` for a turn whose claim is not written yet: a new session is made but not
+        kept, so a turn refused at its claim (a busy session, a taken run id) evicts nothing,
+        and a kept one is not evicted while the claim is written. ``hold`` (the claim written)
+        or ``unpeek`` (refused) follows. Raises as ``get`` does."""
+        key = _key(session_id, namespace)
+        session = self._kept(key)
+        if session is None:
+            session = self._make(key)
+        self._claiming[key] = self._claiming.get(key, 0) + 1
+        return session
+
+    def unpeek(self, session_id: str, namespace: str | None = None) -> None:
+        """The turn ``peek`` was for was refused at its claim, or never reached it."""
+        self._unclaim(_key(session_id, namespace))
+        self._evict()
+
     def hold(self, run_id: str, session_id: str, namespace: str | None,
              session: Any = None) -> Any:
-        """The conversation's session (``session`` when given, else ``get``'s, unkept), held
+        """The conversation's session (``session``, ``peek``'s, when given), held
         for run ``run_id``, whose claim is written, and never evicted until ``release``: a run
         waiting for its tool or parked still needs the conversation. A run id is only a name
         here. Raises as ``get`` does."""
         key = _key(session_id, namespace)
+        if session is not None:
+            self._unclaim(key)
         held = self._held.get(key)
         if held is not None:  # the claim just written says the run before it is over
             self._holders.pop(held[0], None)  # (resumed in another process: never seen ending)
@@ -403,6 +424,11 @@ class Sessions:
         if key is not None:
             self._sessions[key] = self._held.pop(key)[1]
             self._evict()
+
+    def _unclaim(self, key: str) -> None:
+        n = self._claiming.pop(key)
+        if n > 1:
+            self._claiming[key] = n - 1
 
     def _kept(self, key: str) -> Any:
         held = self._held.get(key)
@@ -428,9 +454,13 @@ class Sessions:
 
     def _evict(self) -> None:
         """Drop the least recently used unheld sessions past the bound (forgetting an
-        in-process one's history); held ones may keep it exceeded."""
-        while self._sessions and len(self._sessions) + len(self._held) > self.max_sessions:
-            _, dropped = self._sessions.popitem(last=False)
+        in-process one's history); held ones, and those a turn's claim is being written for,
+        may keep it exceeded. Those are few and were used last: the scan skips few."""
+        while len(self._sessions) + len(self._held) > self.max_sessions:
+            key = next((k for k in self._sessions if k not in self._claiming), None)
+            if key is None:
+                return
+            dropped = self._sessions.pop(key)
             if isinstance(dropped, MemorySession):
                 dropped.forget()
 

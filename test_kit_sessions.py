@@ -1,11 +1,16 @@
 """Tests of the in-process sessions' bound (``KIT_SESSION_MAX``): evicting a conversation forgets
-it, so one a live or parked run still needs is never evicted."""
+it, so one a live or parked run still needs is never evicted, and a turn refused at its claim
+evicts none."""
 from __future__ import annotations
+
+import functools
 
 import anyio
 import pytest
 
+import kit
 from kit import Agent, Deck, RunStatus, ScriptedModel
+from kit_store import SQLiteStore
 from test_kit import said
 from test_kit_control import Gate, running_run_id, start_in_background
 
@@ -94,3 +99,59 @@ async def test_a_cancelled_paused_run_lets_its_conversation_go(monkeypatch, stor
             model._next = 1
         assert kept(deck) == {"d", "e"} and len(deck._runtime.sessions) == 2
 
+
+async def test_a_turn_refused_at_its_claim_evicts_no_conversation(monkeypatch, store):
+    """KIT_SESSION_MAX=2: a turn refused because its session is busy (a run parked by an
+    earlier deck holds it) or its run id is taken forgets no other conversation; each used to
+    evict the least recently used one, whose next turn the model saw without its history."""
+    gate = Gate()
+    model = ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "unused"])
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        await pause_on(deck, store, gate, "held")
+    monkeypatch.setenv("KIT_SESSION_MAX", "2")
+    model = ScriptedModel(["ok 1", "ok 2", "again 1", "more 2"])
+    async with Deck([Agent("worker", model=model)], store=store) as deck:
+        await deck.run("worker", "first", session_id="s1")
+        taken = (await deck.run("worker", "second", session_id="s2")).run_id
+        with pytest.raises(kit.LogConflictError):
+            await deck.run("worker", "same id", session_id="s3", run_id=taken)
+        await deck.run("worker", "again", session_id="s1")
+        assert said(model) == ["first", "ok 1", "again"]
+        with pytest.raises(kit.SessionBusyError):
+            await deck.run("worker", "me too", session_id="held")
+        await deck.run("worker", "more", session_id="s2")
+        assert said(model) == ["second", "ok 2", "more"]
+
+
+class SlowClaims(SQLiteStore):
+    """The SQLite store, whose write of a claim on session ``a``, once ``slow``, waits for
+    ``go``."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.slow, self.waiting, self.go = False, anyio.Event(), anyio.Event()
+
+    async def append(self, events, *, claims=()):
+        if self.slow and any(claim.session_id == "a" for claim in claims):
+            self.waiting.set()
+            await self.go.wait()
+        await super().append(events, claims=claims)
+
+
+async def test_a_turn_keeps_its_conversation_while_its_claim_is_written(monkeypatch, tmp_path):
+    """KIT_SESSION_MAX=2: sessions taken (``session_for``) while a's turn writes its claim
+    leave a's history, so the model is sent a's first turn (it was forgotten meanwhile)."""
+    monkeypatch.setenv("KIT_SESSION_MAX", "2")
+    model = ScriptedModel(["noted", "again a"])
+    async with SlowClaims(tmp_path / "kit.db") as store:
+        async with Deck([Agent("worker", model=model)], store=store) as deck:
+            await deck.run("worker", "remember 7", session_id="a")
+            store.slow = True
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(functools.partial(deck.run, "worker", "again", session_id="a"))
+                    await store.waiting.wait()
+                    deck.session_for("b")
+                    deck.session_for("c")
+                    store.go.set()
+            assert said(model) == ["remember 7", "noted", "again"]
