@@ -86,17 +86,17 @@ async def test_a_cancelled_paused_run_lets_its_conversation_go(monkeypatch, stor
     forgotten); once the parked run is cancelled, it is evicted like any other."""
     monkeypatch.setenv("KIT_SESSION_MAX", "2")
     gate = Gate()
-    model = ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "ok"], cycle=True)
-    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+    worker = Agent("worker", tools=[gate.wait_tool()],
+                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}]))
+    plain = Agent("plain", model=ScriptedModel(["ok"], cycle=True))
+    async with Deck([worker, plain], store=store) as deck:
         run_id = await pause_on(deck, store, gate, "a")
-        model._next = 1  # plain replies from here on
-        await deck.run("worker", "b", session_id="b")
-        await deck.run("worker", "c", session_id="c")
+        await deck.run("plain", "b", session_id="b")
+        await deck.run("plain", "c", session_id="c")
         assert "a" in kept(deck)
         await deck.cancel(run_id)
-        for session_id in ("d", "e"):
-            await deck.run("worker", session_id, session_id=session_id)
-            model._next = 1
+        await deck.run("plain", "d", session_id="d")
+        await deck.run("plain", "e", session_id="e")
         assert kept(deck) == {"d", "e"} and len(deck._runtime.sessions) == 2
 
 
