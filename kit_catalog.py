@@ -373,10 +373,10 @@ class MCP:
     ...). An agent's tools from server ``time`` are named ``mcp_time__<tool>``.
 
     Nothing starts here or at ``build()``: opening the deck connects every server, closing it
-    tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config, an
-    unknown ``type``, a variable that is unset and has no default, ``${input:...}``, or a header
-    no request can carry (a name that is not an HTTP token; a value with a line break or NUL
-    once expanded, which is never quoted).
+    tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config (a key
+    twice in one object of the file, too), an unknown ``type``, a variable that is unset and has
+    no default, ``${input:...}``, or a header no request can carry (a name that is not an HTTP
+    token; a value with a line break or NUL once expanded, which is never quoted).
     """
 
     def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
@@ -385,13 +385,17 @@ class MCP:
             try:
                 if Path(config).exists() and not Path(config).is_file():  # a FIFO: the read hangs
                     raise ConfigError(f"MCP config {self.source} is not a regular file")
-                data = json.loads(Path(config).read_text(encoding="utf-8"))
+                data = json.loads(Path(config).read_text(encoding="utf-8"),
+                                  object_pairs_hook=_unique_keys)
             except OSError as exc:
                 raise ConfigError(f"cannot read MCP config {self.source}: {exc}") from None
             except ValueError as exc:
                 raise ConfigError(f"MCP config {self.source} is not valid JSON: {exc}") from None
             except RecursionError:
                 raise ConfigError(f"MCP config {self.source} is nested too deeply") from None
+            except _DuplicateKey as exc:
+                raise ConfigError(f"MCP config {self.source} has the key {exc} twice in one "
+                                  "object; keep one") from None
         elif isinstance(config, Mapping):
             self.source, data = "MCP(...)", config
         else:
@@ -410,6 +414,19 @@ class MCP:
 
     def __repr__(self) -> str:
         return f"MCP({list(self.servers)})"
+
+
+class _DuplicateKey(Exception):
+    """A key twice in one JSON object (its name, never a value: a value may be a secret)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of a repeated key: a server pasted twice would vanish without a word
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        raise _DuplicateKey(repr(next(k for i, (k, _) in enumerate(pairs)
+                                      if k in (p[0] for p in pairs[:i]))))
+    return out
 
 
 def _expand(source: str, value: Any) -> Any:

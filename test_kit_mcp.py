@@ -268,6 +268,22 @@ def test_a_header_a_request_cannot_carry_is_a_config_error_that_never_quotes_its
         "X-Key": "v\tw"}
 
 
+def test_a_key_written_twice_in_the_mcp_json_is_a_config_error_naming_it(tmp_path, monkeypatch):
+    """A server pasted twice under one name was the last one alone, the first gone in silence;
+    the error names the key, never a value (an env value may be a secret)."""
+    monkeypatch.setenv("KIT_T_KEY", "sk-live-SUPERSECRET")
+    file = tmp_path / ".mcp.json"
+    file.write_text('{"mcpServers": {"time": {"command": "a"}, "time": {"command": "b"}}}')
+    (tmp_path / "proj").mkdir()
+    with pytest.raises(ConfigError, match=r"\.mcp\.json has the key 'time' twice") as err:
+        Deck.from_project(tmp_path / "proj")
+    assert str(file) in str(err.value)
+    file.write_text('{"s": {"command": "x", "env": {"K": "${KIT_T_KEY}", "K": "sk-other"}}}')
+    with pytest.raises(ConfigError, match="the key 'K' twice") as err:
+        MCP(file)
+    assert "SUPERSECRET" not in str(err.value) and "sk-other" not in str(err.value)
+
+
 def test_unreadable_files_and_unknown_names(tmp_path):
     bad = tmp_path / ".mcp.json"
     bad.write_text("{nope")
