@@ -148,7 +148,7 @@ class Deck:
 
         Bundles load from their files, in name order, with no ``sys.path`` change (each is in
         ``sys.modules`` as ``kit_project_<kind>_<bundle>``, as its dataclasses and type hints
-        need). Without ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other
+        need; a package of its directory, so its other files import as ``from . import x``). Without ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other
         keyword arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
         Raises ``ConfigError`` for a missing directory, naming the file of a bundle that fails
         to import, lacks its object, is not a regular file or shares its name with another, and
@@ -490,10 +490,17 @@ def _catalog(arg: str, items: Any, kind: type) -> tuple[Any, ...]:
 
 
 def _load_bundle(file: Path, attr: str, kind: type) -> Any:
-    """Import a project bundle from its file (no ``sys.path`` change) and return its object."""
+    """Import a project bundle from its file (no ``sys.path`` change) and return its object.
+
+    The bundle is a package whose directory is its path, so its other files import relatively
+    (``from . import tools``); those of a bundle of the same name loaded before are forgotten
+    first (another project's ``tools`` is not this one's)."""
     name = f"kit_project_{file.parent.parent.name}_{file.parent.name}"
+    for stale in [m for m in sys.modules if m.startswith(f"{name}.")]:
+        del sys.modules[stale]
     try:
-        spec = importlib.util.spec_from_file_location(name, file)
+        spec = importlib.util.spec_from_file_location(
+            name, file, submodule_search_locations=[str(file.parent)])
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         # In sys.modules while it runs, as an import would: a dataclass or a TypedDict's hints
         # under `from __future__ import annotations` are resolved through it.

@@ -133,6 +133,19 @@ async def test_bundles_load_as_modules_do_under_future_annotations(tmp_path, mon
         assert await deck.run("wf", {"log": []}) == {"log": ["a"]}
 
 
+async def test_a_bundle_imports_its_own_files_relatively(tmp_path, monkeypatch):
+    """`from . import prompts` in agent.py failed: attempted relative import with no known parent
+    package. Another project's bundle of the same name keeps its own prompts."""
+    monkeypatch.setenv("KIT_STORE", "memory")
+    source = ("import kit\nfrom . import prompts\nfrom .prompts import REPLY\n"
+              "agent = kit.Agent('ant', model=kit.ScriptedModel([REPLY]))\n")
+    for reply in ("one", "two"):
+        root = project(tmp_path / reply, {"agents/a/agent.py": source,
+                                          "agents/a/prompts.py": f"REPLY = {reply!r}\n"})
+        async with Deck.from_project(root) as deck:
+            assert (await deck.run("ant", "hi")).output == reply
+
+
 def test_what_would_be_skipped_or_hang_is_a_config_error_naming_the_file(tmp_path):
     root = project(tmp_path, {"agents/a/agent.py": AGENT.format(name="ant")})
     looped = root / "agents" / "loop" / "agent.py"
