@@ -325,7 +325,12 @@ class ServerHolder:
                     await server.connect()  # type: ignore[attr-defined]
                 except (Exception, cancelled) as exc:
                     await anyio.lowlevel.checkpoint()
-                    if isinstance(exc, cancelled):  # the transport's: the server died
+                    if isinstance(exc, cancelled) or (  # the transport's: the server died
+                            isinstance(exc, McpError) and exc.error.code == CONNECTION_CLOSED):
+                        # its exit code, not the mcp package's bare "Connection closed"
+                        if server._process is not None:
+                            with anyio.move_on_after(EXIT_WAIT):
+                                await server._process.wait()
                         exc = ConnectionError(f"it {_gone(server._process)} while connecting")
                     if first:
                         raise exc from None  # the deck's open fails, naming the server

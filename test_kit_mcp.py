@@ -387,6 +387,18 @@ async def test_a_server_that_cannot_start_refuses_the_open(store):
     assert children() == before  # the one that did start was torn down
 
 
+async def test_a_server_that_exits_at_once_refuses_the_open_naming_its_exit_code(store):
+    """It said only "McpError: Connection closed", whatever the server's exit code."""
+    quits = {"command": sys.executable, "args": ["-c", "import sys; sys.exit(3)"]}
+    deck = Deck([Agent("a", model=ScriptedModel(["x"]), mcp_servers=["quits"])], store=store,
+                mcp={"quits": quits})
+    with anyio.fail_after(60):
+        with pytest.raises(ConfigError, match=r"^MCP server 'quits' failed to start: "
+                                              r"ConnectionError: it is gone \(exit code 3\)"):
+            await deck.__aenter__()
+        await deck.aclose()
+
+
 async def test_from_project_reads_the_mcp_json_beside_the_project(tmp_path, store):
     root = tmp_path / "proj"
     (root / "agents" / "a").mkdir(parents=True)
