@@ -385,7 +385,8 @@ class MCP:
             try:
                 if Path(config).exists() and not Path(config).is_file():  # a FIFO: the read hangs
                     raise ConfigError(f"MCP config {self.source} is not a regular file")
-                data = json.loads(Path(config).read_text(encoding="utf-8"),
+                # utf-8-sig: a BOM (Notepad's) is read past, as VS Code does and SKILL.md is
+                data = json.loads(Path(config).read_text(encoding="utf-8-sig"),
                                   object_pairs_hook=_unique_keys)
             except OSError as exc:
                 raise ConfigError(f"cannot read MCP config {self.source}: {exc}") from None

@@ -224,6 +224,9 @@ def test_mcp_json_formats_and_transports(tmp_path, monkeypatch):
                               "local": {"type": "stdio", "command": "srv"}}})
     assert [s["type"] for s in vscode.servers.values()] == ["http", "stdio"]
     assert MCP({"bare": {"command": "srv"}}).servers["bare"]["env"] is None
+    bom = tmp_path / "bom.json"  # Notepad's BOM: it was "not valid JSON: Unexpected UTF-8 BOM"
+    bom.write_bytes(b'\xef\xbb\xbf{"mcpServers": {"a": {"command": "x"}}}')
+    assert list(MCP(bom).servers) == ["a"]
 
 
 @pytest.mark.parametrize("config, match", [
