@@ -226,9 +226,10 @@ class Skills(Mapping):
     written (``version: 1.0`` is ``"1.0"``), as the spec's reference parser reads it. Files are
     read here, once.
 
-    Raises ``ConfigError`` naming the file for a missing or malformed front matter, a bad name
-    or description, a file over ``MAX_SKILL_BYTES``, a ``SKILL.md`` that is not a readable
-    regular file, or two skills of the same name; and for a path that is not a directory.
+    Raises ``ConfigError`` naming the file for a missing or malformed front matter (a key
+    written twice in one mapping, too), a bad name or description, a file over
+    ``MAX_SKILL_BYTES``, a ``SKILL.md`` that is not a readable regular file, or two skills of
+    the same name; and for a path that is not a directory.
     """
 
     def __init__(self, paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = ()) -> None:
@@ -313,7 +314,7 @@ def _read_skill(file: Path) -> Skill:
         raise ConfigError(f"{file} must open with YAML front matter between '---' lines "
                           "(name and description)")
     try:  # every value as text, as the spec's reference parser (strictyaml) reads it
-        meta = yaml.load("".join(lines[1:end]), Loader=yaml.BaseLoader)
+        meta = yaml.load("".join(lines[1:end]), Loader=_unique_keys_loader(yaml))
     except yaml.MarkedYAMLError as exc:  # its mark counts from the front matter's first line
         mark = exc.problem_mark or exc.context_mark
         where = f", line {mark.line + 2} column {mark.column + 1}" if mark else ""
@@ -348,6 +349,21 @@ def _read_skill(file: Path) -> Skill:
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise ConfigError(f"{file}: metadata must map strings to strings")
     return Skill(name, description.strip(), file, "".join(lines[end + 1:]).strip())
+
+
+def _unique_keys_loader(yaml: Any) -> Any:
+    """PyYAML's ``BaseLoader`` refusing a key written twice in one mapping, as strictyaml does:
+    PyYAML keeps the last, so a second ``description:`` would replace the first in silence."""
+    class Loader(yaml.BaseLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[str] = set()
+            for key in (k for k, _ in node.value if isinstance(k, yaml.ScalarNode)):
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key.value!r} is written twice", key.start_mark)
+                seen.add(key.value)
+            return super().construct_mapping(node, deep)
+    return Loader
 
 
 #: The per-request read timeout of an MCP server (seconds) unless its config says ``timeout``.

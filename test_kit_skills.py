@@ -81,6 +81,11 @@ def test_a_valid_catalog_from_a_directory_a_skill_or_a_sequence(skills_dir):
      r"SKILL.md, line 3 column 20: the front matter is not valid YAML: mapping values are not "
      r"allowed here$"),
     ("a", "---\n- a\n- b\n---\n", "must be a mapping"),
+    # PyYAML kept the last of a key written twice: the first description vanished in silence
+    ("a", "---\nname: a\ndescription: d\ndescription: e\n---\n",
+     r"SKILL.md, line 4 column 1: the front matter is not valid YAML: the key 'description' is "
+     r"written twice$"),
+    ("a", "---\nname: a\ndescription: d\nmetadata: {v: '1', v: '2'}\n---\n", "'v' is written twice"),
     ("a", front("b"), "must equal its directory's name 'a'"),
     ("Bad", front("Bad"), "lowercase letters"),
     ("a--b", front("a--b"), "single hyphens"),
