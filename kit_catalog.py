@@ -391,8 +391,10 @@ class MCP:
     Nothing starts here or at ``build()``: opening the deck connects every server, closing it
     tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config (a key
     twice in one object of the file, too), an unknown ``type``, a variable that is unset and has
-    no default, ``${input:...}``, or a header no request can carry (a name that is not an HTTP
-    token; a value with a line break or NUL once expanded, which is never quoted).
+    no default, ``${input:...}``, an ``args`` or ``env`` entry no process can take (a NUL once
+    expanded; an env name that is empty or holds ``=``), or a header no request can carry (a
+    name that is not an HTTP token; a value with a line break or NUL once expanded). Each names
+    the entry, never its value.
     """
 
     def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
@@ -492,13 +494,22 @@ def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
 
     def strings(key: str, shape: type) -> Any:
         value = raw.get(key)
-        ok = (isinstance(value, list) and all(isinstance(v, str) for v in value)) if shape is list \
-            else (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                  for k, v in value.items()))
-        if value is not None and not ok:
+        if value is not None and not (isinstance(value, shape) and (
+                shape is list or all(isinstance(k, str) for k in value))):
             raise ConfigError(f"{where}: {key} must be "
                               f"{'a list of strings' if shape is list else 'an object of strings'}")
-        return None if value is None else _expand(where, value)
+        # Each entry named (never its value: it may be a secret), here rather than as the
+        # server starts, where the OS said only "embedded null byte" or "illegal ... name".
+        for k, v in (enumerate(value) if shape is list else value.items()) if value else ():
+            if not isinstance(v, str):
+                raise ConfigError(f"{where}: {key}[{k!r}] must be a string, got {type(v).__name__}")
+            if key == "env" and (not k or "=" in k or "\0" in k):
+                raise ConfigError(f"{where}: env {k!r} is not an environment variable name")
+        value = None if value is None else _expand(where, value)
+        for k, v in (enumerate(value) if shape is list else value.items()) if value else ():
+            if key != "headers" and "\0" in v:
+                raise ConfigError(f"{where}: {key}[{k!r}] holds a NUL once expanded")
+        return value
 
     if out["type"] == "stdio":
         command = raw.get("command")

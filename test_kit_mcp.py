@@ -240,6 +240,14 @@ def test_mcp_json_formats_and_transports(tmp_path, monkeypatch):
     ({"mcpServers": {"a": {"command": "x", "timeout": 0}}}, "timeout must be a positive"),
     ({"mcpServers": {"a": {"command": "x", "timeout": float("inf")}}}, "finite"),  # JSON Infinity
     ({"mcpServers": {"a": {"command": "x", "args": "one"}}}, "list of strings"),
+    # The entry named (the server's start said "embedded null byte", "illegal ... name", or
+    # only "env must be an object of strings" of an env of many keys), its value never quoted
+    ({"mcpServers": {"a": {"command": "x", "env": {"K": "v", "PORT": 8080}}}},
+     r"MCP server 'a': env\['PORT'\] must be a string, got int$"),
+    ({"mcpServers": {"a": {"command": "x", "env": {"A=B": "v"}}}},
+     "env 'A=B' is not an environment variable name"),
+    ({"mcpServers": {"a": {"command": "x", "args": ["-c", "sk-live-SUPERSECRET\0"]}}},
+     r"MCP server 'a': args\[1\] holds a NUL once expanded$"),
     ({"mcpServers": {"a b": {"command": "x"}}}, "MCP server name"),
     ({"mcpServers": []}, "name -> config"),
     ({"mcpServers": {"a": {"type": ["stdio"], "command": "x"}}}, r"unknown type \['stdio'\]"),
