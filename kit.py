@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib.util
+import logging
 import os
 import sys
 import threading
@@ -64,6 +65,7 @@ def __getattr__(name: str) -> Any:
 
 # ======================================================================================= Deck ====
 
+_log = logging.getLogger("kit.project")  # what from_project leaves out: kit-serve prints it
 _live_deck: weakref.ref[Deck] | None = None  # SPEC 4.1 rule 6: one live deck per process
 #: How a deck names itself in that rule's error: its project while ``from_project`` makes it.
 _making: contextvars.ContextVar[str | None] = contextvars.ContextVar("kit_making", default=None)
@@ -148,11 +150,14 @@ class Deck:
 
         Bundles load from their files, in name order, with no ``sys.path`` change (each is in
         ``sys.modules`` as ``kit_project_<kind>_<bundle>``, as its dataclasses and type hints
-        need; a package of its directory, so its other files import as ``from . import x``). Without ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other
-        keyword arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
-        Raises ``ConfigError`` for a missing directory, naming the file of a bundle that fails
-        to import, lacks its object, is not a regular file or shares its name with another, and
-        as ``Skills`` and ``MCP`` do.
+        need; a package of its directory, so its other files import as ``from . import x``).
+        Without ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other keyword
+        arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
+        Python that no bundle loads (``agents/chat.py``, a bundle directory without its
+        ``agent.py``) is a warning naming it, on the ``kit.project`` logger. Raises
+        ``ConfigError`` for a missing directory, naming the file of a bundle that fails to
+        import, lacks its object, is not a regular file or shares its name with another, and as
+        ``Skills`` and ``MCP`` do.
         """
         root = Path(path)
         if not root.is_dir():
@@ -161,7 +166,15 @@ class Deck:
         from kit_catalog import bundle_files  # kit's namespace is its __all__
         bundles: dict[str, tuple[Path, Any]] = {}
         for kind, attr, type_ in (("agents", "agent", Agent), ("workflows", "workflow", Workflow)):
-            for file in bundle_files(root / kind, f"{attr}.py") if (root / kind).is_dir() else ():
+            files = bundle_files(root / kind, f"{attr}.py") if (root / kind).is_dir() else []
+            # Python no bundle loads (agents/chat.py; agents/chat/agents.py) would leave the deck
+            # without it in silence: said, naming it (kit-serve prints it).
+            stray = [f for f in sorted((root / kind).glob("*.py")) if f.name != "__init__.py"]
+            for lost in stray + sorted({f.parent for f in (root / kind).glob("*/*.py")}
+                                       - {f.parent for f in files}):
+                _log.warning("%s is not loaded: a bundle is %s/<bundle>/%s.py defining %r",
+                             lost, kind, attr, attr)
+            for file in files:
                 found = _load_bundle(file, attr, type_)
                 if found.name in bundles:
                     raise ConfigError(f"{bundles[found.name][0]} and {file} both define "

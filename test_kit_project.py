@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 
 import kit
@@ -144,6 +145,24 @@ async def test_a_bundle_imports_its_own_files_relatively(tmp_path, monkeypatch):
                                           "agents/a/prompts.py": f"REPLY = {reply!r}\n"})
         async with Deck.from_project(root) as deck:
             assert (await deck.run("ant", "hi")).output == reply
+
+
+def test_python_no_bundle_loads_is_a_warning_naming_it(tmp_path, caplog):
+    """agents/chat.py (no bundle directory) or agents/chat/agents.py (a misnamed file) left the
+    deck without the agent, and kit-serve served it, in silence."""
+    root = project(tmp_path, {"agents/a/agent.py": AGENT.format(name="ant"),
+                              "agents/a/prompts.py": "", "agents/__init__.py": "",
+                              "agents/chat.py": AGENT.format(name="chat"),
+                              "workflows/flow/workflows.py": ""})
+    with caplog.at_level("WARNING", logger="kit.project"):
+        deck = Deck.from_project(root)
+    anyio.run(deck.aclose)
+    assert list(deck.agents) == ["ant"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{root / 'agents' / 'chat.py'} is not loaded: a bundle is agents/<bundle>/agent.py "
+        "defining 'agent'",
+        f"{root / 'workflows' / 'flow'} is not loaded: a bundle is workflows/<bundle>/workflow.py "
+        "defining 'workflow'"]
 
 
 def test_what_would_be_skipped_or_hang_is_a_config_error_naming_the_file(tmp_path):
