@@ -386,7 +386,8 @@ class MCP:
     environment in command, args, env, url and headers, here, once. ``timeout`` (seconds,
     default ``MCP_TIMEOUT``) bounds each request to the server. A stdio server with ``env``
     gets the process environment plus those keys; without, the SDK's minimal one (HOME, PATH,
-    ...). An agent's tools from server ``time`` are named ``mcp_time__<tool>``.
+    ...). A file's stdio server runs in the file's directory (a relative ``cwd`` is taken from
+    there, as are a relative command and arguments then). An agent's tools from server ``time`` are named ``mcp_time__<tool>``.
 
     Nothing starts here or at ``build()``: opening the deck connects every server, closing it
     tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config (a key
@@ -398,8 +399,9 @@ class MCP:
     """
 
     def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        home = None  # a file's directory: where its stdio servers run (``_mcp_server``)
         if isinstance(config, (str, os.PathLike)):
-            self.source = str(config)
+            self.source, home = str(config), Path(config).absolute().parent
             try:
                 if Path(config).exists() and not Path(config).is_file():  # a FIFO: the read hangs
                     raise ConfigError(f"MCP config {self.source} is not a regular file")
@@ -428,7 +430,7 @@ class MCP:
         if not isinstance(servers, Mapping):
             raise ConfigError(f"{self.source}: the servers must be an object of name -> config")
         self.servers: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
-            check_name(f"{self.source}: MCP server", n): _mcp_server(self.source, n, s)
+            check_name(f"{self.source}: MCP server", n): _mcp_server(self.source, n, s, home)
             for n, s in servers.items()})
 
     def __repr__(self) -> str:
@@ -476,7 +478,7 @@ def _expand(source: str, value: Any) -> Any:
     return _VAR.sub(sub, value)
 
 
-def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
+def _mcp_server(source: str, name: str, raw: Any, home: Path | None) -> dict[str, Any]:
     where = f"{source}: MCP server {name!r}"
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where} must be an object")
@@ -518,6 +520,8 @@ def _mcp_server(source: str, name: str, raw: Any) -> dict[str, Any]:
         cwd = raw.get("cwd")
         if cwd is not None and not isinstance(cwd, str):
             raise ConfigError(f"{where}: cwd must be a string")
+        if home is not None:  # a file's server runs where the file is, as Claude Code's do:
+            cwd = str(home / (cwd or "."))  # not wherever kit-serve was started
         out.update(command=_expand(where, command), args=strings("args", list) or [],
                    env=strings("env", dict), cwd=cwd)
     else:

@@ -387,6 +387,27 @@ async def test_build_starts_nothing_and_aclose_leaves_no_process(store):
     assert not done.is_error
 
 
+async def test_a_files_stdio_servers_run_in_its_directory_wherever_kit_was_started(tmp_path, store):
+    """Relative paths of a .mcp.json's stdio server (args here, a cwd) are the file's, as
+    Claude Code reads them: they were taken from the directory kit-serve was started in, so
+    the server could not start unless that was the file's own."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "faulty.py").write_text(textwrap.dedent(FAULTY))
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {
+        "here": {"command": sys.executable, "args": ["faulty.py", "."]},
+        "there": {"command": sys.executable, "args": ["../faulty.py", "."], "cwd": "sub"}}}))
+    assert Path.cwd() != tmp_path
+    model = ScriptedModel([[{"tool": "mcp_here__echo", "args": {"text": "a"}},
+                            {"tool": "mcp_there__echo", "args": {"text": "b"}}], "done"])
+    agent = Agent("a", model=model, mcp_servers=["here", "there"])
+    with anyio.fail_after(60):
+        async with Deck([agent], mcp=MCP(tmp_path / ".mcp.json"), store=store) as deck:
+            events = [e async for e in deck.stream("a", "go")]
+    assert events[-1].kind == "run.completed"
+    assert [e.payload.is_error for e in events if e.kind == "tool.completed"] == [False, False]
+    assert len(starts(tmp_path)) == 1 and len(starts(tmp_path / "sub")) == 1
+
+
 async def test_a_server_that_cannot_start_refuses_the_open(store):
     before = children()
     deck = Deck([Agent("a", model=ScriptedModel(["x"]), mcp_servers=["ok", "broken"])], store=store,
