@@ -387,7 +387,8 @@ class MCP:
     default ``MCP_TIMEOUT``) bounds each request to the server. A stdio server with ``env``
     gets the process environment plus those keys; without, the SDK's minimal one (HOME, PATH,
     ...). A file's stdio server runs in the file's directory (a relative ``cwd`` is taken from
-    there, as are a relative command and arguments then). An agent's tools from server ``time`` are named ``mcp_time__<tool>``.
+    there, as are a relative command and arguments then). An agent's tools from server
+    ``time`` are named ``mcp_time__<tool>``.
 
     Nothing starts here or at ``build()``: opening the deck connects every server, closing it
     tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config (a key

@@ -63,8 +63,9 @@ import sniffio
 from kit_bridge import Bridge, spawn
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunInfo,
                       RunStarted, RunStatus, SessionBusyError, fold_status)
-from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, RUN_COLUMNS, RUN_INDEXES, MemoryStore, SQLiteStore, abandoned,
-                       by_run, event_of, event_row, foreign_table, run_row, runs_query)
+from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, RUN_COLUMNS, RUN_INDEXES, MemoryStore,
+                       SQLiteStore, abandoned, by_run, event_of, event_row, foreign_table, run_row,
+                       runs_query)
 from kit_storebase import StoreBase
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
