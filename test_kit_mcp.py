@@ -550,8 +550,11 @@ async def test_runs_that_meet_a_dead_server_at_once_share_one_restart(tmp_path, 
     for i in range(3):
         echoed = outputs(await store.read(results[f"a{i}"].run_id))["mcp_p__echo"]
         assert results[f"a{i}"].output == "ok" and f"r{i} from {new}" in json.dumps(echoed.output)
-    assert [r.getMessage() for r in caplog.records if r.name == "kit.agents"] == [
-        "MCP server 'p' is gone (killed by SIGKILL); kit restarted it"]
+    # (Under load, asyncio's child watcher may find the dead server reaped already, logs
+    # "Unknown child process" and reports exit code 255: seen once in a loaded run.)
+    assert [r.getMessage() for r in caplog.records if r.name == "kit.agents"] in (
+        ["MCP server 'p' is gone (killed by SIGKILL); kit restarted it"],
+        ["MCP server 'p' is gone (exit code 255); kit restarted it"])
 
 
 async def test_a_hung_server_is_restarted_and_the_turn_goes_on(tmp_path, store, caplog):
