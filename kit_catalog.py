@@ -19,6 +19,7 @@ them, never back (the engines know these classes only under ``TYPE_CHECKING``).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kit_core import HTTP_TOKEN, ConfigError, ContentBlock, check_limit, check_name
+
+_log = logging.getLogger("kit.project")  # what a catalog leaves out: kit-serve prints it
 
 __all__ = ("Agent", "Workflow", "Skills", "Skill", "MAX_SKILL_BYTES", "MCP", "MCP_TIMEOUT",
            "interrupt", "sleep_until")
@@ -224,7 +227,8 @@ class Skills(Mapping):
     ``description`` (1-1024 characters: what the skill does and when to use it); the Markdown
     after it is the body ``load_skill`` serves. Every front-matter value is read as text, as
     written (``version: 1.0`` is ``"1.0"``), as the spec's reference parser reads it. Files are
-    read here, once.
+    read here, once. A directory of skill directories whose subdirectory holds no ``SKILL.md``
+    is a warning naming it, on the ``kit.project`` logger.
 
     Raises ``ConfigError`` naming the file for a missing or malformed front matter (a key
     written twice in one mapping, too), a bad name or description, a file over
@@ -246,6 +250,11 @@ class Skills(Mapping):
                 files = [root / "SKILL.md"]  # one that is not a regular file is refused there
             elif root.is_dir():
                 files = bundle_files(root, "SKILL.md")
+                # A directory with no SKILL.md (a group of skills, a skill.md) is no skill: said,
+                # or the agent naming a skill in it learns only that there is no such skill.
+                for lost in sorted({d for d in root.iterdir() if d.is_dir() and d.name[0] not in
+                                    "._"} - {f.parent for f in files}):
+                    _log.warning("%s is not loaded: a skill is %s/<skill>/SKILL.md", lost, root)
             else:
                 raise ConfigError(f"no skills at {str(root)!r}: expected a skill directory (with "
                                   "SKILL.md) or a directory of them")

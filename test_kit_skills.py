@@ -155,6 +155,21 @@ def test_a_skill_md_that_cannot_be_read_is_named_not_skipped(tmp_path):
         Skills(path.parent)
 
 
+def test_a_directory_that_holds_no_skill_md_is_named_not_skipped_in_silence(skills_dir, caplog):
+    """A group of skills one level deeper, or a skill.md in lower case, is no skill: the agent
+    naming one learned only of an 'unknown skill'."""
+    skill(skills_dir / "group", "inner", front("inner"))
+    (skills_dir / "lower").mkdir()
+    (skills_dir / "lower" / "skill.md").write_text(front("lower"))
+    for quiet in (".git", "__pycache__"):
+        (skills_dir / quiet).mkdir()
+    with caplog.at_level("WARNING", logger="kit.project"):
+        assert sorted(Skills(skills_dir)) == ["release-notes", "secret", "triage"]
+    assert [r.getMessage() for r in caplog.records if r.name == "kit.project"] == [
+        f"{skills_dir / d} is not loaded: a skill is {skills_dir}/<skill>/SKILL.md"
+        for d in ("group", "lower")]
+
+
 def test_build_refuses_a_skill_the_deck_does_not_have(skills_dir):
     deck = Deck([Agent("a", skills=["release-notes", "nope"])], skills=skills_dir)
     known = "release-notes, secret, triage"
