@@ -23,6 +23,8 @@ invocable's name); each step becomes its child:
   Langfuse ``usage_details``/``cost_details``). The log records a model call's end only, so its
   span starts where the previous step ended (run start, last model call, tool or node).
 - ``tool.started`` .. ``tool.completed`` -> ``execute_tool <tool>`` (ERROR when the tool erred).
+  A step logged inside an open tool (its origin below the tool's: an SDK agent played as a tool
+  logs its model's calls as ``<agent>/<tool>``) is that tool span's child, starting in it.
 - ``node.updated`` -> ``node <node>``, starting where the previous step ended, as model calls.
 - a terminal event ends the root with ``kit.status``: ERROR and ``error.type`` on ``run.failed``.
 
@@ -125,12 +127,20 @@ class _TraceIds:
 
 
 class _Segment:
-    """The open part of a run's trace: its root, open tool spans, where the last step ended."""
+    """The open part of a run's trace: its root, open tool spans (with each one's origin and
+    start), where the last step ended."""
     __slots__ = ("root", "ctx", "mark", "tools", "meta")
 
     def __init__(self, root: Any, ctx: Any, mark: int, meta: dict[str, Any]) -> None:
         self.root, self.ctx, self.mark, self.meta = root, ctx, mark, meta
-        self.tools: dict[str, Any] = {}
+        self.tools: dict[str, tuple[Any, str, int]] = {}
+
+    def within(self, origin: str, *, same: bool) -> tuple[Any, int] | None:
+        """The open tool span ``origin`` was logged inside (the latest opened), and its start."""
+        for span, where, start in reversed(self.tools.values()):
+            if (same and origin == where) or origin.startswith(where + "/"):
+                return span, start
+        return None
 
 
 class TracingObserver:
@@ -267,15 +277,17 @@ class TracingObserver:
                 attrs["langfuse.observation.cost_details"] = _json({"total": p.usd})
             self._step(seg, f"chat {p.model}", o.CLIENT, at, attrs, ev.origin)
         elif isinstance(p, (ToolStarted, ToolCompleted)):
-            span = seg.tools.pop(p.call_id, None)
+            span = seg.tools.pop(p.call_id, (None,))[0]
             if span is None:  # tool.started opens it (a lone tool.completed: zero length)
+                outer = seg.within(ev.origin, same=False)  # an agent tool's own tool call
                 span = self._tracer.start_span(
-                    f"execute_tool {p.tool}", context=seg.ctx, kind=o.INTERNAL, start_time=at,
+                    f"execute_tool {p.tool}", kind=o.INTERNAL, start_time=at,
+                    context=o.in_context(outer[0]) if outer else seg.ctx,
                     attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": p.tool,
                                 "gen_ai.tool.call.id": p.call_id, "gen_ai.tool.type": "function",
                                 "langfuse.observation.type": "tool", "kit.origin": ev.origin})
             if isinstance(p, ToolStarted):
-                seg.tools[p.call_id] = span
+                seg.tools[p.call_id] = (span, ev.origin, at)
                 return
             if p.is_error:
                 span.set_attribute("error.type", "ToolError")
@@ -349,12 +361,15 @@ class TracingObserver:
     def _step(self, seg: _Segment, name: str, kind: Any, at: int, attrs: dict[str, Any],
               origin: str) -> None:
         attrs["kit.origin"] = origin
-        self._tracer.start_span(name, context=seg.ctx, kind=kind, start_time=min(seg.mark, at),
+        start, ctx, tool = min(seg.mark, at), seg.ctx, seg.within(origin, same=True)
+        if tool is not None:  # logged inside an open tool: its child, not its elder sibling
+            ctx, start = self._o.in_context(tool[0]), max(start, min(tool[1], at))
+        self._tracer.start_span(name, context=ctx, kind=kind, start_time=start,
                                 attributes=attrs).end(end_time=at)
         seg.mark = at
 
     def _end(self, seg: _Segment, at: int, *, unfinished: bool = False) -> None:
-        for span in seg.tools.values():
+        for span, _, _ in seg.tools.values():
             span.set_attribute("kit.unfinished", True)
             span.end(end_time=at)
         if unfinished:

@@ -162,6 +162,28 @@ async def test_each_agent_turn_is_one_trace_with_genai_spans(receiver):
     assert attrs(root)["kit.status"] == "FAILED"
 
 
+async def test_an_agent_tools_model_calls_are_children_of_its_tool_span(receiver):
+    """An SDK agent played as a tool logs its model's calls inside the tool: their span was the
+    root's child, a sibling of the tool's, and started before the tool did."""
+    inner = agents.Agent(name="inner", instructions="Help.",
+                         model=ScriptedModel(["inner says"], name="gpt-4o-mini"))
+    model = ScriptedModel([{"tool": "helper", "args": {"input": "q"}}, "done"], name="gpt-4o")
+    with anyio.fail_after(10):
+        async with MemoryStore() as store:
+            async with Deck([Agent("calc", "Ask.", tools=[inner.as_tool("helper", "Helps.")],
+                                   model=model)], store=store) as deck:
+                done = await deck.run("calc", "hi")
+            logged = await store.read(done.run_id)
+        await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), logged)
+    root, children = root_and_children(receiver.traces()[TracingObserver.trace_id(done.run_id)])
+    [tool] = [s for s in children if s.name == "execute_tool helper"]
+    [call] = [s for s in children if s.name == "chat gpt-4o-mini"]
+    assert tool.parent_span_id == root.span_id and call.parent_span_id == tool.span_id
+    assert tool.start_time_unix_nano <= call.start_time_unix_nano <= call.end_time_unix_nano \
+        <= tool.end_time_unix_nano
+    assert [s.parent_span_id for s in children if s.name == "chat gpt-4o"] == [root.span_id] * 2
+
+
 async def test_a_parked_run_stays_one_trace_in_two_segments(receiver, monkeypatch):
     monkeypatch.setenv("KIT_TRACING_PUBLIC_KEY", PK)  # keys and host from the settings
     monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
