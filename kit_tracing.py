@@ -33,7 +33,8 @@ trace when it parks and resumes, in this process or another. Parking (``run.inte
 ``run.sleeping``, ``run.paused``) ends the current *segment*: the root ends at the parking event
 with ``kit.status`` (``WAITING_HUMAN``, ...) and ``kit.parked`` (the kind), since a run may stay
 parked for days and an unended span is never exported. ``run.resumed`` opens a new root segment
-in the same trace (``kit.resumed_by``). Open runs are capped (``MAX_OPEN_RUNS``).
+in the same trace (``kit.resumed_by``); a parked run cancelled ends in a segment of its end
+alone, with no ``kit.resumed_by``. Open runs are capped (``MAX_OPEN_RUNS``).
 
 Raw layer (``sdk_spans=True``): ``sdk_processor()`` is an ``agents.tracing.TracingProcessor``.
 Each SDK trace becomes a second, separate OTLP trace (the SDK's trace id), its spans nested as
@@ -327,7 +328,7 @@ class TracingObserver:
         # text.delta, message.completed, control.requested and unknown kinds: no span.
 
     def _open(self, ev: Event, at: int) -> _Segment:
-        p = ev.payload
+        p, parked = ev.payload, None
         if isinstance(p, RunStarted):
             meta = {"name": p.name, "invocable": p.invocable, "session.id": p.session_id,
                     "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
@@ -336,7 +337,8 @@ class TracingObserver:
             # resumes only a workflow, a node update is one's; its session stays unknown.
             workflow = isinstance(p, NodeUpdated) or (isinstance(p, RunResumed)
                                                       and p.by in ("answer", "tick"))
-            meta = self._parked.pop(ev.run_id, None) or {
+            parked = self._parked.pop(ev.run_id, None)
+            meta = parked or {
                 "name": (ev.origin or "run").split("/")[0],
                 "invocable": "workflow" if workflow else "agent"}
         name, workflow = meta["name"], meta["invocable"] == "workflow"
@@ -348,8 +350,11 @@ class TracingObserver:
         attrs.update({k: v for k, v in meta.items() if "." in k and v})
         if attrs.get("session.id"):
             attrs["gen_ai.conversation.id"] = attrs["session.id"]
-        if not isinstance(p, RunStarted):
-            attrs["kit.resumed_by"] = p.by if isinstance(p, RunResumed) else "unknown"
+        if isinstance(p, RunResumed):
+            attrs["kit.resumed_by"] = p.by
+        elif not isinstance(p, RunStarted) and not (parked and p.ends == "terminal"):
+            attrs["kit.resumed_by"] = "unknown"  # first seen mid-run; a parked run cancelled
+            # where it stood was not resumed: its segment is its end alone
         self._ids.next = _hash_id("kit.run:" + ev.run_id)
         root = self._tracer.start_span(f"{op} {name}", context=self._o.empty, start_time=at,
                                        attributes=attrs)

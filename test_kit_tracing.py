@@ -22,8 +22,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from kit import (
-    Agent, ConfigError, ControlRequested, Deck, Event, ModelCompleted, RunCompleted, RunPaused,
-    RunResumed, RunStarted, ScriptedModel, Workflow, interrupt,
+    Agent, ConfigError, ControlRequested, Deck, Event, ModelCompleted, RunCancelled, RunCompleted,
+    RunPaused, RunResumed, RunStarted, ScriptedModel, Workflow, interrupt,
 )
 from kit_observers import ObserverHub
 from kit_store import MemoryStore, SQLiteStore
@@ -212,6 +212,26 @@ async def test_a_parked_run_stays_one_trace_in_two_segments(receiver, monkeypatc
     assert [s.parent_span_id for s in chats] == [roots[0].span_id, roots[1].span_id]
     # A model call's span starts where the previous step ended (the log records its end only).
     assert chats[1].start_time_unix_nano == roots[1].start_time_unix_nano
+
+
+async def test_a_parked_run_cancelled_ends_in_a_segment_that_says_no_resume(receiver):
+    """A paused run cancelled where it stood: its last segment said kit.resumed_by "unknown", as
+    if some resume the log does not hold had played it."""
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    payloads = [RunStarted("calc", "agent", "s9"), ModelCompleted("gpt-4o", 10, 2, None),
+                RunPaused("operator"), ControlRequested("cancel", "done with it", "api"),
+                RunCancelled("done with it")]
+    logged = [Event("r8", i, p, "calc", None, t0 + timedelta(seconds=i)) for i, p in enumerate(payloads)]
+    with anyio.fail_after(10):
+        await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), logged)
+    [spans] = receiver.traces().values()
+    roots = sorted((s for s in spans if not s.parent_span_id), key=lambda s: s.start_time_unix_nano)
+    assert [attrs(r)["kit.status"] for r in roots] == ["PAUSED", "CANCELLED"]
+    last = attrs(roots[1])
+    assert "kit.resumed_by" not in last and last["kit.cancel_reason"] == "done with it"
+    assert last["session.id"] == "s9" and roots[1].name == "invoke_agent calc"
+    assert roots[1].start_time_unix_nano == roots[1].end_time_unix_nano == \
+        roots[0].start_time_unix_nano + 4 * 10**9
 
 
 class Release(TypedDict, total=False):
