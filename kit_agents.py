@@ -106,10 +106,18 @@ def _price(model: str, input_tokens: int, output_tokens: int, cached_tokens: int
     def total(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> Any:
         return calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens,
                                      cache_read_tokens=cached_tokens or None),
-                          model_ref=model, provider_id="openai")
-    try:
-        price = total(input_tokens, output_tokens, cached_tokens)
-    except LookupError:
+                          model_ref=ref, provider_id=provider)
+    # OpenAI's price first (the SDK's own provider); a model OpenAI does not serve (Claude or
+    # Gemini through an OpenAI-compatible server, LiteLLM's provider/model) at its provider's.
+    head, _, tail = model.partition("/")
+    for provider, ref in (("openai", model), (head, tail), (None, model)):
+        try:
+            price = total(input_tokens, output_tokens, cached_tokens) if ref else None
+        except LookupError:
+            price = None
+        if price is not None:
+            break
+    else:
         _UNPRICED.add(model)
         return None
     prices = price.model.prices

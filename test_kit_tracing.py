@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import json
 import os
 import subprocess
 import sys
@@ -160,6 +161,29 @@ async def test_each_agent_turn_is_one_trace_with_genai_spans(receiver):
     assert root.status.message == "the run failed (RuntimeError); kit.run_id's log has why"
     assert attrs(root)["error.type"] == "RuntimeError" and "session.id" not in attrs(root)
     assert attrs(root)["kit.status"] == "FAILED"
+
+
+@pytest.mark.parametrize("name", ["claude-sonnet-4-20250514", "anthropic/claude-sonnet-4-20250514",
+                                  "gemini-2.5-flash"])
+async def test_a_model_openai_does_not_serve_is_exported_with_its_providers_cost(receiver, name):
+    """Claude or Gemini behind an OpenAI-compatible server, or LiteLLM's provider/model: kit
+    priced every model as OpenAI's, so these had no cost (usd None, no cost_details)."""
+    from genai_prices import Usage as PriceUsage, calc_price
+    with anyio.fail_after(10):
+        async with MemoryStore() as store:
+            async with Deck([Agent("a", "Answer.", model=ScriptedModel(["hello there"], name=name))],
+                            store=store) as deck:
+                done = await deck.run("a", "hi")
+            logged = await store.read(done.run_id)
+        await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), logged)
+    root, [call] = root_and_children(receiver.traces()[TracingObserver.trace_id(done.run_id)])
+    a = attrs(call)
+    price = calc_price(PriceUsage(input_tokens=a["gen_ai.usage.input_tokens"],
+                                  output_tokens=a["gen_ai.usage.output_tokens"]),
+                       model_ref=name.split("/")[-1]).total_price
+    assert price > 0 and call.name == f"chat {name}"
+    assert json.loads(a["langfuse.observation.cost_details"]) == {"total": pytest.approx(float(price))}
+    assert attrs(root)["kit.usage.usd"] == pytest.approx(float(price))
 
 
 async def test_an_agent_tools_model_calls_are_children_of_its_tool_span(receiver):
