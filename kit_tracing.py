@@ -17,7 +17,8 @@ Theory of operation
 Semantic layer (always on). ``emit`` gets each run's events in order (from ``ObserverHub``, in a
 worker thread) and keeps a ``_Segment`` per open run. ``run.started`` opens the root span,
 ``invoke_agent <name>`` or ``invoke_workflow <name>`` (``kit.run_id``, ``session.id``, the
-invocable's name); each step becomes its child:
+invocable's name; a child run's own trace has ``kit.parent_run_id`` and its parent's session);
+each step becomes its child:
 
 - ``model.completed`` -> ``chat <model>`` (CLIENT; ``gen_ai.request.model``, ``gen_ai.usage.*``,
   Langfuse ``usage_details``/``cost_details``). The log records a model call's end only, so its
@@ -332,6 +333,10 @@ class TracingObserver:
         if isinstance(p, RunStarted):
             meta = {"name": p.name, "invocable": p.invocable, "session.id": p.session_id,
                     "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
+            parent = self._runs.get(p.parent_run_id or "")
+            if parent is not None and not p.session_id:  # a child run (a workflow played as a
+                # tool) claims no session, but is its parent's turn's: the session lists it
+                meta["session.id"] = parent.meta.get("session.id")
         else:  # resumed, or first seen mid-run: what parking remembered, else what the event
             # tells (a run parked by another process, or before a restart): an answer or a tick
             # resumes only a workflow, a node update is one's; its session stays unknown.

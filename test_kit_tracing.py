@@ -208,6 +208,33 @@ async def test_an_agent_tools_model_calls_are_children_of_its_tool_span(receiver
     assert [s.parent_span_id for s in children if s.name == "chat gpt-4o"] == [root.span_id] * 2
 
 
+class Count(TypedDict, total=False):
+    n: int
+
+
+async def bump(state: Count) -> dict:
+    return {"n": state.get("n", 0) + 1}
+
+
+async def test_a_child_runs_trace_carries_its_parents_session(receiver):
+    """A workflow played as a tool is a child run, which claims no session: its trace had no
+    session.id, so the session's traces in Langfuse left it out."""
+    graph = StateGraph(Count).add_node("bump", bump).add_edge(START, "bump").add_edge("bump", END)
+    model = ScriptedModel([{"tool": "counter", "args": {"n": 1}}, "done"], name="gpt-4o")
+    with anyio.fail_after(10):
+        async with Deck([Agent("calc", "Count.", workflows=["counter"], model=model)],
+                        workflows=[Workflow("counter", graph)], observers=[TracingObserver(
+                            public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
+            done = await deck.run("calc", "count", session_id="s7")
+    traces = receiver.traces()
+    parent, _ = root_and_children(traces.pop(TracingObserver.trace_id(done.run_id)))
+    [child] = [s for spans in traces.values() for s in spans if not s.parent_span_id]
+    assert child.name == "invoke_workflow counter" and attrs(child)["kit.status"] == "COMPLETED"
+    assert attrs(child)["kit.parent_run_id"] == done.run_id
+    assert attrs(child)["session.id"] == attrs(parent)["session.id"] == "s7"
+    assert attrs(child)["gen_ai.conversation.id"] == "s7"
+
+
 async def test_a_parked_run_stays_one_trace_in_two_segments(receiver, monkeypatch):
     monkeypatch.setenv("KIT_TRACING_PUBLIC_KEY", PK)  # keys and host from the settings
     monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
