@@ -78,26 +78,35 @@ _CURRENT_RUN: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar(
 #: the play's model calls only; a resumed run's earlier ones are in its log), and how many of
 #: its agent tools are running (``_record_untapped``).
 _PLAY: contextvars.ContextVar[list[int]] = contextvars.ContextVar("kit_play")
-_UNPRICED: set[str] = {SCRIPTED_NAME}  # known without genai-prices' table (0.1 s to load)
-#: model -> USD (per call, per uncached input token, per cached input token, per output token),
-#: for a model whose price is one flat rate (no tiers, no dated or timed prices): genai-prices'
-#: general calculation costs 0.1-0.3 ms, on every model call; a flat rate is linear in the
-#: tokens, so four of its own answers give the rates, and each call after is exact Decimal
-#: arithmetic on them.
-_RATES: dict[str, tuple[Any, Any, Any, Any]] = {}
+#: (model, server URL) pairs genai-prices has no price for; the first is known without loading
+#: its table (0.1 s).
+_UNPRICED: set[tuple[str, str | None]] = {(SCRIPTED_NAME, None)}
+#: (model, server URL) -> USD (per call, per uncached input token, per cached input token, per
+#: output token), for a model whose price is one flat rate (no tiers, no dated or timed
+#: prices): genai-prices' general calculation costs 0.1-0.3 ms, on every model call; a flat rate
+#: is linear in the tokens, so four of its own answers give the rates, and each call after is
+#: exact Decimal arithmetic on them.
+_RATES: dict[tuple[str, str | None], tuple[Any, Any, Any, Any]] = {}
 
 
-def _price(model: str, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> float | None:
+def _price(model: str, input_tokens: int, output_tokens: int, cached_tokens: int = 0,
+           url: str | None = None) -> float | None:
     """Estimated USD from genai-prices' bundled data (offline); None for an unknown model.
+
+    OpenAI's price (the SDK's own provider) when OpenAI has the model; else that of the
+    provider a LiteLLM-style ``provider/model`` names, or the one whose API ``url`` (the
+    model's client's base URL: Claude or Gemini through their OpenAI-compatible servers) is.
+    Never a guess from a bare name: a model served locally may share a hosted one's.
 
     ``input_tokens`` counts every input token, ``cached_tokens`` of them read from the
     provider's prompt cache (OpenAI's ``cached_tokens``), which costs a fraction of the rest
     (a tenth for gpt-5): an agent's turns resend the conversation, so most of a long one's
     input is cached."""
-    if model in _UNPRICED:
+    key = (model, url)
+    if key in _UNPRICED:
         return None
     cached_tokens = min(max(cached_tokens, 0), input_tokens)
-    if (rates := _RATES.get(model)) is not None:
+    if (rates := _RATES.get(key)) is not None:
         per_call, per_input, per_cached, per_output = rates
         return float(per_call + per_input * (input_tokens - cached_tokens)
                      + per_cached * cached_tokens + per_output * output_tokens)
@@ -106,27 +115,26 @@ def _price(model: str, input_tokens: int, output_tokens: int, cached_tokens: int
     def total(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> Any:
         return calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens,
                                      cache_read_tokens=cached_tokens or None),
-                          model_ref=ref, provider_id=provider)
-    # OpenAI's price first (the SDK's own provider); a model OpenAI does not serve (Claude or
-    # Gemini through an OpenAI-compatible server, LiteLLM's provider/model) at its provider's.
+                          model_ref=ref, provider_id=provider, provider_api_url=api)
     head, _, tail = model.partition("/")
-    for provider, ref in (("openai", model), (head, tail), (None, model)):
+    for provider, ref, api in (("openai", model, None), (head, tail, None), (None, model, url)):
         try:
-            price = total(input_tokens, output_tokens, cached_tokens) if ref else None
+            price = total(input_tokens, output_tokens, cached_tokens) if ref and (
+                provider or api) else None
         except LookupError:
             price = None
         if price is not None:
             break
     else:
-        _UNPRICED.add(model)
+        _UNPRICED.add(key)
         return None
     prices = price.model.prices
     if isinstance(prices, types.ModelPrice) and not any(
             isinstance(p, types.TieredPrices) for p in vars(prices).values()):
         per_call, m = total(0, 0).total_price, 1_000_000
-        _RATES[model] = (per_call, (total(m, 0).total_price - per_call) / m,
-                         (total(m, 0, m).total_price - per_call) / m,
-                         (total(0, m).total_price - per_call) / m)
+        _RATES[key] = (per_call, (total(m, 0).total_price - per_call) / m,
+                       (total(m, 0, m).total_price - per_call) / m,
+                       (total(0, m).total_price - per_call) / m)
     return float(price.total_price)
 
 
@@ -279,7 +287,9 @@ class _TapModel(sdk.Model):
         # unknown, not zero.
         reported = u.input_tokens or u.output_tokens
         cached = getattr(u.input_tokens_details, "cached_tokens", None) or 0
-        usd = _price(model, u.input_tokens, u.output_tokens, cached) if reported else None
+        url = getattr(getattr(self.inner(), "_client", None), "base_url", None)
+        usd = _price(model, u.input_tokens, u.output_tokens, cached,
+                     str(url) if url else None) if reported else None
         run.add_usage(u.input_tokens, u.output_tokens, usd)
         run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd), origin=origin)
 

@@ -16,6 +16,8 @@ from typing import Annotated, Any, TypedDict
 
 import agents
 import anyio
+import httpx
+import openai
 import pytest
 from langgraph.graph import END, START, StateGraph
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -163,25 +165,47 @@ async def test_each_agent_turn_is_one_trace_with_genai_spans(receiver):
     assert attrs(root)["kit.status"] == "FAILED"
 
 
-@pytest.mark.parametrize("name", ["claude-sonnet-4-20250514", "anthropic/claude-sonnet-4-20250514",
-                                  "gemini-2.5-flash"])
-async def test_a_model_openai_does_not_serve_is_exported_with_its_providers_cost(receiver, name):
-    """Claude or Gemini behind an OpenAI-compatible server, or LiteLLM's provider/model: kit
-    priced every model as OpenAI's, so these had no cost (usd None, no cost_details)."""
+def served_at(url: str, name: str) -> agents.OpenAIChatCompletionsModel:
+    """Model ``name`` through an OpenAI-compatible server at ``url``, answered in-process."""
+    def reply(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={
+            "id": "c1", "object": "chat.completion", "created": 0, "model": name,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "hello there"}}],
+            "usage": {"prompt_tokens": 1200, "completion_tokens": 300, "total_tokens": 1500}})
+    client = openai.AsyncOpenAI(base_url=url, api_key="k", http_client=httpx.AsyncClient(
+        transport=httpx.MockTransport(reply)))
+    return agents.OpenAIChatCompletionsModel(name, client)
+
+
+@pytest.mark.parametrize("name, url, provider", [
+    ("anthropic/claude-sonnet-4-20250514", None, "anthropic"),  # LiteLLM's provider/model
+    ("claude-sonnet-4-5", "https://api.anthropic.com/v1/", "anthropic"),
+    ("gemini-2.5-flash", "https://generativelanguage.googleapis.com/v1beta/openai/", "google"),
+    ("deepseek-r1:7b", "http://127.0.0.1:11434/v1/", None),  # served locally: no price
+])
+async def test_a_model_openai_does_not_serve_is_exported_with_its_providers_cost(
+        receiver, name, url, provider):
+    """Claude or Gemini through their OpenAI-compatible servers, or LiteLLM's provider/model:
+    kit looked every model up in OpenAI's prices only, so these had no cost (usd None)."""
     from genai_prices import Usage as PriceUsage, calc_price
+    model = ScriptedModel(["hello there"], name=name) if url is None else served_at(url, name)
     with anyio.fail_after(10):
         async with MemoryStore() as store:
-            async with Deck([Agent("a", "Answer.", model=ScriptedModel(["hello there"], name=name))],
-                            store=store) as deck:
+            async with Deck([Agent("a", "Answer.", model=model)], store=store) as deck:
                 done = await deck.run("a", "hi")
             logged = await store.read(done.run_id)
         await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), logged)
     root, [call] = root_and_children(receiver.traces()[TracingObserver.trace_id(done.run_id)])
     a = attrs(call)
+    assert call.name == f"chat {name}" and a["gen_ai.usage.input_tokens"] > 0
+    if provider is None:
+        assert "langfuse.observation.cost_details" not in a and "kit.usage.usd" not in attrs(root)
+        return
     price = calc_price(PriceUsage(input_tokens=a["gen_ai.usage.input_tokens"],
                                   output_tokens=a["gen_ai.usage.output_tokens"]),
-                       model_ref=name.split("/")[-1]).total_price
-    assert price > 0 and call.name == f"chat {name}"
+                       model_ref=name.split("/")[-1], provider_id=provider).total_price
+    assert price > 0
     assert json.loads(a["langfuse.observation.cost_details"]) == {"total": pytest.approx(float(price))}
     assert attrs(root)["kit.usage.usd"] == pytest.approx(float(price))
 
