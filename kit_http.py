@@ -30,7 +30,7 @@ type name>, "message": ...}``.
 An SSE response is a ``kit_sse.Stream`` (a writer, a reader of the run's events and a disconnect
 watcher) that the app keeps while it is open. The run belongs to the deck: a disconnect ends the
 stream, never the run, and the client picks the run up with ``GET /runs/{id}/events`` and
-``Last-Event-ID`` (every frame's ``id`` is its event's seq).
+``Last-Event-ID`` (every frame's ``id`` is its event's seq; OpenAI's wire has no ``id``).
 
 ``App.shutdown()`` (``serve``'s trigger on SIGINT/SIGTERM, and the lifespan) ends every open stream
 itself with its wire's closing frame (``event: server.shutdown`` on kit's own; OpenAI's error
@@ -597,7 +597,7 @@ class App:
         if turn.stream:
             chunks = kit_openai.Chunks(turn.model)
             events = self.deck.stream(turn.model, turn.input, committed=True, **args)
-            return await self._stream_run(req, events, lambda ev: data_frames(chunks(ev), ev.seq),
+            return await self._stream_run(req, events, lambda ev: data_frames(chunks(ev)),
                                           _openai_ending)
         run_id = new_run_id()
         await self._run(req, run_id, self.deck.run(turn.model, turn.input, run_id=run_id, **args))

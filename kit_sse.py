@@ -19,11 +19,12 @@ dominates, not bytes: notes/PERF.md section 4) and pings every ``PING_INTERVAL``
 quiet. Whichever of writer and watcher ends first cancels the rest. ``Stream.stop`` (the server
 shutting down) ends it within ``STOP_GRACE`` with a closing frame naming the run, which the
 client picks up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every frame's ``id`` is its
-event's seq). That frame is the wire's, as every other frame is (``play``'s ``ending``), and so is
-the one that ends a stream whose events failed before the run's end (the store down past its
-bound): kit's own wires send ``ending_frame`` (``event: server.shutdown``, or ``event: error``
-naming the error's type); a wire whose clients ignore event names, such as OpenAI's, sends what
-its clients read as an ending, never a frame they would take for one more chunk.
+event's seq; ``data_frames`` carry none). That frame is the wire's, as every other frame is
+(``play``'s ``ending``), and so is the one that ends a stream whose events failed before the
+run's end (the store down past its bound): kit's own wires send ``ending_frame`` (``event:
+server.shutdown``, or ``event: error`` naming the error's type); a wire whose clients ignore event
+names, such as OpenAI's, sends what its clients read as an ending, never a frame they would take
+for one more chunk.
 """
 from __future__ import annotations
 
@@ -132,9 +133,11 @@ def v1_workflow_frame(ev: Event) -> bytes | None:
     return v1_frame(ev, agent=False)
 
 
-def data_frames(items: list[Any], seq: int) -> bytes | None:
-    """Bare ``data:`` frames (the Chat Completions wire names no events), JSON or ``[DONE]``."""
-    return b"".join(sse_frame(i if isinstance(i, str) else dumps(i), id=str(seq)) for i in items) or None
+def data_frames(items: list[Any]) -> bytes | None:
+    """Bare ``data:`` frames (the Chat Completions wire names no events), JSON or ``[DONE]``.
+    No ``id:`` either, as OpenAI sends none: the ``openai`` SDK keeps the last one and reads the
+    blank line of each later ``: ping`` as an event with empty data, which it fails to parse."""
+    return b"".join(sse_frame(i if isinstance(i, str) else dumps(i)) for i in items) or None
 
 
 def ending_frame(run_id: str, error: Exception | None = None) -> bytes:

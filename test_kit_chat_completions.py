@@ -16,6 +16,7 @@ import pytest
 import kit
 import kit_http
 import kit_openai
+import kit_sse
 from kit import Agent, Deck, ScriptedModel
 from test_kit_control import Gate
 from test_kit_http import HERE, catalog, gated, served
@@ -161,6 +162,29 @@ async def test_streamed_or_not_the_answer_is_every_message_of_the_run():
         for run_id in (done.id, chunks[0].id):  # the tool was called between the two messages
             log = await kinds(app.deck, run_id.removeprefix("chatcmpl-"))
             assert log.count("message.completed") == 2 and "tool.completed" in log
+        await aio.close()
+
+
+async def test_a_stream_quiet_long_enough_to_ping_reads_on_in_the_sdk(monkeypatch):
+    """A turn quiet for PING_INTERVAL (a slow tool, a slow first token) is pinged with
+    ``: ping``; its chunks carried an SSE ``id:``, which the Python SDK keeps, so it read the
+    ping's blank line as an event with empty data and raised JSONDecodeError mid-answer."""
+    monkeypatch.setattr(kit_sse, "PING_INTERVAL", 0.05)
+    gate, worker = gated("done")
+    async with served(catalog(worker), surfaces=("openai",)) as (client, _):
+        _, aio = clients(client)
+        with anyio.fail_after(10):
+            stream = await aio.chat.completions.create(model="worker", messages=hi(), stream=True)
+            chunks = [await anext(aiter(stream))]
+            await gate.until_entered()
+            await anyio.sleep(0.2)  # pinged while the tool waits
+            gate.release.set()
+            chunks += [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "done"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        body = (await client.post("/v1/chat/completions", json={
+            "model": "echo", "messages": hi(), "stream": True})).text
+        assert "\nid:" not in body and not body.startswith("id:")  # OpenAI's chunks carry none
         await aio.close()
 
 
