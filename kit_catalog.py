@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -499,7 +499,7 @@ def _mcp_server(source: str, name: str, raw: Any, home: Path | None) -> dict[str
         raise ConfigError(f"{where} has unknown type {kind!r}; expected stdio, http or sse")
     timeout = raw.get("timeout", MCP_TIMEOUT)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            0 < timeout < math.inf):
+            0 < timeout < sys.float_info.max):  # (an int past it: no float holds it)
         raise ConfigError(f"{where}: timeout must be a positive, finite number of seconds, "
                           f"got {timeout!r}")
     out: dict[str, Any] = {"type": _MCP_KINDS[kind], "timeout": float(timeout)}

@@ -239,6 +239,7 @@ def test_mcp_json_formats_and_transports(tmp_path, monkeypatch):
     ({"mcpServers": {"a": {"type": "sse", "url": "ftp://h"}}}, "http\\(s\\) 'url'"),
     ({"mcpServers": {"a": {"command": "x", "timeout": 0}}}, "timeout must be a positive"),
     ({"mcpServers": {"a": {"command": "x", "timeout": float("inf")}}}, "finite"),  # JSON Infinity
+    ({"mcpServers": {"a": {"command": "x", "timeout": 10 ** 400}}}, "finite"),  # past a float
     ({"mcpServers": {"a": {"command": "x", "args": "one"}}}, "list of strings"),
     # The entry named (the server's start said "embedded null byte", "illegal ... name", or
     # only "env must be an object of strings" of an env of many keys), its value never quoted
