@@ -223,10 +223,7 @@ def _store(a: argparse.Namespace) -> tuple[EventStorePort, str]:
     else:
         project = env.get("KIT_PROJECT") or ".kit"  # empty: unset, as kit-serve reads it
         url, source = project_log_url(project), f"the project {project} (KIT_PROJECT)"
-    try:
-        store = store_from_url(url, read_only=True)
-    except ConfigError as exc:  # a malformed URL: say whose
-        raise ConfigError(f"{source}: {exc}") from None
+    store = store_from_url(url, read_only=True, setting=source)  # a malformed URL: say whose
     if url == "memory":
         raise ConfigError(f"{source} names the in-memory store, whose log lives and dies with its "
                           "process: pass --store sqlite:///path/to/kit.db")

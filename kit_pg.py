@@ -781,16 +781,17 @@ class PostgresStore(StoreBase):
 
 # ==================================================================================== factory ====
 
-def store_from_url(url: str, *, sqlite_sync: str | None = None,
-                   read_only: bool = False) -> StoreBase:
+def store_from_url(url: str, *, sqlite_sync: str | None = None, read_only: bool = False,
+                   setting: str | None = None) -> StoreBase:
     """Build (not open) the store a ``KIT_STORE``-style URL names.
 
     ``memory``, ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db`` or
     ``postgresql://...[?schema=name]`` (``PostgresStore``); ``sqlite_sync`` (``KIT_SQLITE_SYNC``:
     ``NORMAL``, the default, or ``FULL``) is SQLite's ``synchronous``; ``read_only`` opens a
     SQLite or Postgres log that exists to read it only (see their classes; a memory store is
-    always writable). Raises ``ConfigError`` naming the URL (its password masked) for anything
-    else or a ``postgresql://`` URL that ``pg_url`` refuses, or naming ``KIT_SQLITE_SYNC`` for a
+    always writable). Raises ``ConfigError`` naming ``setting`` (where the URL came from:
+    ``KIT_STORE``, ``--store``) and the URL (its password masked) for anything else or a
+    ``postgresql://`` URL that ``pg_url`` refuses, or naming ``KIT_SQLITE_SYNC`` for a
     ``sqlite_sync`` that is neither.
     """
     if url == "memory":
@@ -804,7 +805,8 @@ def store_from_url(url: str, *, sqlite_sync: str | None = None,
         try:
             return PostgresStore(url, read_only=read_only)
         except ConfigError as exc:  # which setting's URL it is (a session URL may be one too)
-            raise ConfigError(f"store URL: {exc}") from None
-    raise ConfigError(f"unsupported store URL {masked(url)!r}: use 'memory', "
+            raise ConfigError(f"{setting or 'store URL'}: {exc}") from None
+    raise ConfigError(f"{setting + ': ' if setting else ''}unsupported store URL {masked(url)!r}: "
+                      "use 'memory', "
                       "'sqlite:///relative/path.db', 'sqlite:////absolute/path.db' or "
                       "'postgresql://user@host/database[?schema=name]'")

@@ -295,13 +295,9 @@ class Runtime(RunControl):
         try:
             if self._own_store:
                 url = env.get("KIT_STORE", "").strip()  # exported but empty: unset
-                try:
-                    self.store = store_from_url(url or self._default_store,
-                                                sqlite_sync=env.get("KIT_SQLITE_SYNC"))
-                except ConfigError as exc:  # a bad URL is a setting's: name it
-                    if not url or str(exc).startswith("KIT_"):
-                        raise
-                    raise ConfigError(f"KIT_STORE: {str(exc).removeprefix('store URL: ')}") from None
+                self.store = store_from_url(url or self._default_store,
+                                            sqlite_sync=env.get("KIT_SQLITE_SYNC"),
+                                            setting="KIT_STORE" if url else None)
                 await self.store.__aenter__()
             elif not getattr(self.store, "opened", True):
                 raise ConfigError("the store passed to Deck(store=...) is not open: open it with "
