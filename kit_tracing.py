@@ -17,8 +17,9 @@ Theory of operation
 Semantic layer (always on). ``emit`` gets each run's events in order (from ``ObserverHub``, in a
 worker thread) and keeps a ``_Segment`` per open run. ``run.started`` opens the root span,
 ``invoke_agent <name>`` or ``invoke_workflow <name>`` (``kit.run_id``, ``session.id``, the
-invocable's name; a child run's own trace has ``kit.parent_run_id`` and its parent's session);
-each step becomes its child:
+invocable's name; a child run's own trace has ``kit.parent_run_id`` and its parent's session,
+and the parent's ``execute_tool`` span that played it names it, ``kit.child_run_id`` and
+``kit.child_trace_id``, and links to its root); each step becomes its child:
 
 - ``model.completed`` -> ``chat <model>`` (CLIENT; ``gen_ai.request.model``, ``gen_ai.usage.*``,
   Langfuse ``usage_details``/``cost_details``). The log records a model call's end only, so its
@@ -329,7 +330,7 @@ class TracingObserver:
         # text.delta, message.completed, control.requested and unknown kinds: no span.
 
     def _open(self, ev: Event, at: int) -> _Segment:
-        p, parked = ev.payload, None
+        p, parked, parent = ev.payload, None, None
         if isinstance(p, RunStarted):
             meta = {"name": p.name, "invocable": p.invocable, "session.id": p.session_id,
                     "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
@@ -364,6 +365,14 @@ class TracingObserver:
         root = self._tracer.start_span(f"{op} {name}", context=self._o.empty, start_time=at,
                                        attributes=attrs)
         seg = self._runs[ev.run_id] = _Segment(root, self._o.in_context(root), at, meta)
+        if parent is not None:  # a child run: named on the tool span that called it, the
+            # earliest open one of its name not naming one yet (parallel calls start in order)
+            for span, where, _ in parent.tools.values():
+                if where.rsplit("/", 1)[-1] == name and "kit.child_run_id" not in span.attributes:
+                    span.set_attributes({"kit.child_run_id": ev.run_id,
+                                         "kit.child_trace_id": self.trace_id(ev.run_id)})
+                    span.add_link(root.get_span_context())
+                    break
         while len(self._runs) > MAX_OPEN_RUNS:
             self._end(self._runs.popitem(last=False)[1], at, unfinished=True)
         return seg

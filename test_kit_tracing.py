@@ -259,6 +259,28 @@ async def test_a_child_runs_trace_carries_its_parents_session(receiver):
     assert attrs(child)["gen_ai.conversation.id"] == "s7"
 
 
+async def test_a_parent_tool_span_names_and_links_its_child_run(receiver):
+    """A workflow played as a tool is a child run with a trace of its own: the parent's
+    execute_tool span carried nothing leading there, so Langfuse could not go from one to the other."""
+    graph = StateGraph(Count).add_node("bump", bump).add_edge(START, "bump").add_edge("bump", END)
+    model = ScriptedModel([{"tool": "counter", "args": {"n": 1}}, "done"], name="gpt-4o")
+    with anyio.fail_after(10):
+        async with Deck([Agent("calc", "Count.", workflows=["counter"], model=model)],
+                        workflows=[Workflow("counter", graph)], observers=[TracingObserver(
+                            public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
+            done = await deck.run("calc", "count")
+    traces = receiver.traces()
+    _, children = root_and_children(traces.pop(TracingObserver.trace_id(done.run_id)))
+    [child] = [s for spans in traces.values() for s in spans if not s.parent_span_id]
+    [tool] = [s for s in children if s.name == "execute_tool counter"]
+    child_run = attrs(child)["kit.run_id"]
+    assert attrs(tool)["kit.child_run_id"] == child_run
+    assert attrs(tool)["kit.child_trace_id"] == TracingObserver.trace_id(child_run) \
+        == child.trace_id.hex()
+    assert [(link.trace_id, link.span_id) for link in tool.links] == [(child.trace_id, child.span_id)]
+    assert not any("kit.child_run_id" in attrs(s) for s in children if s is not tool)
+
+
 async def test_a_parked_run_stays_one_trace_in_two_segments(receiver, monkeypatch):
     monkeypatch.setenv("KIT_TRACING_PUBLIC_KEY", PK)  # keys and host from the settings
     monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
