@@ -19,7 +19,7 @@ becomes the turn's input blocks. Every message is a role and its content, which 
 (``tool_calls``, ``function_call``, ``name``, ``audio``, ``refusal``, ...), is refused naming the
 message's index, never dropped (a field sent as null or empty carries nothing, and passes); so
 is a content part's field its block cannot hold (an image's ``detail`` other than ``auto``, a
-``cache_control``).
+``cache_control``), or a part with no data, named by its index too (``messages[2].content[1]``).
 kit's agents call their own tools, so a conversation holding another system's tool calls is not
 one they can carry on faithfully.
 
@@ -126,10 +126,11 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
     """The turn a ``POST /v1/chat/completions`` body asks for (module docstring). Every message
     is checked, with a session too (where the earlier ones are then not replayed).
 
-    Raises ``ChatRequestError`` for a malformed body, a role, field or part kit cannot carry, a
-    field asking for an answer kit cannot give (``tool_choice``, ...), or a last message that is not
-    the user's; ``ContentError`` for a malformed image or audio
-    payload. Either names the index of the message at fault (``messages[2]: ...``).
+    Raises ``ChatRequestError`` for a malformed body, a role, field or part kit cannot carry (an
+    image or audio part with no data too), a field asking for an answer kit cannot give
+    (``tool_choice``, ...), or a last message that is not the user's; ``ContentError`` for a
+    malformed image or audio payload. Either names the message at fault, and its part when a part
+    is (``messages[2]: ...``, ``messages[2].content[1]: ...``).
     """
     model, messages, stream = body.get("model"), body.get("messages"), body.get("stream")
     if stream is None:  # absent or null: OpenAI's API reads both as not streamed
@@ -164,7 +165,8 @@ def read_request(body: Mapping[str, Any], session_header: str | None = None) -> 
 
 
 def _message(index: int, message: Mapping[str, Any]) -> HistoryMessage:
-    """Message ``index`` as kit carries it, or the error that names it and why not."""
+    """Message ``index`` as kit carries it, or the error that names it (and its part) and why not."""
+    at = f"messages[{index}]"
     try:
         role = message.get("role")
         if role not in HISTORY_ROLES:
@@ -175,20 +177,20 @@ def _message(index: int, message: Mapping[str, Any]) -> HistoryMessage:
             raise ChatRequestError(
                 f"kit cannot carry a message's {', '.join(map(repr, dropped))} (a message here "
                 "is its role and its content; kit agents call their own tools)")
-        return HistoryMessage(role, _blocks(message.get("content")))
+        content = message.get("content")  # a string, or a list of text, image and audio parts
+        if isinstance(content, str):
+            return HistoryMessage(role, (TextBlock(content),))
+        if not isinstance(content, list) or not content:
+            raise ChatRequestError("a message's content must be a string or a non-empty list of parts")
+        blocks: list[ContentBlock] = []
+        for j, part in enumerate(content):
+            at = f"messages[{index}].content[{j}]"
+            blocks.append(_block(part))
+        return HistoryMessage(role, tuple(blocks))
     except ChatRequestError as exc:
-        raise ChatRequestError(f"messages[{index}]: {exc}") from None
+        raise ChatRequestError(f"{at}: {exc}") from None
     except ContentError as exc:
-        raise ContentError(f"messages[{index}]: {exc}") from None
-
-
-def _blocks(content: Any) -> tuple[ContentBlock, ...]:
-    """A message's content as blocks: a string, or a list of text, image and audio parts."""
-    if isinstance(content, str):
-        return (TextBlock(content),)
-    if not isinstance(content, list) or not content:
-        raise ChatRequestError("a message's content must be a string or a non-empty list of parts")
-    return tuple(_block(part) for part in content)
+        raise ContentError(f"{at}: {exc}") from None
 
 
 def _block(part: Any) -> ContentBlock:
@@ -216,11 +218,15 @@ def _block(part: Any) -> ContentBlock:
         if not sep:
             raise ChatRequestError("an image_url part must carry a base64 data: URL; kit keeps "
                                    "what the model saw in its log and fetches nothing")
+        if not data:  # valid base64 of nothing: the model would be sent an empty image
+            raise ChatRequestError("an image_url part's data: URL carries no data")
         return ImageBlock(media_type, data)
     if kind == "input_audio":
         audio = part.get("input_audio")
         if not isinstance(audio, Mapping) or not isinstance(audio.get("format"), str):
             raise ChatRequestError("an input_audio part needs input_audio.data and .format")
+        if audio.get("data") == "":
+            raise ChatRequestError("an input_audio part's input_audio.data carries no data")
         fmt = {"mp3": "mpeg"}.get(audio["format"], audio["format"])
         return AudioBlock(f"audio/{fmt}", audio.get("data"))
     raise ChatRequestError(f"kit cannot carry a content part of type {kind!r}; "

@@ -399,10 +399,10 @@ ASKED, THANKS = {"role": "user", "content": "what is it?"}, {"role": "user", "co
     ([{**ASKED, "name": "ana"}, {"role": "assistant", "content": "42"}, THANKS], 0, "'name'"),
     ([{**ASKED, "name": "ana"}], 0, "'name'"),  # the input itself
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
-      {"role": "assistant", "content": "a cat"}, THANKS], 0, "data: URL"),
+      {"role": "assistant", "content": "a cat"}, THANKS], "0].content[0", "data: URL"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "data:image/png;base64,!!"}}]}, {"role": "assistant", "content": "a cat"}, THANKS],
-     0, "base64"),
+     "0].content[0", "base64"),
 ], ids=["tool-calls", "tool-calls-no-content", "tool-role", "function-role", "function-call",
         "audio", "refusal", "name", "name-on-input", "image-by-url", "bad-base64"])
 async def test_no_message_kit_cannot_carry_passes_with_a_session_or_without(messages, at, why, session):
@@ -413,6 +413,28 @@ async def test_no_message_kit_cannot_carry_passes_with_a_session_or_without(mess
                                               **({} if session is None else {"metadata": {"session_id": session}}))
         message = bad.value.body["message"]  # the SDK's own .message prefixes the status
         assert message.startswith(f"messages[{at}]: ") and why in message
+        assert await app.deck.store.runs() == []
+        await aio.close()
+
+
+@pytest.mark.parametrize("part, why", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}, "no data"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "no data"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}, "base64"),
+    ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "data: URL"),
+    ({"type": "text", "text": 5}, "a text part needs a string"),
+], ids=["empty-image", "empty-audio", "bad-base64", "image-by-url", "text-not-str"])
+async def test_a_part_kit_cannot_carry_is_a_400_naming_its_message_and_part(part, why):
+    """An image whose data: URL held no data passed (the model was sent an empty image); a
+    part's error named its message only, not which of its parts."""
+    messages = [ASKED, {"role": "assistant", "content": "42"},
+                {"role": "user", "content": [{"type": "text", "text": "and this?"}, part]}]
+    async with served(catalog(), surfaces=("openai",)) as (client, app):
+        _, aio = clients(client)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await aio.chat.completions.create(model="echo", messages=messages)
+        message = bad.value.body["message"]
+        assert message.startswith("messages[2].content[1]: ") and why in message
         assert await app.deck.store.runs() == []
         await aio.close()
 
