@@ -20,8 +20,9 @@ Deck runs call the non-streamed ``Runner.run`` for both ``run`` and ``stream``: 
 model's ``stream_response`` and building the same ``ModelResponse`` the runner would have. The
 hooks (``_KitHooks``) make ``tool.started`` durable before a tool runs, record ``tool.completed``
 after it, and hold the agents' safe point: before each model call a pause or cancel request
-stops the run there with every finished turn kept in the session (notes/ENGINES.md 4). The run
-handle travels as the SDK's run context (``context=run``); the caller's object is ``run.data``.
+stops the run there with every finished turn kept in the session (notes/ENGINES.md 4); a turn's
+items reach the session only once the log holds what came before them (``_FencedSession``). The
+run handle travels as the SDK's run context (``context=run``); the caller's object is ``run.data``.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import agents as sdk
 import anyio
-from agents.memory import SessionSettings
+from agents.memory import OpenAIConversationsSession, SessionSettings
 from agents.models import get_default_model
 from agents.models._response_terminal import (
     response_error_event_failure_error, response_terminal_failure_error,
@@ -309,6 +310,23 @@ class _Stop(sdk.AgentsException):
         self.action, self.reason = action, reason
 
 
+class _FencedSession:
+    """A run's session as the SDK sees it: a turn's items are written only once the run's log
+    holds what came before them (``RunHandle.synced``). A run another process reaped while this
+    one stalled past its lease (a GC pause, a partition from the store) is refused there, so it
+    writes nothing into the conversation the next turn, on any replica, has taken since."""
+
+    def __init__(self, session: Any, run: RunHandle) -> None:
+        self._session, self._run = session, run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    async def add_items(self, items: list[Any]) -> None:
+        await self._run.synced()
+        await self._session.add_items(items)
+
+
 class _KitHooks(sdk.RunHooks):
     """Records tool calls (``tool.started`` durable before the tool runs, then
     ``tool.completed``) and holds the agents' safe point: before each model call, a run asked to
@@ -553,6 +571,8 @@ class AgentEngine:
         token = _CURRENT_RUN.set(run)
         base = _PLAY.set([run.input_tokens, run.output_tokens, 0])
         try:
+            if session is not None and not isinstance(session, OpenAIConversationsSession):
+                session = _FencedSession(session, run)  # (the SDK treats that one by its type)
             result = await sdk.Runner.run(self.sdk_agent, items, context=run, hooks=_HOOKS,
                                           run_config=self.limited(run_config, session),
                                           session=session, **self.turns)

@@ -683,9 +683,10 @@ class InvocableSpec:
 #: Error messages recorded in run.failed are cut to this length.
 MAX_ERROR_CHARS = 2000
 #: What a run handle hands its events to: ``deliver(handle, event)`` returns at once,
-#: ``commit(handle, event)`` once the event is durable (raising what refused it).
+#: ``commit(handle, event)`` once the event (None: all the handle recorded) is durable (raising
+#: what refused it).
 Deliver = Callable[["RunHandle", Event], None]
-Commit = Callable[["RunHandle", Event], Awaitable[None]]
+Commit = Callable[["RunHandle", "Event | None"], Awaitable[None]]
 
 
 class RunHandle:
@@ -693,10 +694,11 @@ class RunHandle:
 
     The Runtime makes one per run and passes it to the engine, which records the run through it:
     ``emit`` hands on an ordinary event at once; ``durable`` returns once the event is committed
-    (``tool.started`` before the tool runs; every end of a run); ``add_usage`` sums tokens and
-    cost for ``run.completed``; ``take_request`` reads a pause or cancel request at a safe point,
-    and ``on_request`` (set by the engine) is told of one the moment it arrives; ``start_child``
-    (set by the Runtime) plays a workflow as a child run of this one (an agent's workflow tool).
+    (``tool.started`` before the tool runs; every end of a run), ``synced`` once all it recorded
+    is (a session's items wait on it); ``add_usage`` sums tokens and cost for ``run.completed``;
+    ``take_request`` reads a pause or cancel request at a safe point, and ``on_request`` (set by
+    the engine) is told of one the moment it arrives; ``start_child`` (set by the Runtime) plays
+    a workflow as a child run of this one (an agent's workflow tool).
 
     Seqs are assigned here, in the engine's own order: ``run.started`` is seq 0. ``data`` is the
     caller's context object: handed to the engine's callables, never written anywhere.
@@ -744,6 +746,12 @@ class RunHandle:
         event = self._event(payload, origin, None)
         await self._commit(self, event)
         return event
+
+    async def synced(self) -> None:
+        """Wait until every event recorded so far is committed; raises what the store refused
+        (``LogConflictError`` once another process reaped the run while this one stalled past
+        its lease). What outlives the run beside its log, a session's items, waits on this."""
+        await self._commit(self, None)
 
     async def pace(self) -> None:
         """Let other tasks run, and wait while the log is behind: a run never runs far ahead

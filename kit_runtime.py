@@ -561,12 +561,13 @@ class Runtime(RunControl):
         else:
             self.bridge.post(((run, event, None), None))
 
-    async def _commit(self, run: RunHandle, event: Event, claim: Claim | None = None) -> None:
-        """Engine side: an event (with the run's claim, for a start), committed before this
-        returns."""
+    async def _commit(self, run: RunHandle, event: Event | None, claim: Claim | None = None) -> None:
+        """Engine side: an event (with the run's claim, for a start; None: only what the run
+        recorded before), committed before this returns."""
         if self.bridge is None:
-            await self._write(run, [event], claim)  # type: ignore[arg-type]
-        elif event.payload.ends is not None and getattr(run, "ends_on_kit", False):
+            await (self._flushed(run.run_id) if event is None
+                   else self._write(run, [event], claim))  # type: ignore[arg-type]
+        elif event and event.payload.ends is not None and getattr(run, "ends_on_kit", False):
             self.bridge.post(((run, event, claim), None))  # the engine returns next: _played
         else:
             await self.bridge.post_and_wait((run, event, claim))
@@ -591,9 +592,10 @@ class Runtime(RunControl):
         what, reply = item
         if what is not None:
             run, event, claim = what
-            self._put(run, event, claim)
+            if event is not None:  # None: a run's ``synced``
+                self._put(run, event, claim)
         if reply is not None:
-            self._tg.start_soon(self._settle, None if what is None else what[1].run_id, reply)
+            self._tg.start_soon(self._settle, None if what is None else what[0].run_id, reply)
 
     async def _settle(self, run_id: str | None, reply: Any) -> None:
         try:

@@ -131,7 +131,9 @@ async def test_a_refused_batch_is_retried_and_what_was_acknowledged_is_the_log(t
     assert [(e.run_id, e.seq) for e in rec.seen] == [(e.run_id, e.seq) for e in log]
 
 
-async def test_a_store_down_past_the_bound_fails_the_run_visibly_and_frees_its_session(tmp_path, monkeypatch):
+@pytest.mark.parametrize("session", [None, "s"])
+async def test_a_store_down_past_the_bound_fails_the_run_visibly_and_frees_its_session(
+        tmp_path, monkeypatch, session):
     monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
     async with FaultyStore(tmp_path / "kit.db") as store:
         def outage() -> str:
@@ -143,7 +145,7 @@ async def test_a_store_down_past_the_bound_fails_the_run_visibly_and_frees_its_s
         async with Deck([Agent("a", tools=[outage], model=model)], store=store) as deck:
             got: list[Event] = []
             with anyio.fail_after(20), pytest.raises(StoreUnavailableError) as info:
-                async for event in deck.stream("a", "hi", session_id="s", committed=True):
+                async for event in deck.stream("a", "hi", session_id=session, committed=True):
                     got.append(event)
             run_id = info.value.run_id
             assert got and got[0].run_id == run_id  # the stream acknowledged only what committed
@@ -152,16 +154,24 @@ async def test_a_store_down_past_the_bound_fails_the_run_visibly_and_frees_its_s
             async def ended() -> bool:
                 return (await deck.status(run_id)) in (RunStatus.COMPLETED, RunStatus.FAILED)
             await until(ended)
-            # It had played to its end (its reply is shorter than the writer's backlog): the
-            # caller was told so, and its run.completed is the log's, not a run.failed.
-            assert info.value.outcome == "ended" and "do not play it again" in str(info.value)
-            assert await deck.status(run_id) is RunStatus.COMPLETED
+            if session is None:
+                # It had played to its end (its reply is shorter than the writer's backlog): the
+                # caller was told so, and its run.completed is the log's, not a run.failed.
+                assert info.value.outcome == "ended" and "do not play it again" in str(info.value)
+                assert await deck.status(run_id) is RunStatus.COMPLETED
+            else:
+                # Its tool step waited for the log before reaching the session, so it stopped
+                # there: the session holds no more of the turn than the log does.
+                assert info.value.outcome == "stopped"
+                assert await deck.status(run_id) is RunStatus.FAILED
+                items = await deck.session_for(session).get_items()
+                assert [i.get("content") for i in items] == ["hi"]
             log = await store.read(run_id)
             assert seqs(log) == list(range(len(log))) and log[-1].payload.ends == "terminal"
             assert [e.to_json() for e in got] == [e.to_json() for e in log[:len(got)]]
             # The session is free again: the next turn plays.
-            result = await deck.run("a", "again", session_id="s")
-            assert result.output == "second turn"
+            result = await deck.run("a", "again", session_id=session)
+            assert result.output == (LONG if session else "second turn")  # (where it stopped)
 
 
 async def test_a_chat_completions_stream_an_outage_stops_ends_in_openais_error_shape(
@@ -652,6 +662,39 @@ async def test_a_renewal_that_fails_is_tried_again_within_the_lease(tmp_path, mo
                     gate.release.set()
             assert store.failures == 2 and reaped == []
             assert results[0].output == "all done", results
+
+
+async def test_a_run_reaped_while_its_process_stalled_writes_nothing_to_its_session(
+        tmp_path, monkeypatch, anyio_backend):
+    """A process that stalled past its lease (a GC pause, a frozen VM, a partition from the
+    store) had its live run reaped by another process, whose next turn took the session; woken,
+    the run wrote its tool step into that conversation after the other turn, though its log
+    refused it (kit-serve replicas: the next turn's model saw a call no turn of its had made)."""
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.3")
+    gate = Gate()
+    worker = Agent("worker", tools=[gate.wait_tool()],
+                   model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "too late"]))
+    talk = Agent("talk", model=ScriptedModel(["hello"]))
+    async with FaultyStore(tmp_path / "kit.db") as store, SQLiteStore(tmp_path / "kit.db") as other:
+        async with Deck([worker, talk], store=store) as deck:
+            results: list = []
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    await start_in_background(tg, deck, results, "worker", "go", session_id="s")
+                    await gate.until_entered()
+                    store.fail_renewals = 10**6  # this process stalls: its lease lapses
+                    while not (reaped := await other.reap()):  # another process reaps the run
+                        await anyio.sleep(0.05)
+                    store.fail_renewals = 0
+                    assert (await deck.run("talk", "hi", session_id="s")).output == "hello"
+                    gate.release.set()  # the stalled run wakes
+            items = await deck.session_for("s").get_items()
+            log = await store.read(reaped[0])
+    assert isinstance(results[0], kit.LogConflictError), results
+    assert log[-1].kind == "run.failed" and log[-1].payload.error == "RunAbandoned"
+    # The stalled turn's input (saved as it started), then the other turn: nothing after it.
+    assert [(i.get("role"), i.get("content") if isinstance(i.get("content"), str) else None)
+            for i in items] == [("user", "go"), ("user", "hi"), ("assistant", None)]
 
 
 class HeldReads(SQLiteStore):
