@@ -26,11 +26,13 @@ live buffer when someone streams it. The writer group-commits: one ``store.appen
 (``FLUSH_MAX`` events, or ``FLUSH_DELAY`` after the first), never one commit per token (PERF.md
 section 3), and feeds the observers what each append committed. ``_write`` is ``_put`` plus a
 commit now, raising what the store refused (a busy session, a fenced seq, a value it cannot
-hold) for that run alone. A write the store may refuse for its seq (a caller's own run id, a
-take-over of a parked run) is fenced here too (``_fence``): one per run id at a time in a deck,
-so two callers racing for one run never share a batch, whose refusal would cost both. The ids
-callers give are checked before anything is written (``check_id``); what kit reads back from
-its own log is not checked again.
+hold) for that run alone; with nothing of the run's to commit and its lease maybe lapsed (no
+renewal for half of it, or a stall past it), the store is asked whether another process ended
+the run (what a session's or a checkpoint's write waits on: ``RunHandle.synced``). A write the
+store may refuse for its seq (a caller's own run id, a take-over of a parked run) is fenced here
+too (``_fence``): one per run id at a time in a deck, so two callers racing for one run never
+share a batch, whose refusal would cost both. The ids callers give are checked before anything
+is written (``check_id``); what kit reads back from its own log is not checked again.
 """
 from __future__ import annotations
 
@@ -315,6 +317,7 @@ class Runtime(RunControl):
         self.hub = kit_observers.ObserverHub(observers)
         self.writer = Writer(self.store, self._committed, self._give_up, down_limit=self.down_limit,
                              refused=self._refused)
+        self._renewed, self._doubted = anyio.current_time(), set()  # leases, for _flushed
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         # Observers start in order before any run; one whose start() raises refuses the open.
@@ -471,8 +474,12 @@ class Runtime(RunControl):
     async def _keep_leases(self) -> None:
         """Renew the leases of the runs still played here (or with events still to commit),
         and only those; reap runs whose owner stopped renewing."""
+        started = anyio.current_time()
+        if started - self._renewed > self.lease:  # stalled past it: reaped elsewhere? (_flushed)
+            self._doubted = set(self.active)
         live = set(self.active) | self.writer.pending_runs()
         await self.store.renew(self.owner, self.lease, sorted(live))
+        self._renewed = started
         await self._reap()
 
     async def _reap(self) -> None:
@@ -500,8 +507,22 @@ class Runtime(RunControl):
         await self._flushed(events[0].run_id)
 
     async def _flushed(self, run_id: str) -> None:
+        held = self.writer.holds(run_id)
         await self.writer.flush()
         error = self.writer.failed.pop(run_id, None)
+        # With nothing to commit, the log refuses nothing: while its lease may have lapsed,
+        # ask whether another process has ended the run (what a checkpoint write waits on).
+        if error is None and not held and (run_id in self._doubted or anyio.current_time()
+                                           - self._renewed > self.lease / 2):
+            info = await self.store.run_info(run_id)
+            if info is None or info.status not in (RunStatus.FAILED, RunStatus.COMPLETED,
+                                                   RunStatus.CANCELLED):
+                self._doubted.discard(run_id)
+            else:  # doubted from now on: each later write is refused too, and the run stops
+                self._doubted.add(run_id)
+                error = LogConflictError(run_id, getattr(self.active.get(run_id), "seq", 0) + 1,
+                                         info.status)
+                self._refused(run_id, error)
         if error is not None:
             raise error
 

@@ -23,9 +23,11 @@ caller's context travels in LangGraph's run context (``context=``), never in sta
 never reaches a checkpoint (notes/ENGINES.md 12). Pause and cancel drain the graph at its next
 superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a paused run
 resumes where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before
-the next superstep starts. A non-durable run's thread lives only while the run does: when the run
-ends (completed, failed, cancelled) its checkpoints are deleted (a durable run's too when its
-thread is its own run id: a child run's, which no later run reaches); while it is parked
+the next superstep starts, and is written only once the run's log holds what came before it
+(``_fence``), so a run reaped while its process stalled writes none. A non-durable run's
+thread lives only while the run does: when the run ends (completed, failed, cancelled) its
+checkpoints are deleted (a durable run's too when its thread is its own run id: a child run's,
+which no later run reaches); while it is parked
 (waiting for a human, asleep, paused) they stay, for the run that resumes it, so only the
 process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops the
 tasks it stopped at, so no tick wakes its sleep, and the next run on its thread applies its input
@@ -44,6 +46,7 @@ its run.
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -207,6 +210,7 @@ class WorkflowEngine:
         if run.requested is not None:  # asked before the graph started
             control.request_drain(run.requested[0])
         parks = completed = False  # parks: its thread is kept for the run that resumes it
+        playing = _PLAYING.set(run)
         try:
             try:
                 final, interrupts = await self._stream(run, graph, inp, control, abandoned)
@@ -236,9 +240,12 @@ class WorkflowEngine:
         finally:
             own = run.session_id is None  # its thread is its run id: no later run reaches it
             # A durable run that completed leaves no task: its thread is kept for the next run.
-            if not parks and not (completed and self.durable and not own):
-                with anyio.CancelScope(shield=True):  # a cancelled run ends too
-                    await self.forget(graph, run.thread_key, whole=own)
+            try:
+                if not parks and not (completed and self.durable and not own):
+                    with anyio.CancelScope(shield=True):  # a cancelled run ends too
+                        await self.forget(graph, run.thread_key, whole=own)
+            finally:
+                _PLAYING.reset(playing)
 
     async def forget(self, graph: Any, key: str, whole: bool = False) -> None:
         """Engine side: thread ``key``'s run ended (cancelled or failed; a non-durable one
@@ -491,6 +498,24 @@ def _bound(workflow: str, graph: Any, path: str, above: set[int]) -> Any:
 
 # ============================================================================ checkpointers ====
 
+#: The run whose graph plays here (set by ``play``; LangGraph's tasks inherit it): a durable
+#: checkpoint write waits until its log holds what came before (``_fence``).
+_PLAYING: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_playing",
+                                                                            default=None)
+
+
+def _fence(saver: Any) -> None:
+    """A durable saver's writes wait on the playing run's ``synced``: a run another process
+    reaped while this one stalled past its lease writes no checkpoint onto the thread that a
+    later run, on any replica, has taken since (its log refuses it; so is the write)."""
+    for name in ("aput", "aput_writes"):
+        async def fenced(*args: Any, _write: Any = getattr(saver, name), **kw: Any) -> Any:
+            if (run := _PLAYING.get()) is not None:
+                await run.synced()
+            return await _write(*args, **kw)
+        setattr(saver, name, fenced)
+
+
 def checkpoint_path(store_path: str) -> str:
     """The durable workflows' checkpoint file for a log file: ``kit.db`` -> ``kit.checkpoints.db``.
 
@@ -544,6 +569,8 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
             except BaseException:
                 await pool.close()
                 raise
+    if durable is not None:
+        _fence(durable)
     graphs = {}
     for spec in specs:
         if spec.kind == "workflow":

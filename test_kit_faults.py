@@ -697,6 +697,46 @@ async def test_a_run_reaped_while_its_process_stalled_writes_nothing_to_its_sess
             for i in items] == [("user", "go"), ("user", "hi"), ("assistant", None)]
 
 
+async def test_a_workflow_run_reaped_while_its_process_stalled_writes_no_checkpoint(
+        tmp_path, monkeypatch, anyio_backend):
+    """A durable workflow's run reaped while its process stalled past its lease: woken, it
+    wrote its node's checkpoint onto the thread after the run another process had played on
+    it since, so the thread's next run started from the dead run's state, without that run's
+    answer."""
+    import threading
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.3")
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(state: State) -> dict:  # the first call stalls; a sync node plays on a thread
+        if not entered.is_set():
+            entered.set()
+            release.wait(10)
+        return {"log": ["slow"]}
+    wf = Workflow("wf", graph(slow, ask), durable=True)
+    async with FaultyStore(tmp_path / "kit.db") as store, SQLiteStore(tmp_path / "kit.db") as other:
+        async with Deck(workflows=[wf], store=store) as deck:
+            results: list = []
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    await start_in_background(tg, deck, results, "wf", {"log": ["one"]},
+                                              session_id="t")
+                    assert await anyio.to_thread.run_sync(entered.wait, 10)
+                    store.fail_renewals = 10**6  # this process stalls: its lease lapses
+                    while not await other.reap():  # another process reaps the run
+                        await anyio.sleep(0.05)
+                    store.fail_renewals = 0
+                    parked = await deck.run("wf", {"log": ["two"]}, session_id="t")
+                    second = await deck.answer(parked.run_id, "yes")
+                    release.set()  # the stalled run wakes
+                parked = await deck.run("wf", {"log": ["three"]}, session_id="t")
+                third = await deck.answer(parked.run_id, "again")
+    assert isinstance(results[0], kit.LogConflictError), results
+    # The second run carried on from the dead one (its input was not applied); the third
+    # started from where the second ended.
+    assert second["log"] == ["one", "slow", "answer=yes"]
+    assert third["log"] == second["log"] + ["three", "slow", "answer=again"]
+
+
 class HeldReads(SQLiteStore):
     """The real SQLite store whose next read of a run's log waits while ``hold`` is set: a
     caller that read the run index, then lost the CPU before reading the log."""
