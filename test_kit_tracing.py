@@ -240,9 +240,11 @@ async def bump(state: Count) -> dict:
     return {"n": state.get("n", 0) + 1}
 
 
-async def test_a_child_runs_trace_carries_its_parents_session(receiver):
-    """A workflow played as a tool is a child run, which claims no session: its trace had no
-    session.id, so the session's traces in Langfuse left it out."""
+async def test_a_child_runs_trace_carries_its_parents_session_and_its_tool_span_leads_there(
+        receiver):
+    """A workflow played as a tool is a child run with a trace of its own, which claims no
+    session: its trace had no session.id, so the session's traces in Langfuse left it out; and
+    the parent's execute_tool span carried nothing leading there."""
     graph = StateGraph(Count).add_node("bump", bump).add_edge(START, "bump").add_edge("bump", END)
     model = ScriptedModel([{"tool": "counter", "args": {"n": 1}}, "done"], name="gpt-4o")
     with anyio.fail_after(10):
@@ -251,27 +253,12 @@ async def test_a_child_runs_trace_carries_its_parents_session(receiver):
                             public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
             done = await deck.run("calc", "count", session_id="s7")
     traces = receiver.traces()
-    parent, _ = root_and_children(traces.pop(TracingObserver.trace_id(done.run_id)))
+    parent, children = root_and_children(traces.pop(TracingObserver.trace_id(done.run_id)))
     [child] = [s for spans in traces.values() for s in spans if not s.parent_span_id]
     assert child.name == "invoke_workflow counter" and attrs(child)["kit.status"] == "COMPLETED"
     assert attrs(child)["kit.parent_run_id"] == done.run_id
     assert attrs(child)["session.id"] == attrs(parent)["session.id"] == "s7"
     assert attrs(child)["gen_ai.conversation.id"] == "s7"
-
-
-async def test_a_parent_tool_span_names_and_links_its_child_run(receiver):
-    """A workflow played as a tool is a child run with a trace of its own: the parent's
-    execute_tool span carried nothing leading there, so Langfuse could not go from one to the other."""
-    graph = StateGraph(Count).add_node("bump", bump).add_edge(START, "bump").add_edge("bump", END)
-    model = ScriptedModel([{"tool": "counter", "args": {"n": 1}}, "done"], name="gpt-4o")
-    with anyio.fail_after(10):
-        async with Deck([Agent("calc", "Count.", workflows=["counter"], model=model)],
-                        workflows=[Workflow("counter", graph)], observers=[TracingObserver(
-                            public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
-            done = await deck.run("calc", "count")
-    traces = receiver.traces()
-    _, children = root_and_children(traces.pop(TracingObserver.trace_id(done.run_id)))
-    [child] = [s for spans in traces.values() for s in spans if not s.parent_span_id]
     [tool] = [s for s in children if s.name == "execute_tool counter"]
     child_run = attrs(child)["kit.run_id"]
     assert attrs(tool)["kit.child_run_id"] == child_run
