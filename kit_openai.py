@@ -3,7 +3,8 @@
 Owns: reading a ``POST /v1/chat/completions`` body into a turn (``read_request`` -> ``ChatTurn``:
 the agent, the input blocks, the session or the one-off history, streamed or not), the
 ``chat.completion`` body (``completion``), the chunks of a streamed one (``Chunks``), the
-``GET /v1/models`` list (``model_list``) and each model of it (``model_object``), and OpenAI's error body (``error_body``).
+``GET /v1/models`` list (``model_list``) and each model of it (``model_object``), and OpenAI's
+error body (``error_body``).
 
 Must never: speak ASGI or touch a socket (kit_http serves the routes, frames the chunks as SSE and
 maps errors to statuses), reach a deck, the Runtime or the store, import an SDK, or accept a

@@ -62,6 +62,7 @@ from kit_core import (
     as_history, check_id, check_name, count_setting, new_run_id,
 )
 from kit_pg import store_from_url
+from kit_store import ENDED
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
 
 if TYPE_CHECKING:
@@ -515,8 +516,7 @@ class Runtime(RunControl):
         if error is None and not held and (run_id in self._doubted or anyio.current_time()
                                            - self._renewed > self.lease / 2):
             info = await self.store.run_info(run_id)
-            if info is None or info.status not in (RunStatus.FAILED, RunStatus.COMPLETED,
-                                                   RunStatus.CANCELLED):
+            if info is None or info.status not in ENDED:
                 self._doubted.discard(run_id)
             else:  # doubted from now on: each later write is refused too, and the run stops
                 self._doubted.add(run_id)

@@ -27,9 +27,8 @@ the next superstep starts, and is written only once the run's log holds what cam
 (``_fence``), so a run reaped while its process stalled writes none. A non-durable run's
 thread lives only while the run does: when the run ends (completed, failed, cancelled) its
 checkpoints are deleted (a durable run's too when its thread is its own run id: a child run's,
-which no later run reaches); while it is parked
-(waiting for a human, asleep, paused) they stay, for the run that resumes it, so only the
-process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops the
+which no later run reaches); while it is parked (waiting for a human, asleep, paused) they stay,
+for the run that resumes it, so only the process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops the
 tasks it stopped at, so no tick wakes its sleep, and the next run on its thread applies its input
 (LangGraph discards any task left); only after a run whose process died (the Runtime reads that off
 the log: ``abandoned``) does the next run carry on from the last checkpoint, with the answer its
@@ -198,10 +197,10 @@ class WorkflowEngine:
         thread's previous run was abandoned (its process died, an answer it took included), so
         a new run on a durable thread that stopped mid-run carries on from the last checkpoint
         and the new input is not applied; otherwise the input is applied and LangGraph discards
-        whatever tasks the thread stopped at. A run's failure is recorded, then re-raised. A cancel asked for
-        while the run's last step was on its way to an interrupt cancels it there instead of
-        parking it. A run that ends gives up its thread (``forget``); one that parks keeps it
-        for the run that resumes it.
+        whatever tasks the thread stopped at. A run's failure is recorded, then re-raised. A
+        cancel asked for while the run's last step was on its way to an interrupt cancels it
+        there instead of parking it. A run that ends gives up its thread (``forget``); one that
+        parks keeps it for the run that resumes it.
         """
         from langgraph.errors import GraphDrained
         from langgraph.runtime import RunControl
