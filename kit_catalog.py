@@ -192,8 +192,8 @@ class Workflow:
     def _graph(self) -> Any:
         """The graph of the headless runs, compiled once with a private in-memory checkpointer."""
         if self._headless is None:
-            import kit_workflows
-            self._headless = self.graph.compile(checkpointer=kit_workflows.memory_saver())
+            import kit_threads
+            self._headless = self.graph.compile(checkpointer=kit_threads.memory_saver())
         return self._headless
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+import kit_threads
 import kit_workflows
 from kit_core import (
     CheckpointMissingError, ControlRequest, ControlRequested, Due, Event, LogConflictError,
@@ -356,7 +357,7 @@ class RunControl:
         LangGraph would start the graph over with an empty state and the answer would be lost."""
         spec = run.spec
         graph = self.graphs[spec.name]
-        if not await self._on_engine(kit_workflows.holds_thread, graph, run.thread_key):
+        if not await self._on_engine(kit_threads.holds_thread, graph, run.thread_key):
             self._unstream(run)
             raise CheckpointMissingError(run.run_id, spec.name, spec.engine.durable)
 

@@ -52,6 +52,7 @@ import anyio.lowlevel
 import sniffio
 
 import kit_observers
+import kit_threads
 import kit_workflows
 from kit_bridge import Bridge
 from kit_control import BACKOFF_MAX, RunControl
@@ -281,7 +282,7 @@ class Runtime(RunControl):
         self._tg: Any = None
         self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
         self._close_graphs: Any = None
-        self._thread_locks: Any = None  # kit_workflows.ThreadLocks: one ticker per thread
+        self._thread_locks: Any = None  # kit_threads.ThreadLocks: one ticker per thread
         self._init_control()
 
     # ------------------------------------------------------------------------ lifecycle --
@@ -344,7 +345,7 @@ class Runtime(RunControl):
         if self.sessions is not None:
             await self._on_engine(self.sessions.open)
         self.graphs, self._close_graphs, self._thread_locks = await self._on_engine(
-            kit_workflows.open_graphs, list(self.specs.values()), getattr(self.store, "url", None))
+            kit_threads.open_graphs, list(self.specs.values()), getattr(self.store, "url", None))
         await self._start_mcp()
         if any(spec.kind == "agent" for spec in self.specs.values()):
             await self._on_engine(self._agents.warm_up, list(self.specs.values()))

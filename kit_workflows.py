@@ -1,10 +1,8 @@
 """kit_workflows: the LangGraph engine: workflows compiled, played on a run handle, parked, woken.
 
 Owns: compiling a ``Workflow`` for Deck runs (``compile_workflow``: a copy of its graph whose nodes
-that declare a ``Context`` receive the run's, a compiled subgraph's too), the checkpointers
-(``open_graphs``: durable workflows on a SQLite file beside the log or in the Postgres schema of
-the log, the others in memory, where a run that ended leaves no thread behind) and the locks that
-keep two tickers off one thread (``ThreadLocks``), what an input or an answer may hold
+that declare a ``Context`` receive the run's, a compiled subgraph's too), what an input or an
+answer may hold
 (``WorkflowEngine.to_input`` and ``check_answer``: ``INT_RANGE``, ``MAX_DEPTH``), playing and
 resuming a run (``WorkflowEngine.play``), reading sleeping threads off a checkpointer
 (``sleeping_until``, ``sleeping_threads``), the headless ``Workflow.run``/``resume``
@@ -12,7 +10,8 @@ resuming a run (``WorkflowEngine.play``), reading sleeping threads off a checkpo
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
-it, touch asyncio directly, or put the application context in state, config or a checkpoint.
+it, touch asyncio directly, open a checkpointer (kit_threads, below, holds them: ``open_graphs``),
+or put the application context in state, config or a checkpoint.
 
 Theory of operation
 -------------------
@@ -21,38 +20,32 @@ A run streams the graph with ``stream_mode=["updates", "values"]``: each node's 
 ``run.sleeping`` for ``sleep_until``); the last values are the output of ``run.completed``. The
 caller's context travels in LangGraph's run context (``context=``), never in state or config, so it
 never reaches a checkpoint (notes/ENGINES.md 12). Pause and cancel drain the graph at its next
-superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a paused run
-resumes where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before
-the next superstep starts, and is written only once the run's log holds what came before it
-(``_fence``), so a run reaped while its process stalled writes none. A non-durable run's
-thread lives only while the run does: when the run ends (completed, failed, cancelled) its
-checkpoints are deleted (a durable run's too when its thread is its own run id: a child run's,
-which no later run reaches); while it is parked (waiting for a human, asleep, paused) they stay,
-for the run that resumes it, so only the process that parked it can (``holds_thread``). A durable run that is cancelled or fails drops the
-tasks it stopped at, so no tick wakes its sleep, and the next run on its thread applies its input
-(LangGraph discards any task left); only after a run whose process died (the Runtime reads that off
-the log: ``abandoned``) does the next run carry on from the last checkpoint, with the answer its
-run had taken (saved before its node ran: ``_keep_answer``). A thread whose state LangGraph cannot
-read any more (it no longer fits the state schema) is deleted by the next run, which starts it
-afresh (``_stuck``). A sleep is an interrupt of exactly ``{"kind": "sleep", "until": <aware ISO
-time>}``; any other is a human's question. A value a checkpoint cannot store fails the run at its
-first checkpoint, once the run is in the log (an answered one for good: its interrupt cannot be
-answered again), so an input or an answer is checked before anything is written (``to_input``,
-``check_answer``) and refused as a ``ContentError``. The Postgres checkpointer's pool
-(``kit-checkpoints:<schema>`` in ``pg_stat_activity``) tests each connection when taken, so a
-durable step after the server dropped them (a restart, a failover) reconnects instead of failing
-its run.
+superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a paused run resumes
+where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before the next
+superstep starts, and is written only once the run's log holds what came before it
+(``kit_threads.PLAYING``), so a run reaped while its process stalled writes none. A non-durable
+run's thread lives only while the run does: when the run ends (completed, failed, cancelled) its
+checkpoints are deleted (a durable run's too when its thread is its own run id: a child run's, which
+no later run reaches); while it is parked (waiting for a human, asleep, paused) they stay, for the
+run that resumes it, so only the process that parked it can (``holds_thread``). A durable run that
+is cancelled or fails drops the tasks it stopped at, so no tick wakes its sleep, and the next run on
+its thread applies its input (LangGraph discards any task left); only after a run whose process died
+(the Runtime reads that off the log: ``abandoned``) does the next run carry on from the last
+checkpoint, with the answer its run had taken (saved before its node ran: ``_keep_answer``). A
+thread whose state LangGraph cannot read any more (it no longer fits the state schema) is deleted by
+the next run, which starts it afresh (``_stuck``). A sleep is an interrupt of exactly ``{"kind":
+"sleep", "until": <aware ISO time>}``; any other is a human's question. A value a checkpoint cannot
+store fails the run at its first checkpoint, once the run is in the log (an answered one for good:
+its interrupt cannot be answered again), so an input or an answer is checked before anything is
+written (``to_input``, ``check_answer``) and refused as a ``ContentError``.
 """
 from __future__ import annotations
 
-import contextvars
 import copy
 import dataclasses
-import functools
 import inspect
 import json
 import logging
-import os
 import typing
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
@@ -68,19 +61,14 @@ from kit_core import (
     InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
     RunPaused, RunSleeping, Usage, jsonable, new_run_id,
 )
-from kit_pg import open_pool, pg_url, setup_lock
+from kit_threads import PLAYING, checkpoint_serde, thread_config
 
 if TYPE_CHECKING:
     from kit_catalog import Workflow
 
-__all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "MAX_DEPTH", "open_graphs",
-           "checkpoint_path", "sleeping_until", "sleeping_threads", "holds_thread", "ThreadLocks",
-           "PgThreadLocks", "run_headless", "workflow_tool", "child_tool", "memory_saver",
-           "CHECKPOINT_POOL")
+__all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "MAX_DEPTH", "resume_command",
+           "sleeping_until", "sleeping_threads", "run_headless", "workflow_tool", "child_tool")
 
-#: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
-#: share them, and a ticker holds one per thread it is resuming.
-CHECKPOINT_POOL = 4
 _log = logging.getLogger("kit_workflows")
 _CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"
@@ -129,21 +117,13 @@ def _check_data(what: str, value: Any) -> None:
                 stack.append((inner, depth + 1))
 
 
-@functools.cache
-def _checkpoint_serde() -> Any:
-    """LangGraph's default checkpoint serializer: the one every checkpointer ``open_graphs``
-    makes uses (none is given a ``serde``). Made on first use: kit imports LangGraph late."""
-    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
-    return JsonPlusSerializer()
-
-
 class WorkflowEngine:
     """A compiled workflow: the deck's copy of its graph (nodes that take a ``Context`` bound to
     LangGraph's run context), its input check and its thread key scheme.
 
     Checkpoint threads are keyed ``<workflow>:<namespace>:<thread id>`` so workflows and
     namespaces never share a thread, and a checkpointer scan can tell whose thread it sees. The
-    graph is compiled when the deck opens, with its checkpointer (``open_graphs``).
+    graph is compiled when the deck opens, with its checkpointer (``kit_threads.open_graphs``).
     """
 
     def __init__(self, name: str, graph: Any, durable: bool) -> None:
@@ -180,7 +160,7 @@ class WorkflowEngine:
         what = f"the answer to workflow {self.name!r}"
         _check_data(what, value)  # first: these limits said in kit's words, not msgpack's
         try:  # the very bytes LangGraph writes: the answered task's list of resume values
-            _checkpoint_serde().dumps_typed([value])
+            checkpoint_serde().dumps_typed([value])
         except TypeError as exc:  # ormsgpack's error, which wraps what an object's encoding raised
             raise ContentError(f"{what} cannot be stored in LangGraph's checkpoints ({exc}); "
                                "send JSON data") from None
@@ -209,7 +189,7 @@ class WorkflowEngine:
         if run.requested is not None:  # asked before the graph started
             control.request_drain(run.requested[0])
         parks = completed = False  # parks: its thread is kept for the run that resumes it
-        playing = _PLAYING.set(run)
+        playing = PLAYING.set(run)
         try:
             try:
                 final, interrupts = await self._stream(run, graph, inp, control, abandoned)
@@ -244,7 +224,7 @@ class WorkflowEngine:
                     with anyio.CancelScope(shield=True):  # a cancelled run ends too
                         await self.forget(graph, run.thread_key, whole=own)
             finally:
-                _PLAYING.reset(playing)
+                PLAYING.reset(playing)
 
     async def forget(self, graph: Any, key: str, whole: bool = False) -> None:
         """Engine side: thread ``key``'s run ended (cancelled or failed; a non-durable one
@@ -259,7 +239,7 @@ class WorkflowEngine:
         if not self.durable or whole:
             await graph.checkpointer.adelete_thread(key)
             return
-        config = _config(key)
+        config = thread_config(key)
         try:
             if (await graph.aget_state(config)).next:
                 await graph.aupdate_state(config, None, as_node="__end__")
@@ -271,7 +251,7 @@ class WorkflowEngine:
                       abandoned: bool) -> tuple[Any, Any]:
         """Stream the graph on ``run``'s thread, recording each node's update: the last state
         and the interrupts it stopped on (empty when it ran to its end)."""
-        config = _config(run.thread_key)
+        config = thread_config(run.thread_key)
         head = None  # the thread's checkpoint before this run applies its input
         if self.durable and isinstance(inp, dict):
             # Carried on only after a process that died (the log says so, ``abandoned``): an
@@ -410,10 +390,6 @@ def _sleeps_until(value: Any) -> datetime | None:
     return until if until.utcoffset() is not None else None
 
 
-def _config(key: str) -> dict[str, Any]:
-    return {"configurable": {"thread_id": key}}
-
-
 def _bind_context(workflow: str, name: str, fn: Callable[..., Any], ctx_names: list[str]) -> Any:
     """A node that hands ``fn`` the run's context as ``Context(runtime.context)``.
 
@@ -495,204 +471,6 @@ def _bound(workflow: str, graph: Any, path: str, above: set[int]) -> Any:
     return out
 
 
-# ============================================================================ checkpointers ====
-
-#: The run whose graph plays here (set by ``play``; LangGraph's tasks inherit it): a durable
-#: checkpoint write waits until its log holds what came before (``_fence``).
-_PLAYING: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_playing",
-                                                                            default=None)
-
-
-def _fence(saver: Any) -> None:
-    """A durable saver's writes wait on the playing run's ``synced``: a run another process
-    reaped while this one stalled past its lease writes no checkpoint onto the thread that a
-    later run, on any replica, has taken since (its log refuses it; so is the write)."""
-    for name in ("aput", "aput_writes"):
-        async def fenced(*args: Any, _write: Any = getattr(saver, name), **kw: Any) -> Any:
-            if (run := _PLAYING.get()) is not None:
-                await run.synced()
-            return await _write(*args, **kw)
-        setattr(saver, name, fenced)
-
-
-def checkpoint_path(store_path: str) -> str:
-    """The durable workflows' checkpoint file for a log file: ``kit.db`` -> ``kit.checkpoints.db``.
-
-    Not the log's own file: under asyncio the log commits inline on the loop thread, and the
-    checkpointer (aiosqlite) keeps a transaction open across an ``await`` until its commit,
-    which needs that loop; a log commit waiting for that lock would stall the loop for the
-    whole busy timeout and fail with "database is locked" (seen in bench_kit.py).
-    """
-    root, ext = os.path.splitext(store_path)
-    return f"{root}.checkpoints{ext or '.db'}"
-
-
-async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
-                      ) -> tuple[dict[str, Any], Callable[[], Awaitable[None]] | None, ThreadLocks]:
-    """Engine side: each workflow compiled with its checkpointer, how to close them, and the
-    locks that keep two tickers off one thread.
-
-    Durable workflows share one persistent saver where the log is: an ``AsyncSqliteSaver`` on
-    ``checkpoint_path`` beside a ``sqlite:///`` log (``synchronous=NORMAL`` like the log), an
-    ``AsyncPostgresSaver`` in the schema of a ``postgresql://`` log (its tables created once when
-    replicas open together); with any other store, and for the others, each has an in-memory
-    saver. Returns ``(graphs by name, close, locks)`` where ``close`` (engine side) closes the
-    file or the pool, or is None when there is none.
-    """
-    durable, close, locks = None, None, ThreadLocks()
-    if store_url and any(s.kind == "workflow" and s.engine.durable for s in specs):
-        if store_url.startswith("sqlite:///"):
-            import aiosqlite
-            from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
-            db = await aiosqlite.connect(checkpoint_path(store_url[len("sqlite:///"):]))
-            await db.execute("PRAGMA busy_timeout=5000")
-            await db.execute("PRAGMA synchronous=NORMAL")
-            durable, close = AsyncSqliteSaver(db), db.close
-            await durable.setup()
-        elif store_url.startswith(("postgresql://", "postgres://")):
-            from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-            from psycopg.rows import dict_row
-            conninfo, schema = pg_url(store_url)
-            # The saver's own connection settings (AsyncPostgresSaver.from_conn_string's).
-            # Checked when taken: the saver has no retry, so a connection the server dropped
-            # while idle would fail the durable step that took it (an answered run FAILED, its
-            # question gone). The price is an empty query's round trip per checkout, two or
-            # three a superstep (measured: 8 for a run of two nodes up to its interrupt).
-            pool = await open_pool(conninfo, schema, max_size=CHECKPOINT_POOL,
-                                   name="kit-checkpoints", check=True, prepare_threshold=0,
-                                   row_factory=dict_row)
-            try:
-                durable, close, locks = AsyncPostgresSaver(pool), pool.close, PgThreadLocks(pool)
-                async with setup_lock(pool, f"kit:checkpoints:{schema}"):
-                    await durable.setup()
-            except BaseException:
-                await pool.close()
-                raise
-    if durable is not None:
-        _fence(durable)
-    graphs = {}
-    for spec in specs:
-        if spec.kind == "workflow":
-            saver = durable if spec.engine.durable and durable is not None else memory_saver()
-            graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
-    return graphs, close, locks
-
-
-def memory_saver() -> Any:
-    """An in-memory checkpointer whose ``delete_thread`` costs the thread's own entries."""
-    return _run_saver_class()()
-
-
-@functools.cache
-def _run_saver_class() -> type:
-    """``_memory_saver``'s class (made once, on first use: LangGraph's checkpointer module
-    takes about a second to import).
-
-    LangGraph's ``InMemorySaver.delete_thread`` scans the writes and blobs of every thread it
-    holds: with every ended run deleting its thread (``WorkflowEngine.play``), that would make
-    each run's end cost O(threads parked in the process). This one remembers which entries each
-    thread wrote (``put``/``put_writes``; the async methods call these, and ``adelete_thread``
-    calls ``delete_thread``) and deletes those.
-    """
-    from langgraph.checkpoint.memory import InMemorySaver
-
-    class RunSaver(InMemorySaver):
-        def __init__(self) -> None:
-            super().__init__()
-            self._entries: dict[str, set[tuple[Any, ...]]] = {}  # thread -> its blob/write keys
-
-        def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
-            conf = config["configurable"]
-            thread, ns = conf["thread_id"], conf["checkpoint_ns"]
-            self._entries.setdefault(thread, set()).update(
-                (thread, ns, channel, version) for channel, version in new_versions.items())
-            return super().put(config, checkpoint, metadata, new_versions)
-
-        def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
-            conf = config["configurable"]
-            thread = conf["thread_id"]
-            self._entries.setdefault(thread, set()).add(
-                (thread, conf.get("checkpoint_ns", ""), conf["checkpoint_id"]))
-            super().put_writes(config, writes, task_id, task_path)
-
-        def delete_thread(self, thread_id: str) -> None:
-            self.storage.pop(thread_id, None)
-            for key in self._entries.pop(thread_id, ()):
-                self.blobs.pop(key, None)  # a 4-tuple is a blob's key, a 3-tuple a write's
-                self.writes.pop(key, None)
-
-    return RunSaver
-
-
-class ThreadLocks:
-    """Engine side: which checkpoint threads a ticker of this process is resuming, so a thread
-    that only the checkpointer knows (no parked run in the log to fence it) is resumed once.
-
-    ``acquire(key)`` is False when another ticker holds ``key``. Here the holders are this
-    process's; ``PgThreadLocks`` makes them every replica's.
-    """
-
-    def __init__(self) -> None:
-        self._held: set[str] = set()
-
-    async def acquire(self, key: str) -> bool:
-        if key in self._held:
-            return False
-        self._held.add(key)
-        return True
-
-    async def release(self, key: str) -> None:
-        self._held.discard(key)
-
-
-class PgThreadLocks(ThreadLocks):
-    """``ThreadLocks`` as Postgres session advisory locks, on a pooled connection held while
-    locked: two replicas ticking at once resume a thread once, and a replica that dies mid-way
-    frees its locks with its connections (notes/CONVENTIONS.md A5)."""
-
-    def __init__(self, pool: Any) -> None:
-        super().__init__()
-        self._pool, self._conns = pool, {}
-
-    async def acquire(self, key: str) -> bool:
-        if not await super().acquire(key):
-            return False
-        conn = await self._pool.getconn()
-        try:
-            row = await (await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0)) "
-                                            "AS got", (f"kit:thread:{key}",))).fetchone()
-        except BaseException:
-            await self._pool.putconn(conn)
-            await super().release(key)
-            raise
-        if not row["got"]:
-            await self._pool.putconn(conn)
-            await super().release(key)
-            return False
-        self._conns[key] = conn
-        return True
-
-    async def release(self, key: str) -> None:
-        """Never raises for the unlock: a connection that fails it (the server dropped it while
-        the thread's run played) is closed, and the lock goes with it."""
-        conn = self._conns.pop(key, None)
-        await super().release(key)
-        if conn is not None:
-            try:
-                await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
-                                   (f"kit:thread:{key}",))
-            except Exception:  # the pool then drops it, instead of lending a locked one out
-                await conn.close()
-            finally:
-                await self._pool.putconn(conn)
-
-
-async def holds_thread(graph: Any, key: str) -> bool:
-    """Engine side: whether ``graph``'s checkpointer has thread ``key`` (a parked run's thread
-    lives in the memory of the process that parked it when its workflow is not durable)."""
-    return await graph.checkpointer.aget_tuple(_config(key)) is not None
-
-
 def _pending_interrupts(ct: Any) -> list[Any]:
     """Interrupts still waiting in a checkpoint (LangGraph's own rule, notes/ENGINES.md 10):
     a task's INTERRUPT slot holds its latest question; it is pending while the task has no
@@ -743,7 +521,7 @@ async def _keep_answer(graph: Any, config: dict[str, Any], resume: dict[str, Any
 async def sleeping_until(graph: Any, key: str) -> tuple[datetime, str] | None:
     """Engine side: when thread ``key`` of ``graph`` sleeps until, and the interrupt that wakes
     it, read off its latest checkpoint; None when it does not sleep."""
-    ct = await graph.checkpointer.aget_tuple(_config(key))
+    ct = await graph.checkpointer.aget_tuple(thread_config(key))
     for intr in _pending_interrupts(ct) if ct is not None else ():
         if (until := _sleeps_until(intr.value)) is not None:
             return until, intr.id
@@ -792,10 +570,10 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
         else:
             # The question its InterruptResult showed (the first), by id: with several waiting
             # (parallel nodes) LangGraph refuses an answer that names none.
-            asked = (await graph.aget_state(_config(thread))).interrupts
+            asked = (await graph.aget_state(thread_config(thread))).interrupts
             inp = resume_command(asked[0].id, resume) if asked else _resume(resume)
         try:
-            out = await graph.ainvoke(inp, _config(thread))
+            out = await graph.ainvoke(inp, thread_config(thread))
         except BaseException:
             if thread_id is None:  # nobody has its id
                 await graph.checkpointer.adelete_thread(thread)

@@ -335,8 +335,8 @@ async def test_the_context_is_never_written_anywhere(tmp_path):
         assert deps in SEEN
     assert "value of k" in session_dump  # the session store was written...
     assert MARKER not in session_dump  # ...and never with the context
-    import kit_workflows
-    with sqlite3.connect(kit_workflows.checkpoint_path(str(db))) as con:  # after the last close
+    import kit_threads
+    with sqlite3.connect(kit_threads.checkpoint_path(str(db))) as con:  # after the last close
         assert con.execute("SELECT COUNT(*) FROM checkpoints").fetchone()[0] > 0
     with sqlite3.connect(db) as con:
         assert con.execute("SELECT COUNT(*) FROM events").fetchone()[0] > 0

@@ -25,7 +25,7 @@ from langgraph.graph import END, START, StateGraph
 
 import kit
 import kit_runtime
-import kit_workflows
+import kit_threads
 import kit_writer
 from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableError, TextDelta, Workflow
 from kit_pg import store_from_url
@@ -599,7 +599,7 @@ async def test_a_parked_runs_cancel_while_the_store_takes_no_writes_is_told_so_w
 
             async def let_go() -> bool:  # a workflow's thread in memory: deleted with its run
                 key = runtime.specs["approve"].engine.key(None, parked.thread_id)
-                return not await runtime._on_engine(kit_workflows.holds_thread,
+                return not await runtime._on_engine(kit_threads.holds_thread,
                                                     runtime.graphs["approve"], key)
             await until(let_go)
             assert await deck.status(parked.run_id) is RunStatus.CANCELLED

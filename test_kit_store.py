@@ -922,7 +922,7 @@ async def test_a_thread_lock_whose_connection_the_server_dropped_is_released_qui
     the server dropped mid-run used to raise, which failed the tick of a run that had
     completed."""
     from kit_bridge import on_asyncio
-    from kit_workflows import PgThreadLocks
+    from kit_threads import PgThreadLocks
     conninfo, schema = pg_url(postgres_url)
 
     async def trial() -> None:

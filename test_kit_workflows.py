@@ -1239,11 +1239,11 @@ async def test_a_parked_non_durable_run_another_process_holds_is_refused_and_kee
 ORPHAN = """
 import asyncio, sys, aiosqlite
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
-import kit_workflows
+import kit_threads
 import test_kit_workflows as t
 
 async def main():  # a thread asleep in the checkpointer with no run in the log
-    async with aiosqlite.connect(kit_workflows.checkpoint_path(sys.argv[1])) as conn:
+    async with aiosqlite.connect(kit_threads.checkpoint_path(sys.argv[1])) as conn:
         saver = AsyncSqliteSaver(conn)
         graph = t.durable_sleeper().graph.compile(checkpointer=saver)
         await graph.ainvoke({"log": [], "wake_at": t.NOW.isoformat()},
@@ -1275,24 +1275,25 @@ async def test_durable_checkpoints_live_beside_the_log_not_in_it(store, monkeypa
     On one file, a log commit during a checkpoint write stalled the loop until "database is
     locked" (seen once in bench_kit.py under load; too rare to reproduce here), so checkpoints
     live in a file of their own. This asserts that, and smoke-tests many quick durable runs."""
+    import kit_threads
     import kit_writer
-    import kit_workflows
     monkeypatch.setattr(kit_writer, "FLUSH_DELAY", 0.0002)  # background commits, often
     async with Deck(workflows=[Workflow("w", graph(plan, done), durable=True)], store=store) as deck:
         with anyio.fail_after(30):
             for i in range(60):
                 assert (await deck.run("w", {"log": []}, session_id=f"t{i}"))["log"][-1] == "done"
-    checkpoints = Path(kit_workflows.checkpoint_path(store.path))
+    checkpoints = Path(kit_threads.checkpoint_path(store.path))
     assert checkpoints.exists() and checkpoints != Path(store.path)
 
 
 async def orphans(url: str, *threads: str) -> None:
     """Threads asleep in the checkpointer of the log at ``url`` with no run in the log."""
+    import kit_threads
     import kit_workflows
     spec = kit_workflows.compile_workflow(durable_sleeper())
 
     async def play() -> None:
-        graphs, close, _ = await kit_workflows.open_graphs([spec], url)
+        graphs, close, _ = await kit_threads.open_graphs([spec], url)
         try:
             for thread in threads:
                 await graphs["sleeper"].ainvoke({"log": [], "wake_at": NOW.isoformat()},

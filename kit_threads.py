@@ -1,0 +1,259 @@
+"""kit_threads: workflow threads: the checkpoint savers they live in and the locks on them.
+
+Owns: the checkpointers a deck's workflows are compiled with (``open_graphs``: durable workflows
+on a SQLite file beside the log, ``checkpoint_path``, or in the Postgres schema of the log, the
+others in memory, ``memory_saver``, where deleting a thread costs only its own entries), the fence
+that holds a durable checkpoint write until the playing run's log holds what came before it
+(``PLAYING``), the serializer every saver stores with (``checkpoint_serde``), whether a
+checkpointer has a thread (``holds_thread``, ``thread_config``) and the locks that keep two
+tickers off one thread (``ThreadLocks``, ``PgThreadLocks``).
+
+Must never: play a graph or read what its checkpoints mean (interrupts, sleeps: kit_workflows,
+above, does), reach the event store or the Runtime, import anything above kit_pg but the values
+of kit_core, or import LangGraph, aiosqlite or psycopg at import (``import kit`` stays light).
+
+Theory of operation
+-------------------
+A workflow's thread is a checkpointer's thread keyed ``<workflow>:<namespace>:<thread id>``
+(``WorkflowEngine.key``). Durable workflows share one persistent saver per deck; every other
+workflow has its own in-memory saver, where an ended run deletes its thread. A durable saver's
+writes are fenced: ``WorkflowEngine.play`` sets ``PLAYING`` to its run while the graph plays
+(LangGraph's tasks inherit it), and each ``aput``/``aput_writes`` first awaits that run's
+``synced``, so a run another process reaped while this one stalled past its lease writes
+nothing onto a thread a later run has taken since. A ticker resumes a thread that only the
+checkpointer knows (no parked run in the log to fence it) under the thread's lock: this
+process's set of keys, and with a Postgres log a session advisory lock that a replica that dies
+frees with its connection. The Postgres checkpointer's pool (``kit-checkpoints:<schema>`` in
+``pg_stat_activity``) tests each connection when taken, so a durable step after the server
+dropped them (a restart, a failover) reconnects instead of failing its run.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from kit_core import InvocableSpec, RunHandle
+from kit_pg import open_pool, pg_url, setup_lock
+
+__all__ = ("open_graphs", "checkpoint_path", "memory_saver", "checkpoint_serde", "PLAYING",
+           "thread_config", "holds_thread", "ThreadLocks", "PgThreadLocks", "CHECKPOINT_POOL")
+
+#: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
+#: share them, and a ticker holds one per thread it is resuming.
+CHECKPOINT_POOL = 4
+
+
+# ================================================================================== savers ====
+
+@functools.cache
+def checkpoint_serde() -> Any:
+    """LangGraph's default checkpoint serializer: the one every checkpointer ``open_graphs``
+    makes uses (none is given a ``serde``). Made on first use: kit imports LangGraph late."""
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+    return JsonPlusSerializer()
+
+
+#: The run whose graph plays here (set by ``WorkflowEngine.play``; LangGraph's tasks inherit it):
+#: a durable checkpoint write waits until its log holds what came before (``_fence``).
+PLAYING: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_playing",
+                                                                           default=None)
+
+
+def _fence(saver: Any) -> None:
+    """A durable saver's writes wait on the playing run's ``synced``: a run another process
+    reaped while this one stalled past its lease writes no checkpoint onto the thread that a
+    later run, on any replica, has taken since (its log refuses it; so is the write)."""
+    for name in ("aput", "aput_writes"):
+        async def fenced(*args: Any, _write: Any = getattr(saver, name), **kw: Any) -> Any:
+            if (run := PLAYING.get()) is not None:
+                await run.synced()
+            return await _write(*args, **kw)
+        setattr(saver, name, fenced)
+
+
+def checkpoint_path(store_path: str) -> str:
+    """The durable workflows' checkpoint file for a log file: ``kit.db`` -> ``kit.checkpoints.db``.
+
+    Not the log's own file: under asyncio the log commits inline on the loop thread, and the
+    checkpointer (aiosqlite) keeps a transaction open across an ``await`` until its commit,
+    which needs that loop; a log commit waiting for that lock would stall the loop for the
+    whole busy timeout and fail with "database is locked" (seen in bench_kit.py).
+    """
+    root, ext = os.path.splitext(store_path)
+    return f"{root}.checkpoints{ext or '.db'}"
+
+
+async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
+                      ) -> tuple[dict[str, Any], Callable[[], Awaitable[None]] | None, ThreadLocks]:
+    """Engine side: each workflow compiled with its checkpointer, how to close them, and the
+    locks that keep two tickers off one thread.
+
+    Durable workflows share one persistent saver where the log is: an ``AsyncSqliteSaver`` on
+    ``checkpoint_path`` beside a ``sqlite:///`` log (``synchronous=NORMAL`` like the log), an
+    ``AsyncPostgresSaver`` in the schema of a ``postgresql://`` log (its tables created once when
+    replicas open together); with any other store, and for the others, each has an in-memory
+    saver. Returns ``(graphs by name, close, locks)`` where ``close`` (engine side) closes the
+    file or the pool, or is None when there is none.
+    """
+    durable, close, locks = None, None, ThreadLocks()
+    if store_url and any(s.kind == "workflow" and s.engine.durable for s in specs):
+        if store_url.startswith("sqlite:///"):
+            import aiosqlite
+            from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+            db = await aiosqlite.connect(checkpoint_path(store_url[len("sqlite:///"):]))
+            await db.execute("PRAGMA busy_timeout=5000")
+            await db.execute("PRAGMA synchronous=NORMAL")
+            durable, close = AsyncSqliteSaver(db), db.close
+            await durable.setup()
+        elif store_url.startswith(("postgresql://", "postgres://")):
+            from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+            from psycopg.rows import dict_row
+            conninfo, schema = pg_url(store_url)
+            # The saver's own connection settings (AsyncPostgresSaver.from_conn_string's).
+            # Checked when taken: the saver has no retry, so a connection the server dropped
+            # while idle would fail the durable step that took it (an answered run FAILED, its
+            # question gone). The price is an empty query's round trip per checkout, two or
+            # three a superstep (measured: 8 for a run of two nodes up to its interrupt).
+            pool = await open_pool(conninfo, schema, max_size=CHECKPOINT_POOL,
+                                   name="kit-checkpoints", check=True, prepare_threshold=0,
+                                   row_factory=dict_row)
+            try:
+                durable, close, locks = AsyncPostgresSaver(pool), pool.close, PgThreadLocks(pool)
+                async with setup_lock(pool, f"kit:checkpoints:{schema}"):
+                    await durable.setup()
+            except BaseException:
+                await pool.close()
+                raise
+    if durable is not None:
+        _fence(durable)
+    graphs = {}
+    for spec in specs:
+        if spec.kind == "workflow":
+            saver = durable if spec.engine.durable and durable is not None else memory_saver()
+            graphs[spec.name] = spec.engine.graph.compile(checkpointer=saver)
+    return graphs, close, locks
+
+
+def memory_saver() -> Any:
+    """An in-memory checkpointer whose ``delete_thread`` costs the thread's own entries."""
+    return _run_saver_class()()
+
+
+@functools.cache
+def _run_saver_class() -> type:
+    """``memory_saver``'s class (made once, on first use: LangGraph's checkpointer module
+    takes about a second to import).
+
+    LangGraph's ``InMemorySaver.delete_thread`` scans the writes and blobs of every thread it
+    holds: with every ended run deleting its thread (``WorkflowEngine.play``), that would make
+    each run's end cost O(threads parked in the process). This one remembers which entries each
+    thread wrote (``put``/``put_writes``; the async methods call these, and ``adelete_thread``
+    calls ``delete_thread``) and deletes those.
+    """
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    class RunSaver(InMemorySaver):
+        def __init__(self) -> None:
+            super().__init__()
+            self._entries: dict[str, set[tuple[Any, ...]]] = {}  # thread -> its blob/write keys
+
+        def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+            conf = config["configurable"]
+            thread, ns = conf["thread_id"], conf["checkpoint_ns"]
+            self._entries.setdefault(thread, set()).update(
+                (thread, ns, channel, version) for channel, version in new_versions.items())
+            return super().put(config, checkpoint, metadata, new_versions)
+
+        def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
+            conf = config["configurable"]
+            thread = conf["thread_id"]
+            self._entries.setdefault(thread, set()).add(
+                (thread, conf.get("checkpoint_ns", ""), conf["checkpoint_id"]))
+            super().put_writes(config, writes, task_id, task_path)
+
+        def delete_thread(self, thread_id: str) -> None:
+            self.storage.pop(thread_id, None)
+            for key in self._entries.pop(thread_id, ()):
+                self.blobs.pop(key, None)  # a 4-tuple is a blob's key, a 3-tuple a write's
+                self.writes.pop(key, None)
+
+    return RunSaver
+
+
+# =================================================================================== threads ====
+
+def thread_config(key: str) -> dict[str, Any]:
+    """The LangGraph config that names checkpoint thread ``key``."""
+    return {"configurable": {"thread_id": key}}
+
+
+async def holds_thread(graph: Any, key: str) -> bool:
+    """Engine side: whether ``graph``'s checkpointer has thread ``key`` (a parked run's thread
+    lives in the memory of the process that parked it when its workflow is not durable)."""
+    return await graph.checkpointer.aget_tuple(thread_config(key)) is not None
+
+
+class ThreadLocks:
+    """Engine side: which checkpoint threads a ticker of this process is resuming, so a thread
+    that only the checkpointer knows (no parked run in the log to fence it) is resumed once.
+
+    ``acquire(key)`` is False when another ticker holds ``key``. Here the holders are this
+    process's; ``PgThreadLocks`` makes them every replica's.
+    """
+
+    def __init__(self) -> None:
+        self._held: set[str] = set()
+
+    async def acquire(self, key: str) -> bool:
+        if key in self._held:
+            return False
+        self._held.add(key)
+        return True
+
+    async def release(self, key: str) -> None:
+        self._held.discard(key)
+
+
+class PgThreadLocks(ThreadLocks):
+    """``ThreadLocks`` as Postgres session advisory locks, on a pooled connection held while
+    locked: two replicas ticking at once resume a thread once, and a replica that dies mid-way
+    frees its locks with its connections (notes/CONVENTIONS.md A5)."""
+
+    def __init__(self, pool: Any) -> None:
+        super().__init__()
+        self._pool, self._conns = pool, {}
+
+    async def acquire(self, key: str) -> bool:
+        if not await super().acquire(key):
+            return False
+        conn = await self._pool.getconn()
+        try:
+            row = await (await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0)) "
+                                            "AS got", (f"kit:thread:{key}",))).fetchone()
+        except BaseException:
+            await self._pool.putconn(conn)
+            await super().release(key)
+            raise
+        if not row["got"]:
+            await self._pool.putconn(conn)
+            await super().release(key)
+            return False
+        self._conns[key] = conn
+        return True
+
+    async def release(self, key: str) -> None:
+        """Never raises for the unlock: a connection that fails it (the server dropped it while
+        the thread's run played) is closed, and the lock goes with it."""
+        conn = self._conns.pop(key, None)
+        await super().release(key)
+        if conn is not None:
+            try:
+                await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
+                                   (f"kit:thread:{key}",))
+            except Exception:  # the pool then drops it, instead of lending a locked one out
+                await conn.close()
+            finally:
+                await self._pool.putconn(conn)
