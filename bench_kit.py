@@ -94,8 +94,9 @@ import kit
 import kit_http
 import kit_sse
 import kit_writer
-from kit_pg import masked, pg_url, store_from_url
+from kit_pg import pg_url, store_from_url
 from kit_store import SQLiteStore
+from kit_storebase import masked
 
 TURN_TARGET, STREAM_TARGET, WORKFLOW_TARGET = 1.5, 2.0, 1.5
 REPLY_TOKENS = 500
@@ -917,6 +918,7 @@ def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[list[float]]]
 GROWTH = """
 import gc, json, sys, uuid, anyio, bench_kit, kit
 from kit_store import SQLiteStore
+from kit_storebase import masked
 
 def rss():
     gc.collect()

@@ -54,8 +54,9 @@ import anyio
 
 from kit_core import (ConfigError, EventStorePort, RunInfo, RunStatus, UnknownRunError,
                       control_refusal, printable)
-from kit_pg import masked, store_from_url
+from kit_pg import store_from_url
 from kit_store import project_log_url, read_only_log
+from kit_storebase import masked
 
 __all__ = ("main", "LIST_LIMIT", "LIST_LIMIT_MAX")
 

@@ -7,8 +7,8 @@ taken if asked, ``setup_lock`` to create tables once when replicas start togethe
 ``store_from_url``, the one factory of every store.
 
 Must never: import psycopg at import (``import kit`` stays light; the ``postgres`` extra is
-optional), put a password in an error, a log line or a ``repr`` (``masked``), run engine code, or
-touch asyncio except through ``kit_bridge``.
+optional), put a password in an error, a log line or a ``repr`` (``kit_storebase.masked``), run
+engine code, or touch asyncio except through ``kit_bridge``.
 
 Why the factory lives here: ``store_from_url`` must build all three stores, and ``kit_store``
 (below) cannot see this module, so the lowest module that sees them all owns it; kit_runtime and
@@ -66,9 +66,9 @@ from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictErro
 from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, RUN_COLUMNS, RUN_INDEXES, MemoryStore,
                        SQLiteStore, abandoned, by_run, event_of, event_row, foreign_table, run_row,
                        runs_query)
-from kit_storebase import StoreBase
+from kit_storebase import StoreBase, masked
 
-__all__ = ("PostgresStore", "store_from_url", "pg_url", "masked", "open_pool", "setup_lock",
+__all__ = ("PostgresStore", "store_from_url", "pg_url", "open_pool", "setup_lock",
            "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "CONNECT_TIMEOUT",
            "LISTEN_CHECK", "RECONNECT_MAX")
 
@@ -105,36 +105,10 @@ _LOCK_PATIENCE = 60.0
 #: Takeovers of lapsed sessions one append tries before calling the session busy.
 _TAKEOVERS = 3
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,58}\Z")
-#: What precedes the user info of a URL whose ``://`` is misspelt: a scheme, a colon, slashes.
-_SCHEME_TYPO = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]*:?/+)?")
 _log = logging.getLogger("kit.pg")
 
 
 # ======================================================================================= urls ====
-
-def masked(url: str) -> str:
-    """``url`` with its password replaced by ``***``: what errors and logs may show. Never raises.
-
-    The password is everything from the first ``:`` of the user info up to the URL's *last*
-    ``@``, whatever ``urlsplit`` makes of it: an unencoded ``/``, ``?`` or ``#`` in a password
-    ends ``urlsplit``'s host early (it then sees no user info at all), and an ``@`` in it is
-    libpq's end of the user info, so a narrower cut would show a fragment. A user name that
-    holds such a character is hidden too (``scheme://***@host``). A URL whose ``://`` is
-    misspelt (``postgresql:/``, ``redis//``) is masked the same way after its scheme and
-    slashes, which stay as typed: the reader must see the typo, never the password."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        prefix = _SCHEME_TYPO.match(url)
-        scheme, sep, rest = "", url[:prefix.end()], url[prefix.end():]
-    else:
-        sep = f"{scheme}://"
-    userinfo, at, host = rest.rpartition("@")
-    if not (at and ":" in userinfo):
-        return url
-    user = userinfo.partition(":")[0]
-    shown = "" if set(user) & set("/?#@[") else f"{user}:"
-    return f"{sep}{shown}***@{host}"
-
 
 def pg_url(url: str) -> tuple[str, str]:
     """Split a kit ``postgresql://`` URL into ``(libpq URL, schema)``: kit's own ``schema``

@@ -7,7 +7,7 @@ and ``MAX_SESSIONS``.
 
 Must never: reach the event store, the Runtime or a run (the log is the record of every turn; a
 session is only what the model is given to remember), touch asyncio directly (kit_bridge does),
-or show a session URL's password (``kit_pg.masked``).
+or show a session URL's password (``kit_storebase.masked``).
 
 Theory of operation
 -------------------
@@ -47,7 +47,8 @@ import anyio
 from agents.memory import SessionABC
 
 from kit_core import ConfigError
-from kit_pg import masked, open_pool, pg_url, setup_lock
+from kit_pg import open_pool, pg_url, setup_lock
+from kit_storebase import masked
 
 __all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "NAMESPACE_SEP", "REDIS_CHECK",
            "REDIS_TIMEOUT", "PG_TIMEOUT")

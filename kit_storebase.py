@@ -4,7 +4,8 @@ Owns: ``StoreBase``, the shared surface of ``kit.EventStorePort``'s implementati
 (``kit_store``'s SQLite and memory stores, ``kit_pg``'s Postgres store): the lifecycle
 (``async with store:``), the port's argument checks, the back-off while the storage is busy
 (``BUSY_WAIT``), the refusal of a value the storage cannot hold (``unstorable``), the wake-ups
-of followers and ``follow``/``follow_requests``. The storage itself is each store's hooks, at
+of followers and ``follow``/``follow_requests``; and ``masked``, a store's URL (or a session
+store's) as errors and logs may show it. The storage itself is each store's hooks, at
 the end of the class.
 
 Must never: run engine code, read the environment at import, do I/O (a store's hooks do, when
@@ -20,6 +21,7 @@ writers re-reads every ``_poll`` seconds.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Self
@@ -30,7 +32,8 @@ import anyio.lowlevel
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError,
                       RunInfo, RunStatus, UnknownRunError)
 
-__all__ = ("StoreBase", "unstorable", "NotJSONError", "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
+__all__ = ("StoreBase", "unstorable", "NotJSONError", "masked", "BUSY_WAIT", "BUSY_FIRST_SLEEP",
+           "BUSY_MAX_SLEEP")
 
 _NOT_OPEN = "event store is not open: use `async with store:`"
 #: A writer in another process holds SQLite's write lock for one short transaction; waiting 5 s
@@ -43,6 +46,8 @@ BUSY_WAIT = 5.0
 #: transaction elsewhere costs a millisecond or two, a long one a poll every 50 ms.
 BUSY_FIRST_SLEEP = 0.001
 BUSY_MAX_SLEEP = 0.05
+#: What precedes the user info of a URL whose ``://`` is misspelt: a scheme, a colon, slashes.
+_SCHEME_TYPO = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]*:?/+)?")
 
 
 def _check_unique(events: Sequence[Event]) -> None:
@@ -69,6 +74,30 @@ def unstorable(exc: Exception) -> ConfigError:
     (kit checks the ids it is given, ``check_id``, before they reach a store.)"""
     return ConfigError(f"the event store cannot hold a value it was given ({type(exc).__name__}: "
                        f"{exc})")
+
+
+def masked(url: str) -> str:
+    """``url`` with its password replaced by ``***``: what errors and logs may show. Never raises.
+
+    The password is everything from the first ``:`` of the user info up to the URL's *last*
+    ``@``, whatever ``urlsplit`` makes of it: an unencoded ``/``, ``?`` or ``#`` in a password
+    ends ``urlsplit``'s host early (it then sees no user info at all), and an ``@`` in it is
+    libpq's end of the user info, so a narrower cut would show a fragment. A user name that
+    holds such a character is hidden too (``scheme://***@host``). A URL whose ``://`` is
+    misspelt (``postgresql:/``, ``redis//``) is masked the same way after its scheme and
+    slashes, which stay as typed: the reader must see the typo, never the password."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        prefix = _SCHEME_TYPO.match(url)
+        scheme, sep, rest = "", url[:prefix.end()], url[prefix.end():]
+    else:
+        sep = f"{scheme}://"
+    userinfo, at, host = rest.rpartition("@")
+    if not (at and ":" in userinfo):
+        return url
+    user = userinfo.partition(":")[0]
+    shown = "" if set(user) & set("/?#@[") else f"{user}:"
+    return f"{sep}{shown}***@{host}"
 
 
 class StoreBase:
