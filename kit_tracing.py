@@ -280,54 +280,65 @@ class TracingObserver:
                 attrs["langfuse.observation.cost_details"] = _json({"total": p.usd})
             self._step(seg, f"chat {p.model}", o.CLIENT, at, attrs, ev.origin)
         elif isinstance(p, (ToolStarted, ToolCompleted)):
-            span = seg.tools.pop(p.call_id, (None,))[0]
-            if span is None:  # tool.started opens it (a lone tool.completed: zero length)
-                outer = seg.within(ev.origin, same=False)  # an agent tool's own tool call
-                span = self._tracer.start_span(
-                    f"execute_tool {p.tool}", kind=o.INTERNAL, start_time=at,
-                    context=o.in_context(outer[0]) if outer else seg.ctx,
-                    attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": p.tool,
-                                "gen_ai.tool.call.id": p.call_id, "gen_ai.tool.type": "function",
-                                "langfuse.observation.type": "tool", "kit.origin": ev.origin})
-            if isinstance(p, ToolStarted):
-                seg.tools[p.call_id] = (span, ev.origin, at)
-                return
-            if p.is_error:
-                span.set_attribute("error.type", "ToolError")
-                span.set_status(o.error("the tool reported an error"))
-            span.end(end_time=at)
-            seg.mark = max(seg.mark, at)
+            self._tool(seg, ev, at)
         elif isinstance(p, NodeUpdated):
             self._step(seg, f"node {p.node}", o.INTERNAL, at,
                        {"kit.node": p.node, "langfuse.observation.type": "span"}, ev.origin)
         elif p.ends:
-            root = self._runs.pop(ev.run_id).root
-            if p.ends == "parking":
-                self._parked[ev.run_id] = seg.meta
-                while len(self._parked) > MAX_OPEN_RUNS:
-                    self._parked.popitem(last=False)
-                root.set_attribute("kit.parked", ev.kind)
-                if isinstance(p, RunInterrupted):
-                    root.set_attribute("kit.interrupt_id", p.interrupt_id)
-            elif isinstance(p, RunCompleted):
-                root.set_attributes({"kit.usage.input_tokens": p.usage.input_tokens,
-                                     "kit.usage.output_tokens": p.usage.output_tokens})
-                if p.usage.usd is not None:
-                    root.set_attribute("kit.usage.usd", p.usage.usd)
-            elif isinstance(p, RunFailed):
-                root.set_attribute("error.type", p.error)
-                # Its type only: a message may hold content (the SDK's refusal of a reply that
-                # does not fit the output type quotes the whole reply); the log has the rest.
-                root.set_status(o.error(f"the run failed ({p.error}); kit.run_id's log has why"))
-            elif isinstance(p, RunCancelled) and p.reason:
-                root.set_attribute("kit.cancel_reason", p.reason[:200])
-            if p.status is not None:
-                root.set_attribute("kit.status", p.status.value)
-            self._end(seg, at)
+            self._run_ended(seg, ev, at)
         elif isinstance(p, SkillLoaded):
             seg.root.add_event("skill.loaded", {"kit.skill": p.name, "kit.sha256": p.sha256},
                                timestamp=at)
         # text.delta, message.completed, control.requested and unknown kinds: no span.
+
+    def _tool(self, seg: _Segment, ev: Event, at: int) -> None:
+        """A tool call's span: ``tool.started`` opens it, ``tool.completed`` ends it (a lone
+        ``tool.completed`` makes one of zero length)."""
+        p, o = ev.payload, self._o
+        span = seg.tools.pop(p.call_id, (None,))[0]
+        if span is None:
+            outer = seg.within(ev.origin, same=False)  # an agent tool's own tool call
+            span = self._tracer.start_span(
+                f"execute_tool {p.tool}", kind=o.INTERNAL, start_time=at,
+                context=o.in_context(outer[0]) if outer else seg.ctx,
+                attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": p.tool,
+                            "gen_ai.tool.call.id": p.call_id, "gen_ai.tool.type": "function",
+                            "langfuse.observation.type": "tool", "kit.origin": ev.origin})
+        if isinstance(p, ToolStarted):
+            seg.tools[p.call_id] = (span, ev.origin, at)
+            return
+        if p.is_error:
+            span.set_attribute("error.type", "ToolError")
+            span.set_status(o.error("the tool reported an error"))
+        span.end(end_time=at)
+        seg.mark = max(seg.mark, at)
+
+    def _run_ended(self, seg: _Segment, ev: Event, at: int) -> None:
+        """A run's segment ends (the run ended or parked): its root span gets how, and closes;
+        a parked run's metadata is kept for the segment its resume opens."""
+        p, root = ev.payload, self._runs.pop(ev.run_id).root
+        if p.ends == "parking":
+            self._parked[ev.run_id] = seg.meta
+            while len(self._parked) > MAX_OPEN_RUNS:
+                self._parked.popitem(last=False)
+            root.set_attribute("kit.parked", ev.kind)
+            if isinstance(p, RunInterrupted):
+                root.set_attribute("kit.interrupt_id", p.interrupt_id)
+        elif isinstance(p, RunCompleted):
+            root.set_attributes({"kit.usage.input_tokens": p.usage.input_tokens,
+                                 "kit.usage.output_tokens": p.usage.output_tokens})
+            if p.usage.usd is not None:
+                root.set_attribute("kit.usage.usd", p.usage.usd)
+        elif isinstance(p, RunFailed):
+            root.set_attribute("error.type", p.error)
+            # Its type only: a message may hold content (the SDK's refusal of a reply that
+            # does not fit the output type quotes the whole reply); the log has the rest.
+            root.set_status(self._o.error(f"the run failed ({p.error}); kit.run_id's log has why"))
+        elif isinstance(p, RunCancelled) and p.reason:
+            root.set_attribute("kit.cancel_reason", p.reason[:200])
+        if p.status is not None:
+            root.set_attribute("kit.status", p.status.value)
+        self._end(seg, at)
 
     def _open(self, ev: Event, at: int) -> _Segment:
         p, parked, parent = ev.payload, None, None
