@@ -73,7 +73,7 @@ from kit_playground import load as load_playground
 from kit_request import MAX_BODY_BYTES as _MAX_BODY
 from kit_request import (
     BodyTooLargeError, ClientGone, ControlRefusedError, MalformedRequestError, MethodNotAllowedError,
-    NotResumableError, Request, RouteNotFoundError, Scope, ServerStoppingError,
+    NotResumableError, Request, RequestTimeoutError, RouteNotFoundError, Scope, ServerStoppingError,
     ThreadNotWaitingError, UnsupportedMediaTypeError, body_field, body_id, checked_id, param,
     parse_json, respond, route_path, with_headers,
 )
@@ -117,7 +117,7 @@ ERROR_STATUS: dict[type[BaseException], int] = {
     OriginNotAllowedError: 403,
     RouteNotFoundError: 404, UnknownNameError: 404, UnknownRunError: 404,
     RunNotWaitingError: 404, ThreadNotWaitingError: 404,
-    MethodNotAllowedError: 405,
+    MethodNotAllowedError: 405, RequestTimeoutError: 408,
     SessionBusyError: 409, RunStoppedError: 409, NotResumableError: 409, LogConflictError: 409,
     ControlRefusedError: 409, CheckpointMissingError: 409,
     BodyTooLargeError: 413, UnsupportedMediaTypeError: 415,

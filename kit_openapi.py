@@ -131,6 +131,7 @@ _RESPONSES: dict[str, Any] = {
     "404": _error("No such agent, workflow, run or waiting thread"),
     "409": _error("The session or thread is busy with another run, the run was stopped on "
                   "request, or it is not paused"),
+    "408": _error("The body stopped arriving: nothing of it came for 30 s"),
     "413": _error("The body is over 2 MiB"),
     "415": _error("A body that is not application/json, or sent with a Content-Encoding"),
     "421": _error("The Host header names a host this server does not answer for "
@@ -141,7 +142,7 @@ _RESPONSES: dict[str, Any] = {
         "application/json": {"schema": {"oneOf": [_ref("Status"), _ref("Error")]}}}},
 }
 _ALWAYS = ("403", "421", "500", "503")
-_BODY = ("400", "413", "415")
+_BODY = ("400", "408", "413", "415")
 _RUN_ID = {"x-kit-run-id": {"description": "The run this response belongs to: pick a lost "
                             "stream up with GET /runs/{run_id}/events", "schema": _STR}}
 
@@ -211,7 +212,7 @@ def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[st
         body: str | None = None, body_required: bool = True, params: Iterable[dict] = (),
         description: str = "", error_schema: str = "Error") -> dict[str, Any]:
     """One operation; its errors (403, 421, 500 and 503 for every route; ``errors`` and, with a
-    ``body``, 400/413/415) as ``error_schema``: kit's ``Error``, or ``OpenAIError`` for a route
+    ``body``, 400/408/413/415) as ``error_schema``: kit's ``Error``, or ``OpenAIError`` for a route
     of the Chat Completions wire, where kit_http answers every refusal in OpenAI's shape."""
     op: dict[str, Any] = {"operationId": op_id, "summary": summary}
     if description:

@@ -2,18 +2,21 @@
 parsed strictly, the JSON response, the path the route table matches, and the errors kit_http
 refuses a request with before a deck sees it.
 
-Owns: ``Request`` (headers, the query, the body read up to ``MAX_BODY_BYTES`` and parsed as a
-JSON object of a route's keys), ``respond`` (a JSON or raw response), ``parse_json`` and
-``parse_object`` (the strict JSON parser), ``body_field``/``body_id``/``checked_id`` (a body's
-fields), ``route_path``/``param`` (the path as the client spelt it), ``with_headers``,
-``MAX_BODY_BYTES``, ``MAX_JSON_DEPTH``, and ``HTTPError`` with its subclasses (their statuses
-are kit_http's ``ERROR_STATUS``).
+Owns: ``Request`` (headers, the query, the body read up to ``MAX_BODY_BYTES``, each piece within
+``BODY_TIMEOUT`` of the last, and parsed as a JSON object of a route's keys), ``respond`` (a JSON
+or raw response), ``parse_json`` and ``parse_object`` (the strict JSON parser),
+``body_field``/``body_id``/``checked_id`` (a body's fields), ``route_path``/``param`` (the path
+as the client spelt it), ``with_headers``, ``MAX_BODY_BYTES``, ``MAX_JSON_DEPTH``,
+``BODY_TIMEOUT``, and ``HTTPError`` with its subclasses (their statuses are kit_http's
+``ERROR_STATUS``).
 
 Must never: know a deck, a route or a run; import a web framework; put a request's body in an
 error message beyond the piece that is wrong.
 
 Theory of operation: a body is read up to ``MAX_BODY_BYTES`` (Hypercorn has no limit for ASGI
-apps, notes/CONVENTIONS.md A7; Content-Length is checked first, then the chunks are counted) and
+apps, notes/CONVENTIONS.md A7; Content-Length is checked first, then the chunks are counted), a
+body that stops arriving is refused after ``BODY_TIMEOUT`` (Hypercorn times out no body read:
+its ``read_timeout`` would also end every quiet SSE stream, whose client sends nothing), and
 parsed strictly: bad UTF-8, deep nesting, huge integers, NaN, infinity and lone surrogates are a
 ``MalformedRequestError`` naming what is wrong (a 400, never a 500). A misspelt key is refused,
 not taken for an absent one. Routes match the path as the client spelt it (ASGI's ``raw_path``,
@@ -29,6 +32,8 @@ from collections.abc import MutableMapping
 from typing import Any
 from urllib.parse import parse_qs, quote_from_bytes, unquote, unquote_to_bytes
 
+import anyio
+
 from kit_core import ConfigError, KitError, check_id
 from kit_sse import Message, Receive, Send, dumps, run_id_header
 
@@ -37,10 +42,10 @@ __all__ = (
     "route_path", "param", "with_headers", "Scope", "ClientGone",
     # errors (their statuses are in kit_http.ERROR_STATUS)
     "HTTPError", "RouteNotFoundError", "MethodNotAllowedError", "MalformedRequestError",
-    "BodyTooLargeError", "UnsupportedMediaTypeError", "ThreadNotWaitingError", "NotResumableError",
-    "ControlRefusedError", "ServerStoppingError",
+    "BodyTooLargeError", "RequestTimeoutError", "UnsupportedMediaTypeError",
+    "ThreadNotWaitingError", "NotResumableError", "ControlRefusedError", "ServerStoppingError",
     # limits
-    "MAX_BODY_BYTES", "MAX_JSON_DEPTH",
+    "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "BODY_TIMEOUT",
 )
 
 #: Bodies over this are 413: json.loads multiplies a body's footprint several times. 2 MiB leaves
@@ -49,6 +54,10 @@ MAX_BODY_BYTES = 2 * 1024 * 1024
 #: Deeper JSON is a 400: the stdlib parser stops only at the recursion limit, and the deck walks
 #: input recursively afterwards, so ~990 levels would parse and then fail as a 500.
 MAX_JSON_DEPTH = 64
+#: Seconds a body may pause between two of its pieces before it is a 408 (read at each body read,
+#: so a test can shorten it). A slow link still sends something every few seconds; a client that
+#: sent its headers and stopped would hold its request, and a task, for good.
+BODY_TIMEOUT = 30.0
 
 Scope = MutableMapping[str, Any]  # ASGI's vocabulary, as Starlette spells it (the rest: kit_sse)
 
@@ -77,6 +86,10 @@ class MalformedRequestError(HTTPError):
 
 class BodyTooLargeError(HTTPError):
     """The body is over ``MAX_BODY_BYTES``."""
+
+
+class RequestTimeoutError(HTTPError):
+    """The body stopped arriving: nothing of it came for ``BODY_TIMEOUT`` seconds."""
 
 
 class UnsupportedMediaTypeError(HTTPError):
@@ -213,6 +226,7 @@ class Request:
         """The whole body, refused as soon as it is over ``MAX_BODY_BYTES`` (Content-Length
         first, then counting chunks), or once read when it has a ``Content-Encoding`` (gzip:
         RFC 9110 section 15.5.16 makes that a 415). Raises ``BodyTooLargeError``,
+        ``RequestTimeoutError`` (no piece of it for ``BODY_TIMEOUT``),
         ``UnsupportedMediaTypeError``, ``ClientGone``."""
         self.reading = True
         too_large = BodyTooLargeError(f"the body is over {MAX_BODY_BYTES} bytes")
@@ -225,7 +239,12 @@ class Request:
                 raise too_large
         chunks, size = [], 0
         while True:
-            message = await self.receive()
+            message = None
+            with anyio.move_on_after(BODY_TIMEOUT):
+                message = await self.receive()
+            if message is None:
+                raise RequestTimeoutError(f"the body stopped arriving: nothing of it came for "
+                                          f"{BODY_TIMEOUT:g} s")
             if message["type"] == "http.disconnect":
                 raise ClientGone()
             chunks.append(message.get("body", b""))

@@ -380,6 +380,34 @@ async def test_a_body_over_the_cap_is_413_before_it_is_read():
         assert (await client.post("/agents/echo/chat", json={"message": "hi"})).status_code == 200
 
 
+@pytest.mark.parametrize("head, sent", [
+    (b"content-length: 100", b'{"message": '),  # the rest of its length never comes
+    (b"transfer-encoding: chunked", b"c\r\n{\"message\": \r\n"),  # nor the next chunk
+])
+async def test_a_body_that_stops_arriving_is_a_408_not_a_request_held_for_good(monkeypatch, head, sent):
+    """Hypercorn times out no read of an ASGI app's body (its read_timeout would end quiet SSE
+    streams too): a client that sent its headers and stopped held its request, and a task,
+    for good."""
+    monkeypatch.setattr(kit_request, "BODY_TIMEOUT", 0.3, raising=False)
+    async with served(catalog()) as (client, app):
+        async with await anyio.connect_tcp("127.0.0.1", client.base_url.port) as conn:
+            await conn.send(b"POST /agents/echo/chat HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                            b"content-type: application/json\r\n%s\r\n\r\n%s" % (head, sent))
+            reply = b""
+            with anyio.fail_after(5):  # the answer, then the server closes the connection
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                    while True:
+                        reply += await conn.receive()
+        assert reply.startswith(b"HTTP/1.1 408 "), reply
+        body = json.loads(reply.partition(b"\r\n\r\n")[2])
+        assert body["error"] == "RequestTimeoutError" and "0.3 s" in body["message"], body
+        with anyio.fail_after(5):  # the request's task has ended
+            while app._inflight:
+                await anyio.sleep(0.01)
+        assert await app.deck.store.runs() == []
+        assert (await client.post("/agents/echo/chat", json={"message": "hi"})).status_code == 200
+
+
 async def test_a_failed_run_is_a_500_with_its_type_and_run_id():
     broken = Agent("broken", model=ScriptedModel([RuntimeError("secret-token-123")], cycle=True))
     async with served(catalog(broken)) as (client, app):

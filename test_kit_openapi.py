@@ -16,6 +16,7 @@ import pytest
 from openapi_spec_validator import validate
 
 import kit_http
+import kit_request
 from kit_openapi import OPERATIONS, document
 from test_kit_http import HERE, catalog, served
 from test_kit_serve import kit_serve, stop
@@ -40,6 +41,18 @@ def test_the_document_describes_exactly_the_route_table():
     assert set(OPERATIONS) == table
     with pytest.raises(KeyError):
         document([("GET", "/undocumented")])
+
+
+def test_every_route_that_reads_a_body_documents_how_a_body_is_refused():
+    """A body is refused before its route sees it: malformed (400), stalled (408), too large
+    (413), not JSON (415); the document says so with the limits kit_request enforces."""
+    doc = document(list(OPERATIONS))
+    for (method, path), op in OPERATIONS.items():
+        if "requestBody" in op:
+            assert {"400", "408", "413", "415"} <= set(op["responses"]), (method, path)
+    described = {code: r["description"] for code, r in doc["components"]["responses"].items()}
+    assert f"{kit_request.BODY_TIMEOUT:g} s" in described["408"]
+    assert f"{kit_request.MAX_BODY_BYTES // 2**20} MiB" in described["413"]
 
 
 SURFACE_OPS = {("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
