@@ -123,9 +123,9 @@ def _error(description: str) -> dict[str, Any]:
 
 _RESPONSES: dict[str, Any] = {
     "400": _error("Malformed: not a JSON object of the expected shape (bad UTF-8, a lone "
-                  "surrogate escape, nesting deeper than 64, a huge number), a bad content block "
-                  "or a bad argument, or a path parameter that is not UTF-8 once percent-decoded "
-                  "or (run_id, thread_id) not an id"),
+                  "surrogate escape, nesting deeper than 64, a huge number, a key twice in one "
+                  "object), a bad content block or a bad argument, or a path parameter that is "
+                  "not UTF-8 once percent-decoded or (run_id, thread_id) not an id"),
     "403": _error("The request comes from a page of another origin that KIT_CORS_ORIGINS "
                   "does not list"),
     "404": _error("No such agent, workflow, run or waiting thread"),

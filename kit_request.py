@@ -17,11 +17,11 @@ Theory of operation: a body is read up to ``MAX_BODY_BYTES`` (Hypercorn has no l
 apps, notes/CONVENTIONS.md A7; Content-Length is checked first, then the chunks are counted), a
 body that stops arriving is refused after ``BODY_TIMEOUT`` (Hypercorn times out no body read:
 its ``read_timeout`` would also end every quiet SSE stream, whose client sends nothing), and
-parsed strictly: bad UTF-8, deep nesting, huge integers, NaN, infinity and lone surrogates are a
-``MalformedRequestError`` naming what is wrong (a 400, never a 500). A misspelt key is refused,
-not taken for an absent one. Routes match the path as the client spelt it (ASGI's ``raw_path``,
-each segment percent-decoded on its own), so an id holding ``/``, sent as ``%2F``, is one path
-parameter.
+parsed strictly: bad UTF-8, deep nesting, huge integers, NaN, infinity, lone surrogates and a key
+given twice in one object are a ``MalformedRequestError`` naming what is wrong (a 400, never a
+500). A misspelt key is refused, not taken for an absent one. Routes match the path as the
+client spelt it (ASGI's ``raw_path``, each segment percent-decoded on its own), so an id holding
+``/``, sent as ``%2F``, is one path parameter.
 """
 from __future__ import annotations
 
@@ -130,6 +130,25 @@ def _finite(text: str) -> float:
     return value
 
 
+class _KeyTwice(ValueError):
+    """A JSON object that names one key twice (``parse_json`` refuses it)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict; ``_KeyTwice`` for a key named twice, whose meaning RFC 8259
+    (section 4) leaves open: parsers differ (the first value, the last, an error), so a proxy or
+    a log could read another value than the one kit plays."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _KeyTwice(f"the key {key[:100]!r} is given twice in one object of the "
+                                "JSON: send it once")
+            seen.add(key)
+    return obj
+
+
 def parse_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object. Raises ``MalformedRequestError`` for anything else."""
     obj = parse_json(body)
@@ -140,13 +159,17 @@ def parse_object(body: bytes) -> dict[str, Any]:
 
 def parse_json(body: bytes) -> Any:
     """The body as JSON: UTF-8, at most ``MAX_JSON_DEPTH`` deep, no NaN, infinity or lone
-    surrogate. Raises ``MalformedRequestError`` naming what is wrong."""
+    surrogate, no key twice in one object. Raises ``MalformedRequestError`` naming what is
+    wrong."""
     too_deep = MalformedRequestError(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         text = body.decode("utf-8")
-        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite,
+                         object_pairs_hook=_unique_keys)
     except RecursionError:
         raise too_deep from None
+    except _KeyTwice as exc:
+        raise MalformedRequestError(str(exc)) from None
     except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a >4300-digit integer
         raise MalformedRequestError(f"the body is not valid JSON: {exc}") from None
     stack: list[tuple[Any, int]] = [(obj, 1)] if isinstance(obj, (dict, list)) else []

@@ -332,6 +332,26 @@ async def test_hostile_bodies_are_4xx_never_500(body, headers, status, error):
         assert (await client.post("/agents/echo/chat", json={"message": "hi"})).status_code == 200
 
 
+async def test_a_key_given_twice_is_a_400_naming_it_never_its_last_value():
+    """JSON leaves a repeated key's meaning open (RFC 8259 section 4), and parsers differ (the
+    first value, the last, an error): a proxy or log reading the first would see another answer
+    than the one kit played, which was the last."""
+    async with served(catalog()) as (client, app):
+        r = await client.post("/workflows/approve", json={"input": {}, "thread_id": "t1"})
+        run_id = r.headers["x-kit-run-id"]
+        for route, body in (("/workflows/approve/t1/resume", b'{"value": "no", "value": "yes"}'),
+                            ("/workflows/approve/t1/resume", b'{"value": {"ok": false, "ok": true}}'),
+                            ("/agents/echo/chat", b'{"message": 5, "message": "hi"}')):
+            r = await client.post(route, content=body, headers=JSON)
+            assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError"), body
+            assert "twice" in r.json()["message"] and "'" in r.json()["message"], r.json()
+        assert await app.deck.status(run_id) is RunStatus.WAITING_HUMAN
+        assert len(await app.deck.store.runs()) == 1
+        r = await client.post("/workflows/approve/t1/resume", content=b'{"value": {"a": 1, "b": 1}}',
+                              headers=JSON)
+        assert r.status_code == 200
+
+
 async def test_a_number_past_float_range_is_400_not_infinity():
     async with served(catalog()) as (client, _):
         r = await client.post("/workflows/approve", content=b'{"input": {"n": 1e999}}', headers=JSON)
