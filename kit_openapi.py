@@ -212,7 +212,7 @@ def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[st
         body: str | None = None, body_required: bool = True, params: Iterable[dict] = (),
         description: str = "", error_schema: str = "Error") -> dict[str, Any]:
     """One operation; its errors (403, 421, 500 and 503 for every route; ``errors`` and, with a
-    ``body``, 400/408/413/415) as ``error_schema``: kit's ``Error``, or ``OpenAIError`` for a route
+    ``body``, 400/408/413/415, or with a path parameter 400) as ``error_schema``: kit's ``Error``, or ``OpenAIError`` for a route
     of the Chat Completions wire, where kit_http answers every refusal in OpenAI's shape."""
     op: dict[str, Any] = {"operationId": op_id, "summary": summary}
     if description:
@@ -223,6 +223,8 @@ def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[st
         op["requestBody"] = {"required": body_required, "content": {"application/json": {
             "schema": _ref(body)}}}
         errors = (*_BODY, *errors)
+    elif any(p["in"] == "path" for p in params):  # a parameter that is not UTF-8, decoded
+        errors = ("400", *errors)
     refs: dict[str, Any] = {}
     for code in (*_ALWAYS, *errors):
         refs[code] = {"$ref": f"#/components/responses/{code}"} if error_schema == "Error" else {
@@ -340,7 +342,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                      "type": "object"}}, "text/plain": {"schema": _STR}}},
          "406": {"description": "The Accept header does not take both application/json and "
                  "text/event-stream"},
-         "413": _RESPONSES["413"]},
+         **{code: _RESPONSES[code] for code in ("408", "413", "415") if method == "POST"}},
         description="Stateless: no MCP session lives between requests, so DELETE (ending one) "
                     "is a 405.")
        for method in ("POST", "GET")},

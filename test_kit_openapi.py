@@ -4,7 +4,9 @@ document against a real kit-serve on the example project, finds no 5xx and no re
 breaks it."""
 from __future__ import annotations
 
+import gzip
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -116,6 +118,31 @@ async def test_an_app_documents_the_routes_it_serves_and_a_validator_accepts_it(
                     response = doc["components"]["responses"][response["$ref"].rpartition("/")[2]]
                 schema = response["content"]["application/json"]["schema"]
                 jsonschema.validate(r.json(), {**schema, "components": doc["components"]})
+
+
+@pytest.mark.anyio
+async def test_every_refusal_before_a_handler_is_documented_on_every_route_it_reaches():
+    """kit_http refuses some requests before their handler, on every route alike: a path
+    parameter that is not UTF-8 once percent-decoded (400), a gzip body (415). Each operation
+    documents what it answers (GET /v1/models/{model} and POST /mcp did not)."""
+    async with served(catalog(), native=True, surfaces=("openai", "mcp")) as (client, _):
+        doc = (await client.get("/openapi.json")).json()
+        seen = []
+        for path, ops in doc["paths"].items():
+            for method, op in ops.items():
+                url = re.sub(r"\{\w+\}", "%FF", path)
+                tries = [("path", url, {})] if url != path else []
+                if method == "post":
+                    tries.append(("gzip", path.replace("{", "").replace("}", ""), {
+                        "content": gzip.compress(b"{}"),
+                        "headers": {"content-type": "application/json", "content-encoding": "gzip",
+                                    "accept": "application/json, text/event-stream"}}))
+                for what, target, kw in tries:
+                    r = await client.request(method, target, **kw)
+                    seen.append((method, path, what, r.status_code))
+                    assert str(r.status_code) in op["responses"], (method, path, what, r.status_code)
+        assert ("get", "/v1/models/{model}", "path", 400) in seen
+        assert ("post", "/mcp", "gzip", 415) in seen
 
 
 def test_schemathesis_finds_no_5xx_and_no_response_that_breaks_the_document(tmp_path):
