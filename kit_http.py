@@ -731,16 +731,33 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     ``serve`` extra. Raises ``OSError`` (naming the address) when it cannot listen, Hypercorn's
     ``LifespanFailureError`` when the deck does not open (``app.open_error`` says why).
     """
+    config, named, port = _config(host, port, access_log)
+    backend = sniffio.current_async_library()
+    if backend == "trio":
+        from hypercorn.trio import serve as hypercorn_serve
+    else:
+        from hypercorn.asyncio import serve as hypercorn_serve
+    surfaces = [s for s in SURFACES if s in app.surfaces]
+    served = f", with {' and '.join(surfaces)}" if surfaces else ""
+    local = "127.0.0.1" if named in ("0.0.0.0", "[::]", "") else named  # any address: say one
+    page = f"playground at http://{local}:{port}/" if app.playground else "no playground"
+    _log.info("listening on http://%s:%s (%s worker%s); %s; %s. The API is unauthenticated: anyone "
+              "who can reach this address can start, read, answer and cancel runs.", named, port,
+              backend, served, page, app.guard.describe())
+    await hypercorn_serve(app, config, shutdown_trigger=functools.partial(
+        _until_stopped, app, shutdown_trigger))
+
+
+def _config(host: str, port: int, access_log: bool) -> tuple[Any, str, int]:
+    """Hypercorn's ``Config`` for ``serve``, its address probed by binding it once: the config,
+    the host as a URL writes it, and the port (the one the system chose for ``port=0``).
+    Raises ``OSError`` naming the address when it cannot listen."""
     from hypercorn.config import Config
     if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it
         host = host[1:-1]
     named = f"[{host}]" if ":" in host else host  # the host as a URL (and a bind) writes it
-
-    def bind(port: int) -> list[str]:
-        return [f"{named}:{port}"]
-
     config = Config()
-    config.bind = bind(port)
+    config.bind = [f"{named}:{port}"]
     config.backlog = 1024  # bursts of connections, such as 1,000 streams at once (CONVENTIONS A7)
     config.accesslog = _access_log if access_log else None
     _access_log.addFilter(_PRINTABLE_ACCESS)  # once: addFilter skips a filter it holds
@@ -753,40 +770,30 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     for sock in probe.secure_sockets + probe.insecure_sockets + probe.quic_sockets:
         if port == 0:  # the port the system chose: the one served, and the one told
             port = sock.getsockname()[1]
-            config.bind = bind(port)
+            config.bind = [f"{named}:{port}"]
         sock.close()
+    return config, named, port
 
-    async def trigger() -> None:
-        if shutdown_trigger is not None:
-            await shutdown_trigger()
+
+async def _until_stopped(app: App, shutdown_trigger: Callable[[], Awaitable[Any]] | None) -> None:
+    """``serve``'s shutdown trigger: wait for ``shutdown_trigger`` (default: SIGINT or SIGTERM),
+    then shut ``app`` down (``App.shutdown``), a second signal hurrying it (``App.hurry``)."""
+    if shutdown_trigger is not None:
+        await shutdown_trigger()
+        await app.shutdown()
+        return
+    # Held through the shutdown: a second signal ends the grace at once, where Python's
+    # default handler would raise KeyboardInterrupt in the middle of it.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            break
+        async with anyio.create_task_group() as tg:
+            async def hurry() -> None:
+                async for _ in signals:
+                    app.hurry()
+            tg.start_soon(hurry)
             await app.shutdown()
-            return
-        # Held through the shutdown: a second signal ends the grace at once, where Python's
-        # default handler would raise KeyboardInterrupt in the middle of it.
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                break
-            async with anyio.create_task_group() as tg:
-                async def hurry() -> None:
-                    async for _ in signals:
-                        app.hurry()
-                tg.start_soon(hurry)
-                await app.shutdown()
-                tg.cancel_scope.cancel()
-
-    backend = sniffio.current_async_library()
-    if backend == "trio":
-        from hypercorn.trio import serve as hypercorn_serve
-    else:
-        from hypercorn.asyncio import serve as hypercorn_serve
-    surfaces = [s for s in SURFACES if s in app.surfaces]
-    served = f", with {' and '.join(surfaces)}" if surfaces else ""
-    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else named
-    page = f"playground at http://{local}:{port}/" if app.playground else "no playground"
-    _log.info("listening on http://%s:%s (%s worker%s); %s; %s. The API is unauthenticated: anyone "
-              "who can reach this address can start, read, answer and cancel runs.", named, port,
-              backend, served, page, app.guard.describe())
-    await hypercorn_serve(app, config, shutdown_trigger=trigger)
+            tg.cancel_scope.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
