@@ -745,6 +745,30 @@ async def test_pause_resume_and_cancel_routes():
         assert "COMPLETED" in r.json()["message"]
 
 
+async def test_a_pause_after_a_cancel_does_not_undo_the_cancel():
+    """Both are 202 while the run plays; at its safe point the run took only the last request,
+    so it paused, kept its session busy and left no trace of the cancel in its log."""
+    gate, worker = gated("done")
+    async with served(catalog(worker)) as (client, app):
+        async with anyio.create_task_group() as tg:
+            first: list[httpx.Response] = []
+
+            async def play() -> None:
+                first.append(await client.post("/agents/worker/chat", json={"session_id": "s", "message": "go"}))
+            tg.start_soon(play)
+            await gate.until_entered()
+            [info] = await app.deck.store.runs(status=RunStatus.RUNNING)
+            for action, reason in (("cancel", "wrong question"), ("pause", "lunch")):
+                r = await client.post(f"/runs/{info.run_id}/{action}", json={"reason": reason})
+                assert r.status_code == 202, r.json()
+            gate.release.set()
+        assert (first[0].status_code, first[0].json()["error"]) == (409, "RunStoppedError")
+        assert "cancelled" in first[0].json()["message"] and "wrong question" in first[0].json()["message"]
+        assert await app.deck.status(info.run_id) is RunStatus.CANCELLED
+        r = await client.post("/agents/worker/chat", json={"session_id": "s", "message": "again"})
+        assert r.status_code == 200  # the session is free
+
+
 async def test_resume_of_a_paused_run_streams_like_the_run_that_paused():
     gate, worker = gated("back at work")
     async with served(catalog(worker)) as (client, app):
