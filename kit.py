@@ -352,7 +352,7 @@ class Deck:
 
     def _spec(self, action: str, name: str) -> InvocableSpec:
         self._open(action)
-        spec = self._specs.get(name)
+        spec = self._specs.get(name) if isinstance(name, str) else None  # (a list: unhashable)
         if spec is None:
             raise UnknownNameError(name, self._specs)
         return spec

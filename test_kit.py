@@ -215,6 +215,17 @@ async def test_lifecycle_rules():
     await deck.aclose()  # idempotent
 
 
+async def test_a_name_that_is_no_str_is_an_unknown_name():
+    """A list or a dict for a name is an UnknownNameError, as an int is; it raised TypeError
+    (unhashable type) from the catalog's lookup."""
+    async with Deck([Agent("a", model=ScriptedModel(["hi"]))]) as deck:
+        for name in (["a"], {"a": 1}, 5):
+            with pytest.raises(kit.UnknownNameError, match="known: a"):
+                await deck.run(name, "x")  # type: ignore[arg-type]
+            with pytest.raises(kit.UnknownNameError, match="known: a"):
+                deck.stream(name, "x")  # type: ignore[arg-type]
+
+
 async def test_one_live_deck_per_process_naming_both():
     first = Deck()
     with pytest.raises(ConfigError) as err:
