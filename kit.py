@@ -76,7 +76,9 @@ class Deck:
     event log.
 
     Lifecycle (SPEC 3.1): NEW -> ``build()`` -> BUILT -> ``async with deck`` -> OPEN ->
-    ``aclose()`` -> CLOSED, which is terminal. Only one deck may be live (not CLOSED) per process.
+    ``aclose()`` -> CLOSED, which is terminal; while ``async with deck`` opens it, the deck is
+    OPENING, and another task's open is refused. Only one deck may be live (not CLOSED) per
+    process.
 
     ``skills`` is a path, a sequence of paths or a ``Skills`` catalog; ``mcp`` a path to a
     ``.mcp.json``, a mapping or an ``MCP``: the skills and tool servers agents name in
@@ -295,11 +297,12 @@ class Deck:
         return self
 
     async def __aenter__(self) -> Deck:
-        if self._state in ("OPEN", "CLOSED"):
+        if self._state in ("OPENING", "OPEN", "CLOSED"):
             raise DeckStateError(self._state, "open the deck")
         import anyio
         try:
             self.build()
+            self._state = "OPENING"  # a second task's open, meanwhile, would start a second Runtime
             import kit_runtime
             runtime = kit_runtime.Runtime(self._specs, store=self._store,
                                           session_factory=self._session_factory,
@@ -323,8 +326,11 @@ class Deck:
         is left), close the store it built. Idempotent.
 
         Raises ``DeckStateError`` (and closes nothing) when called from another task than the one
-        that opened the deck: the deck's background tasks belong to that task.
+        that opened the deck (or is opening it): the deck's background tasks belong to that task.
         """
+        if self._state == "OPENING":  # the opener is in __aenter__: this is another task
+            raise DeckStateError("OPENING", "close the deck from another task than the one "
+                                 "opening it")
         if self._state == "OPEN":
             import anyio
             if anyio.get_current_task().id != self._opener:

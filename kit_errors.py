@@ -62,6 +62,8 @@ class DeckStateError(KitError):
     def __init__(self, state: str, action: str) -> None:
         self.state, self.action = state, action
         hint = {"CLOSED": "a closed deck cannot be reopened; build a new Deck",
+                "OPENING": "another task is opening it: use it once its `async with deck:` has "
+                           "entered",
                 "OPEN": "an open deck is opened once, used on its event loop and closed by the "
                         "task that opened it"}.get(state, "open it first with `async with deck:`")
         super().__init__(f"cannot {action}: the deck is {state} ({hint})")

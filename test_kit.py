@@ -226,6 +226,32 @@ async def test_a_name_that_is_no_str_is_an_unknown_name():
                 deck.stream(name, "x")  # type: ignore[arg-type]
 
 
+async def test_a_deck_another_task_is_opening_is_not_opened_twice():
+    """Two tasks entering `async with deck:` at once: the second is refused while the first
+    opens it (DeckStateError), and the deck runs on one Runtime, closed by its opener. Both
+    opened it: two Runtimes, the first never closed, and the first opener's close raised."""
+    deck = Deck([Agent("a", model=ScriptedModel(["hi"], cycle=True))])
+    outcomes: list = []
+
+    async def open_it() -> None:
+        try:
+            async with deck:
+                outcomes.append(("opened", deck._runtime))
+                await anyio.sleep(0.2)
+                assert (await deck.run("a", "x")).output == "hi"
+        except DeckStateError as exc:
+            outcomes.append(("refused", exc.state))
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(open_it)
+            tg.start_soon(open_it)
+    assert sorted(o[0] for o in outcomes) == ["opened", "refused"]
+    assert [o[1] for o in outcomes if o[0] == "refused"] == ["OPENING"]
+    assert deck._state == "CLOSED"
+    Deck().build()  # the live slot is free again
+
+
 async def test_one_live_deck_per_process_naming_both():
     first = Deck()
     with pytest.raises(ConfigError) as err:
