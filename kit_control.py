@@ -207,16 +207,25 @@ class RunControl:
             if isinstance(event.payload, ModelCompleted):
                 p = event.payload
                 run.add_usage(p.input_tokens, p.output_tokens, p.usd)
+        session = None
         if spec.kind == "workflow":
             await self._check_thread(run)
+        elif info.session_id is not None:  # made before the take-over, as a turn's (_begin):
+            # a factory that fails then leaves the run paused, not taken over and never played
+            session = self.sessions.peek(info.session_id, info.namespace)  # type: ignore[union-attr]
         try:
             await self._take_over(run, [
                 Event(run_id, paused.seq + 1, ControlRequested("resume", None, "api"), run.origin),
                 Event(run_id, paused.seq + 2, RunResumed("resume"), run.origin)])
-        except LogConflictError:
-            return None  # another caller resumed it first
+        except BaseException as exc:
+            if session is not None:
+                self.sessions.unpeek(info.session_id, info.namespace)  # type: ignore[union-attr, arg-type]
+            if isinstance(exc, LogConflictError):
+                return None  # another caller resumed it first
+            raise
         if spec.kind == "agent":
-            session = self.sessions.hold(run_id, info.session_id, info.namespace) if info.session_id else None  # type: ignore[union-attr]
+            if session is not None:  # taken over: never evicted until its end
+                self.sessions.hold(run_id, info.session_id, info.namespace, session)  # type: ignore[union-attr, arg-type]
             items = [] if session is not None else (paused.payload.items or [])
             job = functools.partial(spec.engine.play, run, items, session,
                                     self._agents.run_config(self._sdk_tracing, run_id, info.session_id))

@@ -15,6 +15,7 @@ from langgraph.graph import END, START, StateGraph
 
 import kit
 from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
+import kit_sessions
 from kit_store import SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -314,3 +315,41 @@ async def test_the_cli_pauses_a_run_playing_in_another_process(tmp_path):
             with anyio.fail_after(10):  # a resume request is taken up by a deck that has the agent
                 while await deck.status(run_id) is not RunStatus.COMPLETED:
                     await anyio.sleep(0.02)
+
+
+async def test_a_resume_whose_session_cannot_be_made_leaves_the_run_paused(store):
+    """A session factory that fails (its backend down) when a paused run is resumed: the
+    resume raises and writes nothing, the run stays PAUSED (a later resume plays it, a cancel
+    ends it). It was taken over first: RUNNING, played by nobody and held by this deck, so a
+    cancel never reached it and its lease was renewed until the deck closed."""
+    gate = Gate()
+    model = ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "all done"], cycle=True)
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        results: list = []
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "worker", "go", session_id="s1")
+            await gate.until_entered()
+            run_id = await running_run_id(store)
+            await deck.pause(run_id)
+            gate.release.set()
+    paused = await store.read(run_id)
+    down = [True]
+
+    def factory(key):
+        if down[0]:
+            raise ConnectionError("the session backend is down")
+        return kit_sessions.MemorySession(memory, key)
+
+    memory = kit_sessions._MemoryDB()
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store,
+                    session_factory=factory) as deck:
+        with pytest.raises(ConnectionError):
+            await deck.resume(run_id)
+        assert await store.read(run_id) == paused and await deck.status(run_id) is RunStatus.PAUSED
+        with pytest.raises(ConnectionError):
+            [e async for e in deck.stream_resume(run_id)]
+        assert await store.read(run_id) == paused
+        down[0] = False
+        produced = await deck.resume(run_id)
+        assert produced[-1].kind == "run.completed"
+    memory.close()
