@@ -188,11 +188,14 @@ class RunControl:
             self._unstream(run)
             raise
 
-    async def _take_paused(self, run_id: str, context: Any, streaming: bool
+    async def _take_paused(self, run_id: str, context: Any, streaming: bool,
+                           req: ControlRequest | None = None
                            ) -> tuple[Run, Callable[[], Any], int] | None:
         """Become the writer of a paused run: the run, its job and the seq it paused at, or None
         when there is nothing to resume here (unknown, not paused, playing, another caller
-        resumed it first, or this deck lacks its invocable: SPEC 3.2)."""
+        resumed it first, or this deck lacks its invocable: SPEC 3.2). ``req``: the resume
+        request from the store (the CLI's, another replica's) whose reason and source the log
+        records; without it, the API's."""
         info = await self.store.run_info(run_id)
         spec = self.specs.get(info.name) if info is not None else None
         if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
@@ -213,9 +216,11 @@ class RunControl:
         elif info.session_id is not None:  # made before the take-over, as a turn's (_begin):
             # a factory that fails then leaves the run paused, not taken over and never played
             session = self.sessions.peek(info.session_id, info.namespace)  # type: ignore[union-attr]
+        asked = (ControlRequested("resume", req.reason, req.source) if req is not None
+                 else ControlRequested("resume", None, "api"))
         try:
             await self._take_over(run, [
-                Event(run_id, paused.seq + 1, ControlRequested("resume", None, "api"), run.origin),
+                Event(run_id, paused.seq + 1, asked, run.origin),
                 Event(run_id, paused.seq + 2, RunResumed("resume"), run.origin)])
         except BaseException as exc:
             if session is not None:
@@ -261,7 +266,7 @@ class RunControl:
                 if req.id in self._handled:
                     pass  # made here: acted on then
                 elif req.action == "resume" and req.run_id not in self.active:
-                    self._tg.start_soon(self._resume_quietly, req.run_id)
+                    self._tg.start_soon(self._resume_quietly, req)
                 else:
                     await self._act_or_raise(req)
                 self._seen_request = req.id
@@ -294,7 +299,7 @@ class RunControl:
                     _log.error("control request %d (cancel of run %s) made while no deck was "
                                "open failed: %s: %s", req.id, req.run_id, type(exc).__name__, exc)
             elif req.action == "resume" and parked[req.run_id] is RunStatus.PAUSED:
-                self._tg.start_soon(self._resume_quietly, req.run_id)
+                self._tg.start_soon(self._resume_quietly, req)
 
     async def _act_or_raise(self, req: ControlRequest) -> None:
         """``_act``; a failure is raised (``_every`` starts the watch over after its backoff),
@@ -310,13 +315,14 @@ class RunControl:
             _log.error("control request %d (%s of run %s) passed over after %d tries: %s: %s",
                        req.id, req.action, req.run_id, tries, type(exc).__name__, exc)
 
-    async def _resume_quietly(self, run_id: str) -> None:
+    async def _resume_quietly(self, req: ControlRequest) -> None:
         """A resume request from the log (its run id, as old as the log, is not re-checked).
         Taking the run over is tried ``ACT_TRIES`` times while the store fails; the run's own
         failure is in its log (``run.failed``), with nobody here to tell."""
+        run_id = req.run_id
         for tries in range(1, ACT_TRIES + 1):
             try:
-                taken = await self._take_paused(run_id, None, False)
+                taken = await self._take_paused(run_id, None, False, req)
                 break
             except CheckpointMissingError:
                 return  # a non-durable workflow's run: the process that parked it takes it up

@@ -353,3 +353,43 @@ async def test_a_resume_whose_session_cannot_be_made_leaves_the_run_paused(store
         produced = await deck.resume(run_id)
         assert produced[-1].kind == "run.completed"
     memory.close()
+
+
+async def test_a_resume_requested_elsewhere_is_logged_with_its_reason_and_source(store):
+    """`kit runs signal <id> resume --reason ...` (a request in the store): the run's
+    control.requested says who asked and why, as a pause's does, whether a deck hears it live
+    or at its next open; it said ("resume", None, "api") whoever asked."""
+    gate = Gate()
+    call = {"tool": "wait", "args": {"step": 1}}
+    model = ScriptedModel([call, call, "all done", "all done", call, "all done"])
+
+    async def paused(deck, run_id):
+        gate.entered.clear()
+        gate.release.clear()
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, [], "worker", "go", run_id=run_id)
+            await gate.until_entered()
+            await deck.pause(run_id)
+            gate.release.set()
+
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        await paused(deck, "live")
+        await paused(deck, "later")
+        await store.request("live", "resume", "the operator says go", "cli")
+        with anyio.fail_after(10):
+            while await deck.status("live") is not RunStatus.COMPLETED:
+                await anyio.sleep(0.02)
+    await store.request("later", "resume", "after the restart", "cli")
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        with anyio.fail_after(10):
+            while await deck.status("later") is not RunStatus.COMPLETED:
+                await anyio.sleep(0.02)
+    for run_id, reason in (("live", "the operator says go"), ("later", "after the restart")):
+        asked = [e.payload for e in await store.read(run_id) if e.kind == "control.requested"]
+        assert asked[-1] == kit.ControlRequested("resume", reason, "cli")
+    # deck.resume is the API's, with no reason
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        await paused(deck, "here")
+        await deck.resume("here")
+    asked = [e.payload for e in await store.read("here") if e.kind == "control.requested"]
+    assert asked[-1] == kit.ControlRequested("resume", None, "api")
