@@ -152,7 +152,8 @@ def _console() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``kit-serve``: serve the project at ``KIT_PROJECT`` (unset or empty: ``.kit``) on
-    ``HOST``:``PORT`` (default 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio or trio), the
+    ``HOST``:``PORT`` (unset or empty: 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio, the
+    default, or trio), the
     surfaces ``KIT_SURFACES`` names, the playground at ``/`` unless ``--no-playground`` or
     ``KIT_PLAYGROUND=0``, and the ``Host``/``Origin`` policy of ``KIT_ALLOWED_HOSTS`` /
     ``KIT_CORS_ORIGINS`` (kit_guard); ``--access-log`` (or ``KIT_ACCESS_LOG=1``) logs every
@@ -163,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     env = os.environ
     parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
                                      "and SSE. The API is unauthenticated.")
-    parser.add_argument("--host", default=env.get("HOST", "0.0.0.0"), help="bind address (HOST)")
-    parser.add_argument("--port", default=env.get("PORT", "8000"), help="bind port (PORT)")
-    parser.add_argument("--worker", default=env.get("KIT_WORKER", "asyncio"),
+    # An exported empty setting (an env file's `PORT=`) is unset, as every kit setting's is.
+    parser.add_argument("--host", default=env.get("HOST", "").strip() or "0.0.0.0",
+                        help="bind address (HOST)")
+    parser.add_argument("--port", default=env.get("PORT", "").strip() or "8000",
+                        help="bind port (PORT)")
+    parser.add_argument("--worker", default=env.get("KIT_WORKER", "").strip() or "asyncio",
                         help="asyncio or trio (KIT_WORKER)")
     parser.add_argument("--surfaces", default=env.get("KIT_SURFACES", ""),
                         help="optional surfaces to serve too, comma-separated: openai (POST "

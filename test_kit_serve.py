@@ -227,6 +227,40 @@ def test_kit_serve_on_port_0_says_the_port_it_serves(tmp_path, host, url_host):
         stop(proc)
 
 
+def test_empty_bind_and_worker_settings_are_unset(tmp_path):
+    """HOST=, PORT= and KIT_WORKER= exported empty (an env file's blank line) mean unset, as
+    every other kit setting's empty value does: 0.0.0.0, 8000 and asyncio. PORT= was a usage
+    error, KIT_WORKER= too, and HOST= bound every address under a startup line of
+    http://:<port>."""
+    root = project(tmp_path, sleepy=AGENT_BUNDLE)
+    env = dict(os.environ, KIT_PROJECT=str(tmp_path / "none"), PORT="", HOST="", KIT_WORKER="")
+    out = subprocess.run([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stderr) == (1, f"kit-serve: no kit project at "
+                                               f"{str(tmp_path / 'none')!r} (a directory with "
+                                               "agents/ and workflows/ bundles); set KIT_PROJECT "
+                                               "or pass path=\n")
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="memory", HOST="", KIT_WORKER="",
+               PORT="0")
+    proc = subprocess.Popen([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("kit-serve: listening on http://0.0.0.0:"), line
+        port = int(line.split("http://0.0.0.0:", 1)[1].split(" ", 1)[0])
+        assert line.split(f"http://0.0.0.0:{port} ")[1].startswith("(asyncio worker)")
+        deadline = time.monotonic() + 30
+        while True:  # every address is bound, the loopback one too
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+    finally:
+        stop(proc)
+
+
 def test_a_deck_that_does_not_open_is_one_masked_line_naming_why(tmp_path):
     """Hypercorn wraps the failure ('LifespanFailureError: Lifespan failure in startup. ...'),
     and libpq's message spans lines; kit-serve says the deck's own error, on one line."""
