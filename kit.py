@@ -429,7 +429,7 @@ class Deck:
         """Every run waiting for a human, across all workflows, read off the log."""
         return await self._open("list pending runs").pending()
 
-    async def answer(self, run_id: str, value: Any, *, context: Any = None) -> Any:
+    async def answer(self, run_id: str, value: Any, context: Any = None) -> Any:
         """Answer a waiting run: its interrupted node re-runs from its start with ``value``.
 
         Finds the workflow, thread and session itself. Returns the final state (the run is
@@ -439,13 +439,13 @@ class Deck:
         """
         return await self._open("answer").answer(run_id, value, context)
 
-    async def pause(self, run_id: str, *, reason: str | None = None) -> None:
+    async def pause(self, run_id: str, reason: str | None = None) -> None:
         """Ask a run to pause at its next safe point (before a model call; between a workflow's
         supersteps); returns at once. The request is recorded, in the store, so the process
         playing the run sees it wherever it runs. Raises ``UnknownRunError``."""
         await self._open("pause").request(run_id, "pause", reason, "api")
 
-    async def cancel(self, run_id: str, *, reason: str | None = None) -> None:
+    async def cancel(self, run_id: str, reason: str | None = None) -> None:
         """Ask a run to end at its next safe point (``run.cancelled``; its session is freed);
         returns at once. A parked run (paused, waiting, sleeping) is cancelled right away.
         Raises ``UnknownRunError``."""
@@ -462,7 +462,7 @@ class Deck:
         """
         return self._open("answer").stream_answer(run_id, value, context, committed)
 
-    async def resume(self, run_id: str, *, context: Any = None) -> list[Event]:
+    async def resume(self, run_id: str, context: Any = None) -> list[Event]:
         """Continue a paused run here; returns the events it produced (``[]`` when there is
         nothing to resume: the run is not paused, the log has never seen it, another caller
         resumed it first, or this deck lacks its agent or workflow)."""

@@ -393,3 +393,31 @@ async def test_a_resume_requested_elsewhere_is_logged_with_its_reason_and_source
         await deck.resume("here")
     asked = [e.payload for e in await store.read("here") if e.kind == "control.requested"]
     assert asked[-1] == kit.ControlRequested("resume", None, "api")
+
+
+async def ask_with_context(state: State, ctx: kit.Context[dict]) -> dict:
+    answer = kit.interrupt({"question": "ok?"})
+    return {"log": [f"{answer} for {ctx.data['who']}"]}
+
+
+async def test_the_control_methods_take_their_arguments_by_position_as_spec_writes_them(store):
+    """SPEC 4.1 writes pause and cancel as (run_id, reason=...), resume as (run_id,
+    context=None) and answer as (run_id, value, context=None): each takes them by position
+    too. They were keyword-only: deck.answer(run_id, "yes", ctx) raised TypeError."""
+    graph = StateGraph(State).add_node("ask", ask_with_context)
+    graph.add_edge(START, "ask").add_edge("ask", END)
+    gate = Gate()
+    async with Deck([multi_turn_agent(gate)], [Workflow("asks", graph)], store=store) as deck:
+        parked = await deck.run("asks", {"log": []}, context={"who": "ann"})
+        assert await deck.answer(parked.run_id, "yes", {"who": "bob"}) == {"log": ["yes for bob"]}
+        results: list = []
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "worker", "go", run_id="r-pos")
+            await gate.until_entered()
+            await deck.pause("r-pos", "by position")
+            gate.release.set()
+        assert results[0].reason == "by position"
+        assert (await deck.resume("r-pos", None))[-1].kind == "run.completed"
+        parked = await deck.run("asks", {"log": []})
+        await deck.cancel(parked.run_id, "no longer")
+        assert (await store.read(parked.run_id))[-1].payload == kit.RunCancelled("no longer")
