@@ -204,21 +204,22 @@ class RunControl:
         paused = log[-1]
         if paused.kind != "run.paused":  # resumed since the index was read: not ours to take
             return None
-        run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
-        run.origin = paused.origin  # a child run's is its parent's path (``agent/workflow``)
-        for event in log:  # its usage so far: run.completed totals the whole run
-            if isinstance(event.payload, ModelCompleted):
-                p = event.payload
-                run.add_usage(p.input_tokens, p.output_tokens, p.usd)
         session = None
-        if spec.kind == "workflow":
-            await self._check_thread(run)
-        elif info.session_id is not None:  # made before the take-over, as a turn's (_begin):
-            # a factory that fails then leaves the run paused, not taken over and never played
+        if spec.kind == "agent" and info.session_id is not None:
+            # Made first, as a turn's is (_begin): a factory that fails (its backend down) leaves
+            # the run paused, not taken over and then played by nobody.
             session = self.sessions.peek(info.session_id, info.namespace)  # type: ignore[union-attr]
         asked = (ControlRequested("resume", req.reason, req.source) if req is not None
                  else ControlRequested("resume", None, "api"))
         try:
+            run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
+            run.origin = paused.origin  # a child run's is its parent's path (``agent/workflow``)
+            for event in log:  # its usage so far: run.completed totals the whole run
+                if isinstance(event.payload, ModelCompleted):
+                    p = event.payload
+                    run.add_usage(p.input_tokens, p.output_tokens, p.usd)
+            if spec.kind == "workflow":
+                await self._check_thread(run)
             await self._take_over(run, [
                 Event(run_id, paused.seq + 1, asked, run.origin),
                 Event(run_id, paused.seq + 2, RunResumed("resume"), run.origin)])

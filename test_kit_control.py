@@ -349,6 +349,7 @@ async def test_a_resume_whose_session_cannot_be_made_leaves_the_run_paused(store
         with pytest.raises(ConnectionError):
             [e async for e in deck.stream_resume(run_id)]
         assert await store.read(run_id) == paused
+        assert run_id not in deck._runtime._streams  # no stream left listed for its commits
         down[0] = False
         produced = await deck.resume(run_id)
         assert produced[-1].kind == "run.completed"
