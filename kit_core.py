@@ -781,9 +781,10 @@ class RunHandle:
                      None if self.usd is None else round(self.usd, 10))
 
     def request(self, action: str, reason: str | None, source: str | None) -> None:
-        """The Runtime's side: ask the run to ``pause`` or ``cancel`` at its next safe point. A
-        pending cancel stands: a pause asked after it would undo it, keeping the run's session."""
-        if action == "pause" and self.requested is not None and self.requested[0] == "cancel":
+        """The Runtime's side: ask the run to ``pause`` or ``cancel`` at its next safe point.
+        A cancel pending there stays: a later pause does not undo it (a parked run's first
+        cancel wins too, ``RunControl._missed_requests``)."""
+        if self.requested is not None and self.requested[0] == "cancel":
             return
         self.requested = (action, reason, source)
         if self.on_request is not None:

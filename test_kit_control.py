@@ -422,3 +422,24 @@ async def test_the_control_methods_take_their_arguments_by_position_as_spec_writ
         parked = await deck.run("asks", {"log": []})
         await deck.cancel(parked.run_id, "no longer")
         assert (await store.read(parked.run_id))[-1].payload == kit.RunCancelled("no longer")
+
+
+async def test_a_pause_after_a_cancel_does_not_undo_it(store):
+    """Cancel, then pause, before the run's next safe point: the run is cancelled, as the next
+    deck to open would have cancelled it (a parked run's first cancel wins there). The later
+    pause replaced the cancel: the run paused, its session kept, the cancel never in its log."""
+    gate = Gate()
+    async with Deck([multi_turn_agent(gate)], store=store) as deck:
+        results: list = []
+        async with anyio.create_task_group() as tg:
+            await start_in_background(tg, deck, results, "worker", "go", session_id="s1")
+            await gate.until_entered()
+            run_id = await running_run_id(store)
+            await deck.cancel(run_id, reason="stop it")
+            await deck.pause(run_id, reason="hold on")
+            gate.release.set()
+        assert results[0].status is RunStatus.CANCELLED
+        log = await store.read(run_id)
+        assert [e.payload for e in log[-2:]] == [
+            kit.ControlRequested("cancel", "stop it", "api"), kit.RunCancelled("stop it")]
+        assert (await deck.run("worker", "again", session_id="s1")).output  # the session is free
