@@ -33,7 +33,6 @@ import functools
 import inspect
 import os
 import typing
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +55,7 @@ from kit_core import (
 )
 from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
 from kit_tools import (
-    compile_tool, mcp_tool_error, skill_catalog, skill_tool, tool_origin, watched,
+    call_id, compile_tool, mcp_tool_error, skill_catalog, skill_tool, tool_origin, watched,
 )
 
 if TYPE_CHECKING:
@@ -345,8 +344,8 @@ class _KitHooks(sdk.RunHooks):
         if isinstance(run, RunHandle):
             if getattr(tool, "_is_agent_tool", False):
                 _PLAY.get()[2] += 1
-            call_id = getattr(context, "tool_call_id", None) or uuid.uuid4().hex
-            await run.durable(ToolStarted(call_id, tool.name, getattr(context, "tool_arguments", "") or ""),
+            await run.durable(ToolStarted(call_id(context), tool.name,
+                                          getattr(context, "tool_arguments", "") or ""),
                               origin=tool_origin(run, agent, tool))
 
     async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
@@ -354,8 +353,10 @@ class _KitHooks(sdk.RunHooks):
         if isinstance(run, RunHandle):
             if getattr(tool, "_is_agent_tool", False):
                 _record_untapped(run, context, agent, tool)
-            call_id = getattr(context, "tool_call_id", None) or ""
-            run.emit(ToolCompleted(call_id, tool.name, jsonable(result), call_id in run.tool_errors),
+            cid = call_id(context)
+            failed = cid in run.tool_errors
+            run.tool_errors.discard(cid)  # a provider may use the id again (Kimi's: per turn)
+            run.emit(ToolCompleted(cid, tool.name, jsonable(result), failed),
                      origin=tool_origin(run, agent, tool))
 
 

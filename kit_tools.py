@@ -12,11 +12,12 @@ it carries as the SDK's run context), import kit_agents or anything above it, or
 application context anywhere (a tool gets it by reference, as ``Context(run.data)``).
 
 A tool's failure goes back to the model as an error string, never a failed run, and its call's
-``tool.completed`` says ``is_error`` (the call id is added to ``run.tool_errors``, which the
-hooks read when they record the call).
+``tool.completed`` says ``is_error`` (``failed``: the call's id, ``call_id``, is added to
+``run.tool_errors``, which the hooks read, and clear, when they record the call).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -24,6 +25,7 @@ import hashlib
 import inspect
 import json
 import typing
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +42,25 @@ if TYPE_CHECKING:
     from kit_catalog import Skill
 
 __all__ = ("compile_tool", "watched", "skill_catalog", "skill_tool", "mcp_tool_error",
-           "tool_origin")
+           "tool_origin", "call_id", "failed")
+
+
+def call_id(tool_ctx: Any) -> str:
+    """The id of the tool call ``tool_ctx`` (the SDK's ``ToolContext``) is for, as the log names
+    it. The model's own, unless it gave none (some servers leave a parallel call's empty): then
+    one kit makes, kept on the call's context, so the call's ``tool.started``, its error flag and
+    its ``tool.completed`` all carry the same one."""
+    cid = getattr(tool_ctx, "tool_call_id", None)
+    if not cid:
+        cid = f"kit-{uuid.uuid4().hex}"
+        with contextlib.suppress(AttributeError):
+            tool_ctx.tool_call_id = cid
+    return cid
+
+
+def failed(run: RunHandle, tool_ctx: Any) -> None:
+    """Flag the call ``tool_ctx`` is for as failed: its ``tool.completed`` says ``is_error``."""
+    run.tool_errors.add(call_id(tool_ctx))
 
 
 def tool_origin(run: RunHandle, agent: Any, tool: Any) -> str:
@@ -114,7 +134,7 @@ def compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
             return await out if inspect.isawaitable(out) else out
         except Exception as exc:
             if isinstance(run, RunHandle):
-                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+                failed(run, tool_ctx)
             return f"error: {type(exc).__name__}: {exc}"
 
     return sdk.FunctionTool(name=schema.name, description=schema.description or "",
@@ -156,7 +176,7 @@ def skill_tool(agent: str, skills: Sequence[Skill]) -> sdk.FunctionTool:
         skill = by_name.get(name) if isinstance(name, str) else None
         if skill is None:
             if isinstance(run, RunHandle):
-                run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
+                failed(run, tool_ctx)
             why = "skill names never carry a path" if isinstance(name, str) and (
                 "/" in name or "\\" in name or ".." in name) else "no such skill for this agent"
             return f"error: refused {name!r}: {why}; the skills are {', '.join(sorted(by_name))}"
@@ -194,12 +214,12 @@ def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
         return tool
 
     def flagged(say: Callable[[Any, Exception], Any]) -> Callable[[Any, Exception], Any]:
-        def failed(ctx: Any, error: Exception) -> Any:
+        def flag(ctx: Any, error: Exception) -> Any:
             run = getattr(ctx, "context", None)
             if isinstance(run, RunHandle):
-                run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
+                failed(run, ctx)
             return say(ctx, error)  # the SDK awaits an awaitable answer
-        return failed
+        return flag
 
     tool = copy.copy(tool)
     if timed:
@@ -224,11 +244,11 @@ def _log_refusals(tool: sdk.FunctionTool) -> sdk.FunctionTool:
             ctx = data.context
             run, behavior = getattr(ctx, "context", None), getattr(out, "behavior", None) or {}
             if isinstance(run, RunHandle) and behavior.get("type", "allow") != "allow":
-                call_id, origin = ctx.tool_call_id or "", tool_origin(run, data.agent, tool)
-                await run.durable(ToolStarted(call_id, tool.name, ctx.tool_arguments or ""),
+                cid, origin = call_id(ctx), tool_origin(run, data.agent, tool)
+                await run.durable(ToolStarted(cid, tool.name, ctx.tool_arguments or ""),
                                   origin=origin)
                 said = behavior.get("message") or f"refused by guardrail {guardrail.get_name()}"
-                run.emit(ToolCompleted(call_id, tool.name, said, True), origin=origin)
+                run.emit(ToolCompleted(cid, tool.name, said, True), origin=origin)
             return out
         return dataclasses.replace(guardrail, guardrail_function=check, name=guardrail.get_name())
 
@@ -244,6 +264,6 @@ def mcp_tool_error(ctx: Any, error: Exception) -> str:
     happened), which the SDK wraps in its own exception."""
     run = getattr(ctx, "context", None)
     if isinstance(run, RunHandle):
-        run.tool_errors.add(getattr(ctx, "tool_call_id", None) or "")
+        failed(run, ctx)
     died = next((e for e in (error, error.__cause__) if isinstance(e, MCPServerError)), None)
     return f"error: {died}" if died is not None else sdk.default_tool_error_function(ctx, error)

@@ -442,6 +442,44 @@ async def test_a_tool_error_goes_back_to_the_model(store):
         assert result.output == "sorry"
 
 
+
+async def test_a_calls_error_and_id_are_its_own_when_the_provider_reuses_or_omits_call_ids(store):
+    """Some providers' call ids are scoped to a turn (Kimi's ``<tool>:<n>`` restarts at 0 each
+    turn), some leave them empty (a second parallel call's, on some local servers). A call that
+    succeeded was logged ``is_error`` because an earlier call of the run with its id failed, and
+    a call with no id was logged under one id when it started and another (``""``) when it
+    completed, so nothing paired them."""
+    def boom(x: int) -> int:
+        """Fail on zero."""
+        if x == 0:
+            raise ValueError("zero")
+        return x
+
+    ids = iter(["boom:0", "boom:0", "", ""])
+
+    class TurnScopedIds(ScriptedModel):
+        async def get_response(self, *args, **kwargs):
+            response = await super().get_response(*args, **kwargs)
+            response.output = [i.model_copy(update={"call_id": next(ids)})
+                               if i.type == "function_call" else i for i in response.output]
+            return response
+
+    model = TurnScopedIds([{"tool": "boom", "args": {"x": 0}}, {"tool": "boom", "args": {"x": 5}},
+                           [{"tool": "boom", "args": {"x": 0}}, {"tool": "boom", "args": {"x": 7}}],
+                           "done"])
+    async with Deck([Agent("a", tools=[boom], model=model)], store=store) as deck:
+        result = await deck.run("a", "go")
+        log = await store.read(result.run_id)
+    calls = [e.payload for e in log if e.kind == "tool.started"]
+    assert [c.call_id for c in calls][:2] == ["boom:0", "boom:0"] and len(calls) == 4
+    started = {c.arguments: c.call_id for c in calls}  # the last call of each x
+    done = {e.payload.call_id: e.payload for e in log if e.kind == "tool.completed"}
+    assert started['{"x": 0}'] != started['{"x": 7}'] and "" not in started.values()
+    assert (done[started['{"x": 5}']].output, done[started['{"x": 5}']].is_error) == (5, False)
+    assert (done[started['{"x": 7}']].output, done[started['{"x": 7}']].is_error) == (7, False)
+    assert done[started['{"x": 0}']].is_error is True
+    assert result.output == "done"
+
 async def test_an_sdk_tools_error_is_logged_as_one(store):
     """An SDK ``function_tool`` whose exception the SDK hands the model as text: its
     ``tool.completed`` said ``is_error=False``, unlike a plain function's."""
