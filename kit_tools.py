@@ -230,30 +230,38 @@ def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
 
 
 def _log_refusals(tool: sdk.FunctionTool) -> sdk.FunctionTool:
-    """An SDK ``FunctionTool`` with input guardrails: a copy whose guardrails record a call they
-    refuse, which the SDK never hands to the hooks (the tool never starts): ``tool.started``,
-    then ``tool.completed`` with ``is_error`` and what the model is told instead (or the
-    guardrail's name, when its tripwire fails the run)."""
-    if not tool.tool_input_guardrails:
+    """An SDK ``FunctionTool`` with guardrails: a copy whose guardrails record a call they
+    refuse, as ``tool.completed`` with ``is_error`` and what the model is told instead (or the
+    guardrail's name, when its tripwire fails the run). An input guardrail's refusal is never
+    handed to the hooks (the tool never starts), so it records the call's ``tool.started``
+    too; an output guardrail's rejection is (the hooks record the message, flagged), its
+    tripwire is not (the call that started gets its ``tool.completed`` here)."""
+    if not (tool.tool_input_guardrails or tool.tool_output_guardrails):
         return tool
 
-    def logged(guardrail: Any) -> Any:
+    def logged(guardrail: Any, after: bool) -> Any:
         async def check(data: Any) -> Any:
             out = guardrail.guardrail_function(data)
             out = await out if inspect.isawaitable(out) else out
             ctx = data.context
             run, behavior = getattr(ctx, "context", None), getattr(out, "behavior", None) or {}
-            if isinstance(run, RunHandle) and behavior.get("type", "allow") != "allow":
+            refusal = behavior.get("type", "allow")
+            if isinstance(run, RunHandle) and refusal != "allow":
                 cid, origin = call_id(ctx), tool_origin(run, data.agent, tool)
-                await run.durable(ToolStarted(cid, tool.name, ctx.tool_arguments or ""),
-                                  origin=origin)
-                said = behavior.get("message") or f"refused by guardrail {guardrail.get_name()}"
-                run.emit(ToolCompleted(cid, tool.name, said, True), origin=origin)
+                if not after:
+                    await run.durable(ToolStarted(cid, tool.name, ctx.tool_arguments or ""),
+                                      origin=origin)
+                if after and refusal == "reject_content":
+                    failed(run, ctx)
+                else:
+                    said = behavior.get("message") or f"refused by guardrail {guardrail.get_name()}"
+                    run.emit(ToolCompleted(cid, tool.name, said, True), origin=origin)
             return out
         return dataclasses.replace(guardrail, guardrail_function=check, name=guardrail.get_name())
 
     tool = copy.copy(tool)
-    tool.tool_input_guardrails = [logged(g) for g in tool.tool_input_guardrails]
+    tool.tool_input_guardrails = [logged(g, False) for g in tool.tool_input_guardrails or ()]
+    tool.tool_output_guardrails = [logged(g, True) for g in tool.tool_output_guardrails or ()]
     return tool
 
 

@@ -598,6 +598,49 @@ async def test_a_tool_call_refused_by_its_input_guardrail_is_in_the_log(store):
     assert look_up.tool_input_guardrails[0] is no_secrets  # the caller's tool is left as built
 
 
+async def test_a_tool_output_refused_by_its_output_guardrail_is_an_error_in_the_log(store):
+    """A tool output guardrail that withholds a call's output: the model is told the guardrail's
+    message, which the log recorded as the call's successful output; one whose tripwire fails
+    the run left the call started and never completed (the SDK calls no hook for it)."""
+    from agents import ToolGuardrailFunctionOutput, tool_output_guardrail
+
+    @tool_output_guardrail
+    def no_leaks(data):
+        if "secret" in str(data.output):
+            return ToolGuardrailFunctionOutput.reject_content("output withheld")
+        return ToolGuardrailFunctionOutput.allow()
+
+    @tool_output_guardrail
+    def tripwire(data):
+        return ToolGuardrailFunctionOutput.raise_exception()
+
+    @agents.function_tool(tool_output_guardrails=[no_leaks])
+    def read(path: str) -> str:
+        """Read a file."""
+        return f"the secret of {path}" if path == "vault" else f"contents of {path}"
+
+    @agents.function_tool(tool_output_guardrails=[tripwire])
+    def launch() -> str:
+        """Launch, then regret it."""
+        return "launched"
+
+    model = ScriptedModel([[{"tool": "read", "args": {"path": "vault"}},
+                            {"tool": "read", "args": {"path": "notes"}}], {"tool": "launch"}])
+    async with Deck([Agent("a", tools=[read, launch], model=model)], store=store) as deck:
+        with pytest.raises(agents.ToolOutputGuardrailTripwireTriggered):
+            await deck.run("a", "go", run_id="guarded")
+        log = await store.read("guarded")
+    started = [e.payload.call_id for e in log if e.kind == "tool.started"]
+    done = {e.payload.call_id: e.payload for e in log if e.kind == "tool.completed"}
+    assert len(started) == 3 and sorted(started) == sorted(done)
+    assert [(done[c].tool, done[c].output, done[c].is_error) for c in started] == [
+        ("read", "output withheld", True), ("read", "contents of notes", False),
+        ("launch", "refused by guardrail tripwire", True)]
+    assert log[-1].kind == "run.failed" and log[-1].payload.error == "ToolOutputGuardrailTripwireTriggered"
+    assert "output withheld" in json.dumps(model.calls[1]["input"])
+    assert read.tool_output_guardrails[0] is no_leaks  # the caller's tool is left as built
+
+
 @agents.function_tool
 def double(x: int) -> int:
     """Double x."""
