@@ -137,9 +137,12 @@ def compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
                 failed(run, tool_ctx)
             return f"error: {type(exc).__name__}: {exc}"
 
-    return sdk.FunctionTool(name=schema.name, description=schema.description or "",
-                            params_json_schema=schema.params_json_schema, on_invoke_tool=invoke,
-                            strict_json_schema=schema.strict_json_schema)
+    # What escapes invoke (a cancellation of the tool's own, not the run's) the SDK tells the
+    # model as a failure: flagged, as an exception caught above is.
+    return _flag_errors(sdk.FunctionTool(
+        name=schema.name, description=schema.description or "",
+        params_json_schema=schema.params_json_schema, on_invoke_tool=invoke,
+        strict_json_schema=schema.strict_json_schema))
 
 
 # ---------------------------------------------------------------------------- skills ----

@@ -442,6 +442,27 @@ async def test_a_tool_error_goes_back_to_the_model(store):
         assert result.output == "sorry"
 
 
+async def test_a_tool_whose_own_task_was_cancelled_is_an_error_in_the_log(store):
+    """A tool cut short by a cancellation of its own (a library's request cancelled by another
+    of its tasks), not the run's: the SDK tells the model the call failed, which the log
+    recorded as a successful call returning that message."""
+    import asyncio  # the tool runs where the SDK does: on asyncio, under trio too
+
+    async def fetch(url: str) -> str:
+        """Fetch a page."""
+        request = asyncio.ensure_future(asyncio.sleep(10))
+        asyncio.get_running_loop().call_later(0.01, request.cancel)
+        return await request
+
+    model = ScriptedModel([{"tool": "fetch", "args": {"url": "x"}}, "sorry"])
+    async with Deck([Agent("a", tools=[fetch], model=model)], store=store) as deck:
+        with anyio.fail_after(10):
+            result = await deck.run("a", "go")
+        [done] = [e.payload for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+    assert done.is_error is True and "cancelled" in done.output
+    assert result.output == "sorry"
+
+
 
 async def test_a_calls_error_and_id_are_its_own_when_the_provider_reuses_or_omits_call_ids(store):
     """Some providers' call ids are scoped to a turn (Kimi's ``<tool>:<n>`` restarts at 0 each
