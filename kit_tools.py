@@ -81,6 +81,20 @@ def compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
     exception goes back to the model as an error string, not a failed run. Raises
     ``ConfigError`` naming the tool when it has no name or its schema cannot be built.
     """
+    schema, ctx_names = _schema(agent, fn)
+    # What escapes the call (a cancellation of the tool's own, not the run's) the SDK tells the
+    # model as a failure: flagged, as an exception the call catches is.
+    return _flag_errors(sdk.FunctionTool(
+        name=schema.name, description=schema.description or "",
+        params_json_schema=schema.params_json_schema,
+        on_invoke_tool=_invoker(fn, schema, ctx_names),
+        strict_json_schema=schema.strict_json_schema))
+
+
+def _schema(agent: str, fn: Callable[..., Any]) -> tuple[Any, list[str]]:
+    """The SDK's ``FuncSchema`` of ``fn`` less its ``Context[...]`` parameters, and their names
+    (``compile_tool``): built over a proxy that has the function's name, docs, module and
+    signature without them. Raises ``ConfigError`` as ``compile_tool`` says."""
     target = fn.func if isinstance(fn, functools.partial) else fn
     name = getattr(target, "__name__", None)
     if not isinstance(name, str):
@@ -108,10 +122,18 @@ def compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
         parameters=visible, return_annotation=hints.get("return", sig.return_annotation))
     proxy.__annotations__ = {p.name: p.annotation for p in visible if p.annotation is not p.empty}
     try:
-        schema = function_schema(proxy)
+        return function_schema(proxy), ctx_names
     except Exception as exc:
         raise ConfigError(f"agent {agent!r}: cannot build a schema for tool {name}: {exc}") from None
-    names = [p.name for p in visible]
+
+
+def _invoker(fn: Callable[..., Any], schema: Any, ctx_names: list[str]
+             ) -> Callable[[Any, str], Any]:
+    """The SDK's ``on_invoke_tool`` for ``fn``: the model's arguments validated by ``schema``,
+    a ``Context(run.data)`` for each of ``ctx_names``, a sync function run in a worker thread;
+    its failure (and a refusal: a context tool on a run with no kit run context, SPEC 7) is
+    returned as an error string, the call flagged."""
+    name, names = schema.name, list(schema.signature.parameters)
     is_async = inspect.iscoroutinefunction(fn)
 
     async def invoke(tool_ctx: Any, args_json: str) -> Any:
@@ -137,12 +159,7 @@ def compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
                 failed(run, tool_ctx)
             return f"error: {type(exc).__name__}: {exc}"
 
-    # What escapes invoke (a cancellation of the tool's own, not the run's) the SDK tells the
-    # model as a failure: flagged, as an exception caught above is.
-    return _flag_errors(sdk.FunctionTool(
-        name=schema.name, description=schema.description or "",
-        params_json_schema=schema.params_json_schema, on_invoke_tool=invoke,
-        strict_json_schema=schema.strict_json_schema))
+    return invoke
 
 
 # ---------------------------------------------------------------------------- skills ----
