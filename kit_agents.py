@@ -519,6 +519,7 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
         raise ConfigError(f"agent {agent.name!r} has more than one tool named "
                           f"{', '.join(map(repr, twice))} (its tools, its workflows' tools and "
                           "load_skill share one namespace); rename one")
+    _check_output_type(agent)
     try:
         return sdk.Agent(
             name=agent.name, instructions=_instructions(agent, skill_catalog(skills)),
@@ -533,6 +534,20 @@ def _sdk_agent(agent: Agent, model: Any, extra_tools: Sequence[Any] = (), *,
             } if mcp_servers else {})
     except (TypeError, ValueError) as exc:  # the SDK's checks: model_settings, output_type, ...
         raise ConfigError(f"agent {agent.name!r}: {exc}") from None
+
+
+def _check_output_type(agent: Agent) -> None:
+    """Build the agent's output schema as a run would (the SDK builds it when a run starts), so
+    a type no JSON schema describes (a plain class; a ``dict[str, int]`` in strict mode) is a
+    ``ConfigError`` when the deck builds, not the failure of every run."""
+    from agents.agent_output import AgentOutputSchema, AgentOutputSchemaBase
+    output_type = agent.output_type
+    if output_type is None or output_type is str or isinstance(output_type, AgentOutputSchemaBase):
+        return
+    try:
+        AgentOutputSchema(output_type)
+    except Exception as exc:  # the SDK's UserError, pydantic's schema errors
+        raise ConfigError(f"agent {agent.name!r}: output_type {output_type!r}: {exc}") from None
 
 
 # ================================================================================ compiling ====
@@ -614,8 +629,8 @@ def compile_agent(agent: Agent, *, tools: Sequence[Any] = (), skills: Sequence[S
     ``tools`` are added to the agent's own (its workflows as child-run tools); ``skills`` give it
     the catalog in its instructions and ``load_skill``; ``mcp_servers`` (the SDK's server
     objects, connected when the deck opens) give it their tools; ``history_limit`` is the
-    deck's, for an agent that sets none. Raises ``ConfigError`` for a tool whose schema cannot
-    be built.
+    deck's, for an agent that sets none. Raises ``ConfigError`` for a tool or an output type
+    whose schema cannot be built.
     """
     model = agent.model or os.environ.get("KIT_MODEL") or None
     limit = agent.history_limit if agent.history_limit is not None else history_limit

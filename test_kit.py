@@ -743,6 +743,31 @@ async def test_a_structured_output_no_json_can_carry_fails_its_run(store, output
         assert [e.seq for e in log] == list(range(len(log)))
 
 
+class Opaque:  # a plain class: no JSON schema describes it
+    pass
+
+
+@pytest.mark.parametrize("output_type, says", [
+    (dict[str, int], "Strict JSON schema is enabled"),
+    (Opaque, "Unable to generate pydantic-core schema")], ids=["not-strict", "no-schema"])
+async def test_an_output_type_no_schema_can_describe_is_refused_when_the_deck_builds(
+        output_type, says):
+    """The SDK builds an output type's schema when a run starts: a deck whose agent no turn
+    could play opened fine, and each run failed with the SDK's (or pydantic's) error."""
+    agent = Agent("a", model=ScriptedModel(["{}"]), output_type=output_type)
+    deck = Deck([agent])
+    with pytest.raises(ConfigError, match=f"agent 'a': output_type .*: .*{says}"):
+        deck.build()
+    await deck.aclose()
+    with pytest.raises(ConfigError, match=f"agent 'a': output_type .*: .*{says}"):
+        await agent.run("hi")
+    if output_type is not Opaque:  # the SDK's way to a type strict mode cannot describe
+        deck = Deck([Agent("a", model=ScriptedModel(["{}"]), output_type=agents.AgentOutputSchema(
+            output_type, strict_json_schema=False))])
+        deck.build()
+        await deck.aclose()
+
+
 async def test_context_reaches_instructions_hooks_and_tools_by_reference(store):
     deps, got = {"user": "ana"}, []
 
