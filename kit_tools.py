@@ -24,6 +24,7 @@ import functools
 import hashlib
 import inspect
 import json
+import re
 import typing
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 
 __all__ = ("compile_tool", "watched", "skill_catalog", "skill_tool", "mcp_tool_error",
            "tool_origin", "call_id", "failed")
+
+#: A tool name every model API takes (OpenAI's rule; Anthropic's is the same, Gemini's wider).
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def call_id(tool_ctx: Any) -> str:
@@ -79,7 +83,8 @@ def compile_tool(agent: str, fn: Callable[..., Any]) -> sdk.FunctionTool:
     annotations`` leaves them as strings, which the schema would look up in this module). A
     ``functools.partial`` is its function's tool, less the arguments it binds. The tool's
     exception goes back to the model as an error string, not a failed run. Raises
-    ``ConfigError`` naming the tool when it has no name or its schema cannot be built.
+    ``ConfigError`` naming the tool when it has no name, one a model API refuses (a lambda's),
+    or a schema that cannot be built.
     """
     schema, ctx_names = _schema(agent, fn)
     # What escapes the call (a cancellation of the tool's own, not the run's) the SDK tells the
@@ -100,6 +105,10 @@ def _schema(agent: str, fn: Callable[..., Any]) -> tuple[Any, list[str]]:
     if not isinstance(name, str):
         raise ConfigError(f"agent {agent!r}: tool {fn!r} has no __name__ to call it by; make it "
                           "a function (def), or an SDK FunctionTool")
+    if not TOOL_NAME.fullmatch(name):  # a lambda's "<lambda>": the API's HTTP 400 every turn
+        raise ConfigError(f"agent {agent!r}: tool {name} cannot be named to a model: a tool's "
+                          "name is letters, digits, _ and -, at most 64 of them; make it a def "
+                          "of such a name")
     sig = inspect.signature(fn)
     try:
         hints = typing.get_type_hints(target, include_extras=True)

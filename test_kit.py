@@ -850,6 +850,22 @@ async def test_tools_of_postponed_annotations_and_partials_build_and_play(store)
             pass
 
 
+async def test_a_tool_whose_name_no_model_api_takes_is_refused_when_the_deck_opens(store):
+    """A lambda is a tool named ``<lambda>``, which model APIs refuse (OpenAI's: letters,
+    digits, ``_`` and ``-``, at most 64): the deck opened fine and every turn failed with the
+    API's HTTP 400 about ``tools[0].name``."""
+    def a_function_whose_name_runs_on_well_past_the_limit_model_apis_set_on_it() -> str:
+        """Too long a name."""
+        return "x"
+
+    for tool, name in ((lambda x: x, "<lambda>"), (functools.partial(lambda x, y: x, 1), "<lambda>"),
+                       (a_function_whose_name_runs_on_well_past_the_limit_model_apis_set_on_it,
+                        a_function_whose_name_runs_on_well_past_the_limit_model_apis_set_on_it.__name__)):
+        with pytest.raises(ConfigError, match=f"agent 'b': tool {name} cannot be named to a model"):
+            async with Deck([Agent("b", tools=[tool], model=ScriptedModel(["x"]))], store=store):
+                pass
+
+
 async def test_an_sdk_tool_that_needs_approval_is_refused_when_the_deck_opens(store):
     """The SDK stopped the turn for an approval nobody could grant: the run was recorded
     COMPLETED with output None, no tool event, and the unmade call left in the session."""
