@@ -131,9 +131,17 @@ def _schema(agent: str, fn: Callable[..., Any]) -> tuple[Any, list[str]]:
         parameters=visible, return_annotation=hints.get("return", sig.return_annotation))
     proxy.__annotations__ = {p.name: p.annotation for p in visible if p.annotation is not p.empty}
     try:
-        return function_schema(proxy), ctx_names
+        schema = function_schema(proxy)
     except Exception as exc:
         raise ConfigError(f"agent {agent!r}: cannot build a schema for tool {name}: {exc}") from None
+    if schema.takes_context:  # the schema hides it, and kit would pass nothing for it
+        first = visible[0].annotation
+        first = typing.get_origin(first) or first
+        raise ConfigError(f"agent {agent!r}: tool {name} takes the SDK's "
+                          f"{getattr(first, '__name__', first)} (its first parameter); "
+                          "a kit tool takes the run's context as ctx: kit.Context[T] (ctx.data), "
+                          "or build it as an SDK tool (agents.function_tool)")
+    return schema, ctx_names
 
 
 def _invoker(fn: Callable[..., Any], schema: Any, ctx_names: list[str]

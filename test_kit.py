@@ -850,6 +850,20 @@ async def test_tools_of_postponed_annotations_and_partials_build_and_play(store)
             pass
 
 
+async def test_a_plain_tool_taking_the_sdks_context_is_refused_naming_kits(store):
+    """A plain function written as the SDK's tools are, its first parameter a
+    ``RunContextWrapper``: the schema left that parameter out, kit passed nothing for it, and
+    every call failed with a TypeError (the model's first argument bound to the wrapper)."""
+    def whoami(wrapper: agents.RunContextWrapper, shout: bool) -> str:
+        """Who is asking."""
+        return "ana"
+
+    with pytest.raises(ConfigError, match=r"agent 'b': tool whoami takes the SDK's "
+                       r"RunContextWrapper.*ctx: kit\.Context\[T\]"):
+        async with Deck([Agent("b", tools=[whoami], model=ScriptedModel(["x"]))], store=store):
+            pass
+
+
 async def test_a_tool_whose_name_no_model_api_takes_is_refused_when_the_deck_opens(store):
     """A lambda is a tool named ``<lambda>``, which model APIs refuse (OpenAI's: letters,
     digits, ``_`` and ``-``, at most 64): the deck opened fine and every turn failed with the
