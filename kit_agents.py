@@ -51,7 +51,7 @@ from kit_core import (
     AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event,
     HistoryMessage, ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock,
     RunCancelled, RunCompleted, RunHandle, RunPaused, TextBlock, TextDelta, ToolCompleted,
-    ToolStarted, as_blocks, jsonable,
+    ToolStarted, as_blocks, check_limit, jsonable,
 )
 from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
 from kit_tools import (
@@ -650,11 +650,12 @@ def compile_headless(agent: Agent) -> AgentEngine:
 
 async def run_headless(engine: AgentEngine, input: Any, *, session: Any = None,
                        max_turns: int | None = None) -> Any:
-    """``Agent.run``: the SDK's own run of the agent, no log, no deck; returns its RunResult."""
+    """``Agent.run``: the SDK's own run of the agent, no log, no deck; returns its RunResult.
+    Raises ``ConfigError`` for a ``max_turns`` that is not a positive int (as ``Agent`` does)."""
     items = engine.to_input(as_blocks(input))
     kw: dict[str, Any] = {"session": session, **engine.turns}
-    if max_turns is not None:  # this call's, over the agent's
-        kw["max_turns"] = max_turns
+    if check_limit(f"agent {engine.sdk_agent.name!r}: max_turns", max_turns) is not None:
+        kw["max_turns"] = max_turns  # this call's, over the agent's
     if session is not None and engine.history_limit is not None:
         kw["run_config"] = engine.limited(sdk.RunConfig(), session)
     return await on_asyncio(functools.partial(sdk.Runner.run, engine.sdk_agent, items, **kw))

@@ -1281,6 +1281,11 @@ async def test_max_turns_caps_a_runs_model_calls(store):
     with pytest.raises(agents.MaxTurnsExceeded):
         await headless.run("go")
     assert (await headless.run("go", max_turns=20)).final_output == "done"
+    # A headless run's own max_turns is checked as the agent's is: 0 failed every run with
+    # MaxTurnsExceeded, True ran one of 1, "3" broke in the SDK with a TypeError.
+    for bad in (0, -1, True, "3"):
+        with pytest.raises(ConfigError, match=f"max_turns must be a positive int or None, got {bad!r}"):
+            await headless.run("go", max_turns=bad)
 
 
 # --------------------------------------------------------------------------- run endings ----
