@@ -95,7 +95,9 @@ MAX_DEPTH = 250
 def _check_data(what: str, value: Any) -> None:
     """Raise ``ContentError`` naming ``what`` for ``value`` holding an integer outside
     ``INT_RANGE``, a NaN or an infinity (which the log cannot write as JSON, once a node passes
-    it on), or nested deeper than ``MAX_DEPTH`` (a container that holds itself too)."""
+    it on), text with a lone surrogate (not UTF-8: a durable checkpoint stores it as ``?``, so a
+    node would be given another value), or nested deeper than ``MAX_DEPTH`` (a container that
+    holds itself too)."""
     low, high = INT_RANGE
     stack: list[tuple[Any, int]] = [((value,), 0)]  # containers to look into, and their depth
     while stack:  # iterative: an answer from Python may nest deeper than the recursion limit
@@ -105,6 +107,13 @@ def _check_data(what: str, value: Any) -> None:
                 if not low <= v <= high:
                     raise ContentError(f"{what} holds an integer beyond 64 bits, which "
                                        "LangGraph's checkpoints cannot store; send it as a string")
+            elif isinstance(v, str):
+                if not v.isascii():
+                    try:
+                        v.encode("utf-8")
+                    except UnicodeEncodeError as exc:
+                        raise ContentError(f"{what} holds text that is not valid Unicode: a lone "
+                                           f"surrogate {v[exc.start]!r}") from None
             elif isinstance(v, float):
                 if v - v != 0.0:
                     raise ContentError(f"{what} holds {v!r}, which the log cannot write as JSON "
@@ -147,10 +156,10 @@ class WorkflowEngine:
 
     def check_answer(self, value: Any) -> None:
         """Raise ``ContentError`` for an answer its checkpoint or the log could not store: one
-        holding an integer beyond 64 bits, a NaN or an infinity, nested deeper than
-        ``MAX_DEPTH`` (or holding itself), or an object LangGraph's serializer has no encoding
-        for (an instance of a plain class). Checked before the parked run is taken over, so a
-        bad answer leaves it waiting.
+        holding an integer beyond 64 bits, a NaN or an infinity, a lone surrogate, nested
+        deeper than ``MAX_DEPTH`` (or holding itself), or an object LangGraph's serializer has no
+        encoding for (an instance of a plain class). Checked before the parked run is taken
+        over, so a bad answer leaves it waiting.
 
         Anything the serializer stores is a good answer (JSON data, sets, tuples, bytes,
         datetimes, dataclasses, pydantic models, ...). The log needs nothing more: it holds the

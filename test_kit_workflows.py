@@ -331,7 +331,12 @@ CYCLIC.append(CYCLIC)
     (nested(MAX_DEPTH + 1), rf"is nested too deep .* \(more than {MAX_DEPTH} levels\)$"),
     (CYCLIC, "is nested too deep for LangGraph's checkpoints"),  # a walk must not go round it
     ({"score": [float("nan")]}, r"holds nan, which the log cannot write as JSON"),  # was null
-], ids=["object", "past-the-recursion-limit", "past-max-depth", "holds-itself", "nan"])
+    # Refused as an input's is: a durable checkpoint stored it as "?", which its node was
+    # given in silence, and a dict key failed in the serializer's words.
+    ({"note": ["ok\udfff"]}, r"holds text that is not valid Unicode: a lone surrogate '\\udfff'"),
+    ({"\ud800": 1}, r"holds text that is not valid Unicode: a lone surrogate '\\ud800'"),
+], ids=["object", "past-the-recursion-limit", "past-max-depth", "holds-itself", "nan",
+        "lone-surrogate", "lone-surrogate-key"])
 async def test_an_answer_its_checkpoint_cannot_store_is_refused_and_the_run_waits(
         store, durable, value, says):
     # Refused before the run is taken over: not a run.resumed then a run.failed that no
