@@ -643,6 +643,50 @@ async def test_a_child_workflow_run_leaves_no_checkpoint(store):
         assert saved(deck, "w") == ([], False)
 
 
+async def test_a_cancel_of_an_agent_run_stops_the_workflow_its_tool_plays(store):
+    """A cancel of the agent's run reaches the child run its workflow tool is playing, which
+    stops at its next superstep; the child played on to its end, however long, and the cancel
+    took effect only then. A pause does not: the agent pauses once its tool has returned, so a
+    resume finds the tool's output, not a paused child nobody resumes."""
+    gate = Gate()
+    g = StateGraph(State)
+    g.add_node("gate", gate.node)
+    g.add_node("done", done)
+    g.add_edge(START, "gate").add_edge("gate", "done").add_edge("done", END)
+    call = {"tool": "w", "args": {"log": []}}
+    agent = Agent("a", model=ScriptedModel([call, call, "It ran."]), workflows=["w"])
+    async with Deck([agent], [Workflow("w", g)], store=store) as deck:
+        for action in ("cancel", "pause"):  # a cancelled run makes no second model call
+            gate.entered.clear()
+            gate.release.clear()
+            results: list = []
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    async def play() -> None:
+                        try:
+                            results.append(await deck.run("a", "run w", run_id=action))
+                        except Exception as exc:
+                            results.append(exc)
+                    tg.start_soon(play)
+                    await gate.until_entered()
+                    await getattr(deck, action)(action, reason="enough")
+                    gate.release.set()
+            [child] = [i for i in await store.runs(name="w") if i.parent_run_id == action]
+            child_log = await store.read(child.run_id)
+            stopped = results[0]
+            assert isinstance(stopped, kit.RunStoppedError), results
+            if action == "cancel":
+                assert stopped.status is RunStatus.CANCELLED
+                assert child.status is RunStatus.CANCELLED
+                assert kinds(child_log) == ["run.started", "node.updated", "control.requested",
+                                            "run.cancelled"]  # done never ran
+                assert child_log[-1].payload.reason == "enough"
+            else:
+                assert stopped.status is RunStatus.PAUSED
+                assert child.status is RunStatus.COMPLETED
+                assert (await deck.resume(action))[-1].payload.output == "It ran."
+
+
 async def test_a_parked_child_run_keeps_its_origin_when_answered_or_cancelled(store):
     """A child run's events are under its parent's path (``a/w``); those written when it was
     answered or cancelled were under ``w``, as if another run's."""
