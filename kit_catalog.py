@@ -175,7 +175,9 @@ class Workflow:
                                                 own=self._own_threads)
 
     async def resume(self, thread_id: str, value: Any) -> Any:
-        """Answer the thread's pending interrupt headless; final state or the next interrupt."""
+        """Answer the thread's pending interrupt headless; final state or the next interrupt.
+        Raises ``RunNotWaitingError`` when no question waits on the thread (never played, ended,
+        or answered already)."""
         import kit_workflows
         return await kit_workflows.run_headless(self._graph(), self.name, None, thread_id,
                                                 resume=value, own=self._own_threads)

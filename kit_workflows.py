@@ -61,7 +61,7 @@ from kit_context import context_params, node_function
 from kit_core import (
     ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, InterruptResult,
     InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
-    RunPaused, RunSleeping, Usage, jsonable, new_run_id,
+    RunNotWaitingError, RunPaused, RunSleeping, RunStatus, Usage, jsonable, new_run_id,
 )
 from kit_threads import PLAYING, checkpoint_serde, thread_config
 
@@ -566,7 +566,10 @@ async def sleeping_threads(graphs: dict[str, Any]) -> list[tuple[str, str]]:
 async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
                        resume: Any = _NO_VALUE, *, own: set[str]) -> Any:
     """``Workflow.run`` / ``resume``: LangGraph's own run of ``graph``, no log; the final state
-    or an ``InterruptResult``. Raises ``ContentError`` for a non-mapping input.
+    or an ``InterruptResult``. Raises ``ContentError`` for a non-mapping input, and (``resume``)
+    ``RunNotWaitingError`` naming the thread when no question waits on it (it was never played,
+    it ended, or its question was answered already): LangGraph would start an empty thread over
+    from START, and give an ended one's state back as if the answer had been taken.
 
     ``own`` holds the parked threads the workflow made itself (a run given no ``thread_id``):
     such a thread is deleted when its run ends, since no caller holds its id to go on with it
@@ -583,8 +586,12 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
         else:
             # The question its InterruptResult showed (the first), by id: with several waiting
             # (parallel nodes) LangGraph refuses an answer that names none.
-            asked = (await graph.aget_state(thread_config(thread))).interrupts
-            inp = resume_command(asked[0].id, resume) if asked else _resume(resume)
+            state = await graph.aget_state(thread_config(thread))
+            if not state.interrupts:
+                raise RunNotWaitingError(thread, "unknown" if state.created_at is None else
+                                         RunStatus.COMPLETED if not state.next else
+                                         RunStatus.FAILED, RunStatus.WAITING_HUMAN.value)
+            inp = resume_command(state.interrupts[0].id, resume)
         try:
             out = await graph.ainvoke(inp, thread_config(thread))
         except BaseException:
@@ -602,11 +609,6 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
         return out
 
     return await on_asyncio(play)
-
-
-def _resume(value: Any) -> Any:
-    from langgraph.types import Command
-    return Command(resume=value)
 
 
 def workflow_tool(name: str, graph: Any, description: str | None,

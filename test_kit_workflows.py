@@ -768,6 +768,26 @@ async def test_headless_resume_answers_parallel_questions_one_at_a_time():
     assert sorted(state["log"]) == sorted(f"{q[:-1]}={a}" for q, a in answers.items())
 
 
+async def test_headless_resume_of_a_thread_no_question_waits_on_is_refused():
+    """``resume`` of a thread nothing waits on (never played, ended, answered already) started
+    the graph over from START on an empty state, or gave back the ended run's state as if the
+    answer had been taken: it is a ``RunNotWaitingError``, as a second ``deck.answer`` is, and
+    leaves no thread behind."""
+    w = Workflow("w", graph(plan, ask, done))
+    saver = w._graph().checkpointer
+    with pytest.raises(kit.RunNotWaitingError, match="^run never is unknown, not WAITING_HUMAN"):
+        await w.resume("never", "yes")
+    await w.run({"log": []}, thread_id="mine")
+    assert (await w.resume("mine", "yes"))["log"] == ["plan", "answer=yes", "done"]
+    with pytest.raises(kit.RunNotWaitingError, match="^run mine is COMPLETED, not WAITING_HUMAN"):
+        await w.resume("mine", "again")  # answered once
+    parked = await w.run({"log": []})
+    assert (await w.resume(parked.thread_id, "ok"))["log"][-1] == "done"
+    with pytest.raises(kit.RunNotWaitingError):
+        await w.resume(parked.thread_id, "again")
+    assert sorted({ct.config["configurable"]["thread_id"] for ct in saver.list(None)}) == ["mine"]
+
+
 async def test_headless_runs_leave_no_thread_behind_unless_someone_can_go_on_with_it():
     w = Workflow("w", graph(plan, ask, done))
     saver = w._graph().checkpointer
