@@ -53,7 +53,6 @@ import sniffio
 
 import kit_observers
 import kit_threads
-import kit_workflows
 from kit_bridge import Bridge
 from kit_control import BACKOFF_MAX, RunControl
 from kit_core import (
