@@ -698,7 +698,8 @@ class RunHandle:
     is (a session's items wait on it); ``add_usage`` sums tokens and cost for ``run.completed``;
     ``take_request`` reads a pause or cancel request at a safe point, and ``on_request`` (set by
     the engine) is told of one the moment it arrives; ``start_child`` (set by the Runtime) plays
-    a workflow as a child run of this one (an agent's workflow tool).
+    a workflow as a child run of this one (an agent's workflow tool), which a cancel of this run
+    reaches too (``children``).
 
     Seqs are assigned here, in the engine's own order: ``run.started`` is seq 0. ``data`` is the
     caller's context object: handed to the engine's callables, never written anywhere.
@@ -719,6 +720,7 @@ class RunHandle:
         self.requested: tuple[str, str | None, str | None] | None = None  # (action, reason, source)
         self.on_request: Callable[[str], Any] | None = None
         self.start_child: Callable[[RunHandle, str, dict[str, Any]], Awaitable[Any]] | None = None
+        self.children: set[RunHandle] = set()  # the child runs its tools are playing now
         self.error: BaseException | None = None  # what made the run fail, for its caller
         self.closing = False  # the deck is closing: a cancellation is the deck's, not the caller's
         self.thread_id: str | None = None  # workflow runs: the thread id callers see,
@@ -783,12 +785,18 @@ class RunHandle:
     def request(self, action: str, reason: str | None, source: str | None) -> None:
         """The Runtime's side: ask the run to ``pause`` or ``cancel`` at its next safe point.
         A cancel pending there stays: a later pause does not undo it (a parked run's first
-        cancel wins too, ``RunControl._missed_requests``)."""
+        cancel wins too, ``RunControl._missed_requests``). A cancel reaches the child runs its
+        tools are playing, which stop at their next safe point instead of playing on to their
+        end; a pause does not (this run pauses once its tool has returned, and its resume gives
+        the model the tool's output)."""
         if self.requested is not None and self.requested[0] == "cancel":
             return
         self.requested = (action, reason, source)
         if self.on_request is not None:
             self.on_request(action)
+        if action == "cancel":
+            for child in list(self.children):
+                child.request(action, reason, source)
 
     def take_request(self) -> tuple[str, str | None, str | None] | None:
         """The engine's side, at a safe point: the pending request (consumed), or None."""

@@ -910,10 +910,14 @@ class Runtime(RunControl):
         started = Event(run.run_id, 0, RunStarted(name, "workflow", None, parent.namespace,
                                                   (block,), parent.run_id), run.origin)
         await self._commit(run, started, self._claim(run))
-        self.active[run.run_id] = run  # pause and cancel reach it like any run
+        self.active[run.run_id] = run  # pause and cancel reach it like any run,
+        parent.children.add(run)  # ... and a cancel of its parent (RunHandle.request)
+        if parent.requested is not None and parent.requested[0] == "cancel":
+            run.request(*parent.requested)  # asked while it started
         try:
             return _result(run, await spec.engine.play(run, self.graphs[name], block.data))
         finally:
+            parent.children.discard(run)
             self.active.pop(run.run_id, None)
             run.done.set()  # the deck's close waits for it (on the engine side, made there)
 

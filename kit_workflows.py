@@ -41,14 +41,12 @@ written (``to_input``, ``check_answer``) and refused as a ``ContentError``.
 """
 from __future__ import annotations
 
-import contextvars
 import copy
 import dataclasses
 import inspect
 import json
 import logging
 import typing
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -197,7 +195,6 @@ class WorkflowEngine:
         from langgraph.runtime import RunControl
         control = RunControl()
         run.on_request = control.request_drain
-        unfollow = _follow_caller(run)  # a child run: its agent's cancel reaches it
         if run.requested is not None:  # asked before the graph started
             control.request_drain(run.requested[0])
         parks = completed = False  # parks: its thread is kept for the run that resumes it
@@ -224,7 +221,6 @@ class WorkflowEngine:
                 raise
             finally:
                 run.on_request = None
-                unfollow()
             if end is None:  # a cancel asked while the last step headed for an interrupt
                 return await _stopped(run, *run.take_request())  # type: ignore[misc]
             parks, completed = bool(interrupts), not interrupts
@@ -645,54 +641,9 @@ def workflow_tool(name: str, graph: Any, description: str | None,
 
 def child_tool(spec: InvocableSpec) -> Any:
     """Workflow ``spec`` as a tool of a deck's agent: each call plays it through the Runtime as
-    a child run of the calling run (own run id, ``parent_run_id`` set, events in the log), which
-    a cancel of the calling run stops (``_follow_caller``)."""
+    a child run of the calling run (own run id, ``parent_run_id`` set, events in the log)."""
 
     async def play(parent: RunHandle, args: dict[str, Any]) -> Any:
-        token = _CALLER.set(parent)
-        try:
-            return await parent.start_child(parent, spec.name, args)  # type: ignore[misc]
-        finally:
-            _CALLER.reset(token)
+        return await parent.start_child(parent, spec.name, args)  # type: ignore[misc]
 
     return workflow_tool(spec.name, spec.source.graph, None, play)
-
-
-#: The agent run whose workflow tool is starting a child run (set by ``child_tool`` around
-#: ``start_child``, which plays the child in the same task), and the child runs each agent
-#: run's tools are playing (several, with parallel tool calls).
-_CALLER: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_caller",
-                                                                          default=None)
-_CHILDREN: weakref.WeakKeyDictionary[RunHandle, set[RunHandle]] = weakref.WeakKeyDictionary()
-
-
-def _follow_caller(run: RunHandle) -> Callable[[], None]:
-    """When ``run`` is a child run (``child_tool``), make a cancel of the agent run whose tool
-    plays it reach it too, one asked already included: the child stops at its next superstep
-    instead of playing on to its end while the agent waits for its tool. A pause does not: the
-    agent pauses once its tool returns, and its resume gives the model the tool's output (a
-    paused child would be left for nobody to resume). Returns what ends it, when ``run`` stops
-    playing."""
-    caller = _CALLER.get()
-    if caller is None:
-        return lambda: None
-    _CALLER.set(None)  # a run the child's nodes start is not the caller's
-    children = _CHILDREN.setdefault(caller, set())
-    children.add(run)
-
-    def on_request(action: str) -> None:
-        if action == "cancel" and caller.requested is not None:
-            for child in list(children):
-                child.request(*caller.requested)
-
-    caller.on_request = on_request  # (an agent's engine reads its requests at safe points)
-    if caller.requested is not None and caller.requested[0] == "cancel":
-        run.request(*caller.requested)
-
-    def unfollow() -> None:
-        children.discard(run)
-        if not children:
-            _CHILDREN.pop(caller, None)
-            caller.on_request = None
-
-    return unfollow
