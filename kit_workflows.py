@@ -500,9 +500,18 @@ async def _keep_answer(graph: Any, config: dict[str, Any], resume: dict[str, Any
     """Save the answers (or the wake) ``resume`` holds by interrupt id in the thread's latest
     checkpoint, as the resume values of the tasks that asked, before the graph runs: LangGraph
     keeps such an answer in memory until its node ends, so a process that died while the
-    answered node ran lost it, and the run that carried the thread on asked again. A question
-    asked inside a subgraph is its own task's, in the subgraph's checkpoint: each subgraph's
-    latest one gets its answer too (the parent's task that ran it has it only as a copy)."""
+    answered node ran lost it, and the run that carried the thread on asked again."""
+    for at, interrupt_id, task, answers in await _asked(graph, config, resume):
+        await graph.checkpointer.aput_writes(at, [("__resume__", [*answers, resume[interrupt_id]])],
+                                             task)
+
+
+async def _asked(graph: Any, config: dict[str, Any], interrupt_ids: typing.Iterable[str]
+                 ) -> list[tuple[Any, str, str, list[Any]]]:
+    """Where questions ``interrupt_ids`` of the thread wait, as ``(checkpoint config, interrupt
+    id, the task that asked, the answers that task holds)``: in the thread's latest checkpoint,
+    and in each subgraph's it stopped in (a question asked inside a subgraph is its own task's,
+    in the subgraph's checkpoint; the parent's task that ran it has it only as a copy)."""
     configs = [config]
     try:
         snapshots = [await graph.aget_state(config, subgraphs=True)]
@@ -513,18 +522,18 @@ async def _keep_answer(graph: Any, config: dict[str, Any], resume: dict[str, Any
             if task.state is not None and hasattr(task.state, "tasks"):
                 configs.append(task.state.config)
                 snapshots.append(task.state)
+    out = []
     for ct in [await graph.checkpointer.aget_tuple(c) for c in configs]:
         writes = ct.pending_writes or () if ct is not None else ()
-        for interrupt_id, value in resume.items():
+        for interrupt_id in interrupt_ids:
             asked = next((task for task, channel, found in writes if channel == "__interrupt__"
                           and any(getattr(i, "id", None) == interrupt_id for i in
                                   (found if isinstance(found, (list, tuple)) else [found]))), None)
-            if asked is None:
-                continue
-            answered = next((list(v) if isinstance(v, list) else [v] for task, channel, v in writes
-                             if task == asked and channel == "__resume__"), [])
-            await graph.checkpointer.aput_writes(ct.config, [("__resume__", [*answered, value])],
-                                                 asked)
+            if asked is not None:
+                answered = next((list(v) if isinstance(v, list) else [v] for task, channel, v
+                                 in writes if task == asked and channel == "__resume__"), [])
+                out.append((ct.config, interrupt_id, asked, answered))
+    return out
 
 
 async def sleeping_until(graph: Any, key: str) -> tuple[datetime, str] | None:
@@ -569,7 +578,8 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
 
     ``own`` holds the parked threads the workflow made itself (a run given no ``thread_id``):
     such a thread is deleted when its run ends, since no caller holds its id to go on with it
-    (a failed ``resume`` keeps it: the caller holds the id and may answer again)."""
+    (a failed ``resume`` keeps it: the caller holds the id and may answer again, and the
+    question waits for that answer, not the failed one: ``_unanswer``)."""
     thread = thread_id or new_run_id()
     if resume is _NO_VALUE and not isinstance(input, typing.Mapping):
         raise ContentError(f"workflow {name!r} takes a mapping as input, "
@@ -577,6 +587,7 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
     ours = thread_id is None or thread_id in own
 
     async def play() -> Any:
+        held: list[Any] = []  # (resume) the answers the tasks that asked held
         if resume is _NO_VALUE:
             inp: Any = dict(input)
         else:
@@ -588,11 +599,14 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
                                          RunStatus.COMPLETED if not state.next else
                                          RunStatus.FAILED, RunStatus.WAITING_HUMAN.value)
             inp = resume_command(state.interrupts[0].id, resume)
+            held = await _asked(graph, thread_config(thread), [state.interrupts[0].id])
         try:
             out = await graph.ainvoke(inp, thread_config(thread))
-        except BaseException:
+        except BaseException as exc:
             if thread_id is None:  # nobody has its id
                 await graph.checkpointer.adelete_thread(thread)
+            elif held and isinstance(exc, Exception):  # the question waits for another answer
+                await _unanswer(graph, thread_config(thread), held)
             raise
         found = out.get("__interrupt__") if isinstance(out, dict) else None
         if found:
@@ -605,6 +619,18 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
         return out
 
     return await on_asyncio(play)
+
+
+async def _unanswer(graph: Any, config: dict[str, Any],
+                    held: list[tuple[Any, str, str, list[Any]]]) -> None:
+    """After an answer whose node failed, give the tasks that asked (``held``: ``_asked`` before
+    the answer) back the answers they held then: LangGraph keeps a failed task's answers for a
+    retry, and its node reads the first answer to a question, so every later answer would
+    replay the failed one."""
+    before = {task: answers for _, _, task, answers in held}
+    for at, _, task, answers in await _asked(graph, config, {i for _, i, _, _ in held}):
+        if task in before and len(answers) > len(before[task]):
+            await graph.checkpointer.aput_writes(at, [("__resume__", before[task])], task)
 
 
 def workflow_tool(name: str, graph: Any, description: str | None,

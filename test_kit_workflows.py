@@ -788,6 +788,35 @@ async def test_headless_resume_of_a_thread_no_question_waits_on_is_refused():
     assert sorted({ct.config["configurable"]["thread_id"] for ct in saver.list(None)}) == ["mine"]
 
 
+def picky(state: State) -> dict:
+    first = kit.interrupt("first?")
+    second = kit.interrupt("second?")
+    if "bad" in (first, second):
+        raise ValueError(f"cannot take {first}+{second}")
+    return {"log": [f"{first}+{second}"]}
+
+
+@pytest.mark.parametrize("where", ["node", "subgraph"])
+async def test_headless_resume_after_a_refused_answer_takes_the_new_one(where):
+    """A ``resume`` whose answer made its node fail leaves the question waiting, to be answered
+    again; LangGraph kept the failed answer in the thread, so every later answer replayed it
+    and failed the same way (the node read the first answer to its question, not the last)."""
+    g = graph(plan, picky)
+    if where == "subgraph":
+        g = StateGraph(State).add_node("inner", graph(picky).compile())
+        g.add_edge(START, "inner").add_edge("inner", END)
+    w = Workflow("w", g)
+    for thread in ("t", None):  # the caller's thread, or one of the workflow's own
+        parked = await w.run({"log": []}, thread_id=thread)
+        assert (await w.resume(parked.thread_id, "one")).payload == "second?"
+        with pytest.raises(ValueError, match="cannot take one\\+bad"):
+            await w.resume(parked.thread_id, "bad")
+        with pytest.raises(ValueError, match="cannot take one\\+bad"):  # twice
+            await w.resume(parked.thread_id, "bad")
+        state = await w.resume(parked.thread_id, "two")
+        assert state["log"][-1] == "one+two"
+
+
 async def test_headless_runs_leave_no_thread_behind_unless_someone_can_go_on_with_it():
     w = Workflow("w", graph(plan, ask, done))
     saver = w._graph().checkpointer
