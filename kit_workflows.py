@@ -346,6 +346,11 @@ class WorkflowEngine:
                 continue
             for node, update in chunk.items():
                 if node == "__interrupt__":
+                    if not update:  # a static breakpoint: no question, no id to answer it by
+                        raise ConfigError(
+                            f"workflow {self.name!r} stopped at a breakpoint (a subgraph's "
+                            "interrupt_before or interrupt_after), which no answer can reach: "
+                            "ask with kit.interrupt() in the node instead")
                     interrupts = update
                 elif update is None:
                     empty.append(node)
@@ -432,8 +437,9 @@ def _bind_context(workflow: str, name: str, fn: Callable[..., Any], ctx_names: l
 def compile_workflow(workflow: Workflow) -> InvocableSpec:
     """Check a ``Workflow`` for Deck runs and make the deck's copy of its graph, whose nodes
     that declare a ``Context`` receive the run's (inside a compiled subgraph too). Raises
-    ``ConfigError`` for a graph that does not compile or a node that takes both a Context and
-    ``config``."""
+    ``ConfigError`` for a graph that does not compile, a node that takes both a Context and
+    ``config``, or a subgraph compiled with a breakpoint (``interrupt_before``/``_after``: no
+    answer can reach one, so a run would stop there as if it had ended)."""
     name = workflow.name
     deck_graph = _bound(name, workflow.graph, "", set()) or _copy_graph(workflow.graph)
     try:
@@ -455,7 +461,8 @@ def _bound(workflow: str, graph: Any, path: str, above: set[int]) -> Any:
     is compiled again, as it was, from such a copy of its builder: LangGraph hands a subgraph
     its parent's run context, so its nodes read the run's too. ``path``: where ``graph`` is
     (``inner/`` for a subgraph's nodes, as in an event's origin); ``above``: the builders
-    that hold it (a builder that holds its own compiled graph is bound once)."""
+    that hold it (a builder that holds its own compiled graph is bound once). Raises
+    ``ConfigError`` for a subgraph compiled with a breakpoint."""
     from langgraph._internal._runnable import coerce_to_runnable
     from langgraph.graph.state import CompiledStateGraph
     if id(graph) in above:
@@ -463,11 +470,16 @@ def _bound(workflow: str, graph: Any, path: str, above: set[int]) -> Any:
     out = None
     for node_name, node in graph.nodes.items():
         runnable = None
+        if isinstance(sub := node.runnable, CompiledStateGraph) and (
+                sub.interrupt_before_nodes or sub.interrupt_after_nodes):
+            raise ConfigError(f"workflow {workflow!r}: subgraph {path}{node_name} stops at a "
+                              "breakpoint (interrupt_before or interrupt_after), which no answer "
+                              "can reach: ask with kit.interrupt() in its node instead")
         fn = node_function(node)
         if ctx_names := list(context_params(fn)) if fn is not None else []:
             runnable = coerce_to_runnable(_bind_context(workflow, path + node_name, fn, ctx_names),
                                           name=node_name, trace=False)
-        elif isinstance(sub := node.runnable, CompiledStateGraph) and (
+        elif isinstance(sub, CompiledStateGraph) and (
                 builder := _bound(workflow, sub.builder, f"{path}{node_name}/",
                                   above | {id(graph)})) is not None:
             runnable = builder.compile(

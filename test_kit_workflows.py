@@ -206,6 +206,32 @@ async def test_a_run_returns_the_output_schema_of_its_graph(store, durable):
         assert events[1].payload.update == {"b": 6, "scratch": "private"}  # a node's own update
 
 
+async def test_a_breakpoint_no_answer_can_reach_is_refused_not_taken_for_the_end(store):
+    """A subgraph compiled with ``interrupt_before``/``interrupt_after`` stops at that static
+    breakpoint, which no ``answer`` can reach (it has no interrupt id): the run was recorded as
+    completed, its output the state before the subgraph, as if it had run. A subgraph node is
+    refused when the deck is built; one a node invokes fails the run when it stops there."""
+    sub = StateGraph(State).add_node("inner", graph(plan, done).compile(interrupt_before=["done"]))
+    sub.add_edge(START, "inner").add_edge("inner", END)
+    deck = Deck(workflows=[Workflow("w", sub)])
+    with pytest.raises(ConfigError, match="^workflow 'w': subgraph inner stops at a breakpoint"):
+        deck.build()
+    await deck.aclose()
+    inner = graph(plan, done).compile(interrupt_after=["plan"])
+
+    async def call(state: State) -> dict:
+        return {"log": (await inner.ainvoke(state))["log"]}
+
+    for durable in (False, True):
+        workflow = Workflow("w", graph(call), durable=durable)
+        async with Deck(workflows=[workflow], store=store) as deck:
+            with pytest.raises(ConfigError, match="^workflow 'w' stopped at a breakpoint"):
+                await deck.run("w", {"log": []}, session_id=f"t{durable}")
+            info = (await store.runs())[-1]
+            assert info.status is RunStatus.FAILED
+            assert kinds(await store.read(info.run_id)) == ["run.started", "run.failed"]
+
+
 async def test_a_failing_node_fails_the_run(store):
     async with Deck(workflows=[Workflow("w", graph(plan, boom))], store=store) as deck:
         with pytest.raises(ValueError, match="node exploded"):
