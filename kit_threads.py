@@ -9,8 +9,9 @@ checkpointer has a thread (``holds_thread``, ``thread_config``) and the locks th
 tickers off one thread (``ThreadLocks``, ``PgThreadLocks``).
 
 Must never: play a graph or read what its checkpoints mean (interrupts, sleeps: kit_workflows,
-above, does), reach the event store or the Runtime, import anything above kit_pg but the values
-of kit_core, or import LangGraph, aiosqlite or psycopg at import (``import kit`` stays light).
+above, does), reach the event store or the Runtime, import a sibling but kit_core (its values)
+and kit_pg (its pool plumbing), or import LangGraph, aiosqlite or psycopg at import (``import
+kit`` stays light).
 
 Theory of operation
 -------------------
