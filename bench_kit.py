@@ -996,11 +996,11 @@ async def history_cost(db: Path, turns: int, limit: int | None) -> tuple[float, 
     (each turn adds two items to the session: the message and the reply)."""
     agent = kit.Agent("a", "Be brief.", model=kit.ScriptedModel([SHORT_REPLY], cycle=True),
                       history_limit=limit)
-    times = []
+    times, session = [], uuid.uuid4().hex  # (the process's conversations outlive a deck)
     async with SQLiteStore(db) as store, kit.Deck([agent], store=store) as deck:
         for _ in range(turns):
             t = time.perf_counter()
-            await deck.run("a", "hi", session_id="long")
+            await deck.run("a", "hi", session_id=session)
             times.append(time.perf_counter() - t)
     return statistics.median(times[9:29]), statistics.median(times[-20:])
 

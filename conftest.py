@@ -6,6 +6,7 @@ skip, so CI cannot pass by skipping.
 """
 import os
 import socket
+import sys
 import uuid
 
 import pytest
@@ -16,6 +17,15 @@ from kit_store import SQLiteStore
 @pytest.fixture(params=[pytest.param("asyncio", id="asyncio"), pytest.param("trio", id="trio")])
 def anyio_backend(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def no_conversations_of_other_tests():
+    """Each test starts with no in-process conversations: they outlive a deck, as they do in
+    any process (kit_sessions), and tests reuse session ids."""
+    sessions = sys.modules.get("kit_sessions")  # (not imported here: it loads the agents SDK)
+    if sessions is not None:
+        sessions._memory = None
 
 
 #: Debian's Chromium (apt-get install chromium), which Playwright drives: its own browser

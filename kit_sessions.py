@@ -2,7 +2,8 @@
 
 Owns: ``Sessions`` (the ``agents.memory.Session`` of each conversation key, chosen by
 ``KIT_SESSION``: in-process, a SQLite file, Postgres or Redis; at most ``KIT_SESSION_MAX`` kept),
-``MemorySession`` (the in-process default: every conversation in one in-memory SQLite database)
+``MemorySession`` (the in-process default: every conversation of the process in one in-memory
+SQLite database, which outlives a deck)
 and ``MAX_SESSIONS``.
 
 Must never: reach the event store, the Runtime or a run (the log is the record of every turn; a
@@ -83,7 +84,8 @@ class _MemoryDB:
     """Every conversation-memory session of the process in ONE in-memory SQLite database.
 
     The SDK's ``SQLiteSession(":memory:")`` costs ~64 KiB per session (a private database each,
-    PERF.md section 1); here a session is a key into one shared table. Lost on process exit.
+    PERF.md section 1); here a session is a key into one shared table. Lost on process exit
+    (SPEC 8), not when a deck closes: every deck of the process shares it (``_process_memory``).
     """
 
     def __init__(self) -> None:
@@ -93,8 +95,24 @@ class _MemoryDB:
         self.db.execute("CREATE INDEX items_session ON items(session, id)")
         self.lock = threading.Lock()  # the engine thread and the kit side may both call in
 
-    def close(self) -> None:
-        self.db.close()
+    def keys(self) -> list[str]:
+        """The conversations it holds, least recently written first."""
+        with self.lock:
+            return [r[0] for r in self.db.execute(
+                "SELECT session FROM items GROUP BY session ORDER BY MAX(id)")]
+
+
+#: The process's in-process conversations, made by the first deck that needs them and kept by
+#: every deck after it: a notebook's next ``async with Deck(...)`` has its history, and resumes
+#: a run the last one paused with it. Each deck had its own, lost when the deck closed.
+_memory: _MemoryDB | None = None
+
+
+def _process_memory() -> _MemoryDB:
+    global _memory
+    if _memory is None:
+        _memory = _MemoryDB()
+    return _memory
 
 
 class MemorySession(SessionABC):
@@ -264,15 +282,16 @@ class Sessions:
     durable sessions: ``RedisSession`` (``redis://``, ``rediss://``, ``unix://``: replicas on
     several machines), ``SQLiteSession`` on a file (``sqlite:///path``: processes of one
     machine) or ``SQLAlchemySession`` on psycopg (``postgresql://...[?schema=name]``: replicas,
-    beside a Postgres log); else ``MemorySession``s in one in-process database, lost on exit.
+    beside a Postgres log); else ``MemorySession``s in the process's one in-memory database,
+    which outlives the deck (lost when the process exits).
     One object per key (``<namespace>\x1f<session_id>``, or the session id). The SQLite file's
     sessions share one connection (``_FileSession``), the Postgres ones their table objects
     (``_pg_session_class``): a conversation costs a small object, not a connection or ~31 kB.
 
     At most ``max_sessions`` are kept (``KIT_SESSION_MAX``), least recently used dropped first:
     for the in-process default that *forgets the conversation* (its history is deleted; the log
-    keeps every turn); for the others only the cached object goes (the data stays where it
-    lives). A conversation held by a live or parked run of the deck (``hold``, from the run's
+    keeps every turn), the conversations of the process's earlier decks counted too; for the
+    others only the cached object goes (the data stays where it lives). A conversation held by a live or parked run of the deck (``hold``, from the run's
     claim to its terminal end, ``release``) is never dropped: its run would play on without
     its history (a paused run's resume, a turn waiting for its tool). While every kept one is
     held the bound is exceeded; nothing else grows past it. A turn takes its session before
@@ -299,7 +318,10 @@ class Sessions:
         self.memory: _MemoryDB | None = None
         if not url:
             if factory is None:
-                self.memory = _MemoryDB()
+                self.memory = _process_memory()
+                for key in self.memory.keys():  # earlier decks' conversations: bounded too
+                    self._sessions[key] = MemorySession(self.memory, key)
+                self._evict()
         elif url.startswith(("redis://", "rediss://", "unix://")):
             try:
                 import redis.asyncio
@@ -470,12 +492,11 @@ class Sessions:
 
     async def aclose(self) -> None:
         """Engine side: close the Redis client or the SQLAlchemy engine (their connections
-        belong to the engine's loop)."""
+        belong to the engine's loop). The in-process conversations stay, for the process's
+        next deck."""
         if self._redis is not None:
             await self._redis.aclose()
         if self._engine is not None:
             await self._engine.dispose()
-        if self.memory is not None:
-            self.memory.close()
         if self._sqlite_conn is not None:
             self._sqlite_conn.close()

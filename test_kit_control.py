@@ -353,7 +353,6 @@ async def test_a_resume_whose_session_cannot_be_made_leaves_the_run_paused(store
         down[0] = False
         produced = await deck.resume(run_id)
         assert produced[-1].kind == "run.completed"
-    memory.close()
 
 
 async def test_a_resume_requested_elsewhere_is_logged_with_its_reason_and_source(store):

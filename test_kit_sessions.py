@@ -155,3 +155,37 @@ async def test_a_turn_keeps_its_conversation_while_its_claim_is_written(monkeypa
                     deck.session_for("c")
                     store.go.set()
             assert said(model) == ["remember 7", "noted", "again"]
+
+
+async def test_the_in_process_conversations_outlive_a_deck_as_they_do_the_process(store):
+    """Without KIT_SESSION, a conversation is lost when the process exits (SPEC 8), not when
+    its deck closes: the next deck of the process (a notebook's next `async with Deck(...)`)
+    sends the model its history, and resumes a run the last one paused with it. Each deck
+    had its own in-memory database, closed with it: the history was gone."""
+    gate = Gate()
+    model = ScriptedModel(["noted", {"tool": "wait", "args": {"step": 1}}, "you said 7",
+                           "all done"])
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        await deck.run("worker", "remember 7", session_id="a")
+        run_id = await pause_on(deck, store, gate, "b")
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        await deck.run("worker", "what did I say?", session_id="a")
+        assert said(model) == ["remember 7", "noted", "what did I say?"]
+        with anyio.fail_after(20):
+            await deck.resume(run_id)
+        assert said(model) == ["go", "call:wait", "result:step 1 done"]
+    async with Deck([Agent("worker", model=model)], store=store) as deck:
+        assert len(await deck.session_for("a").get_items()) == 4  # a's two turns
+
+
+async def test_the_bound_on_in_process_conversations_holds_across_decks(monkeypatch, store):
+    """KIT_SESSION_MAX bounds the process's conversations, those of the decks before this
+    one too: least recently used forgotten first."""
+    monkeypatch.setenv("KIT_SESSION_MAX", "2")
+    model = ScriptedModel(["ok"], cycle=True)
+    async with Deck([Agent("worker", model=model)], store=store) as deck:
+        for name in ("a", "b"):
+            await deck.run("worker", name, session_id=name)
+    async with Deck([Agent("worker", model=model)], store=store) as deck:
+        await deck.run("worker", "c", session_id="c")
+        assert kept(deck) == {"b", "c"} and len(deck._runtime.sessions) == 2
