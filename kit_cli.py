@@ -32,8 +32,8 @@ refused, naming it, and left as it is. Only ``signal`` then writes, its one requ
 store it opens once the read-only one found the run.
 
 argparse checks every argument: text is UTF-8 (a non-UTF-8 byte in argv is a usage error naming
-the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, ``--store`` and ``--before`` are not
-empty.
+the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, a run id, ``--name``, ``--session``,
+``--store`` and ``--before`` are not empty.
 
 Output that meets a closed pipe (``kit runs list | head``) ends quietly. Exit codes: 0 done (or
 recorded), 1 an unknown run, a request that cannot act on the run (a finished run; pause of a
@@ -78,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
         dest="action", required=True)
     ls = runs.add_parser("list", help="list the most recent runs, oldest first")
     ls.add_argument("--status", choices=[s.value for s in RunStatus])
-    ls.add_argument("--name", type=_text, help="only runs of this agent or workflow")
-    ls.add_argument("--session", type=_text, help="only runs of this session id")
+    ls.add_argument("--name", type=_nonempty, help="only runs of this agent or workflow")
+    ls.add_argument("--session", type=_nonempty, help="only runs of this session id")
     ls.add_argument("--limit", type=_positive, default=LIST_LIMIT,
                     help=f"at most this many runs, the most recent (default {LIST_LIMIT}, "
                          f"at most {LIST_LIMIT_MAX})")
@@ -87,11 +87,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="only runs started before this one (the first run of the previous page)")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     events = runs.add_parser("events", help="print a run's events as JSON lines")
-    events.add_argument("run_id", type=_text)
+    events.add_argument("run_id", type=_nonempty)
     events.add_argument("--follow", action="store_true",
                         help="then wait for the rest, live, until the run ends or parks")
     sig = runs.add_parser("signal", help="ask a run to pause, cancel or resume")
-    sig.add_argument("run_id", type=_text)
+    sig.add_argument("run_id", type=_nonempty)
     sig.add_argument("signal", choices=["pause", "cancel", "resume"])
     sig.add_argument("--reason", type=_text, help="recorded with the request")
     for command in (ls, events, sig):
@@ -121,8 +121,10 @@ def _positive(text: str) -> int:
 
 
 def _nonempty(text: str) -> str:
+    """A run id, a name or a session id: ``_text`` that is not empty (no id or name is; an
+    empty one is a shell variable that was not set, never a lookup that finds nothing)."""
     if not text:
-        raise argparse.ArgumentTypeError("must be a run id, got ''")
+        raise argparse.ArgumentTypeError("must not be empty")
     return _text(text)
 
 

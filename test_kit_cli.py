@@ -347,6 +347,22 @@ async def test_an_empty_store_is_a_usage_error_not_another_log(tmp_path, monkeyp
         assert (ran.returncode, ran.stdout) == (2, "") and "argument --store" in ran.stderr, ran
 
 
+
+async def test_an_empty_run_id_name_or_session_is_a_usage_error(tmp_path):
+    """An empty run id, --name or --session (a shell variable that was not set) is a usage
+    error naming the argument, as an empty --before is: no run, agent or session is named ''.
+    The run id was looked for (exit 1, "the log has no run ''"); the filters listed nothing."""
+    db = tmp_path / "kit.db"
+    await logged(db)
+    store = f"sqlite:///{db}"
+    for args, argument in ((["runs", "events", ""], "run_id"),
+                           (["runs", "signal", "", "cancel"], "run_id"),
+                           (["runs", "list", "--name", ""], "--name"),
+                           (["runs", "list", "--session", ""], "--session")):
+        ran = await anyio.to_thread.run_sync(kit_cli, *args, "--store", store)
+        assert (ran.returncode, ran.stdout) == (2, ""), ran
+        assert f"argument {argument}: must not be empty" in ran.stderr, ran.stderr
+
 # ============================================================== a log it may only read ====
 
 def where_read_only(folder: Path, *command: str) -> subprocess.CompletedProcess:
