@@ -153,14 +153,13 @@ def _console() -> None:
 def main(argv: list[str] | None = None) -> int:
     """``kit-serve``: serve the project at ``KIT_PROJECT`` (unset or empty: ``.kit``) on
     ``HOST``:``PORT`` (unset or empty: 0.0.0.0:8000) with the ``KIT_WORKER`` worker (asyncio, the
-    default, or trio), the
-    surfaces ``KIT_SURFACES`` names, the playground at ``/`` unless ``--no-playground`` or
-    ``KIT_PLAYGROUND=0``, and the ``Host``/``Origin`` policy of ``KIT_ALLOWED_HOSTS`` /
-    ``KIT_CORS_ORIGINS`` (kit_guard); ``--access-log`` (or ``KIT_ACCESS_LOG=1``) logs every
-    request. Returns 0 after SIGINT/SIGTERM, 1 when the project cannot be served (a missing
-    extra, a broken project, a taken address), 2 on usage, 130 on Ctrl-C before it serves (while
-    the project loads or the deck opens; no traceback), 143 on SIGTERM then (128 + its number,
-    as a shell reports it; the deck is closed)."""
+    default, or trio), the surfaces ``KIT_SURFACES`` names, the playground at ``/`` unless
+    ``--no-playground`` or ``KIT_PLAYGROUND=0``, and the ``Host``/``Origin`` policy of
+    ``KIT_ALLOWED_HOSTS`` / ``KIT_CORS_ORIGINS`` (kit_guard); ``--access-log`` (or
+    ``KIT_ACCESS_LOG=1``) logs every request. Returns 0 after SIGINT/SIGTERM, 1 when the project
+    cannot be served (a missing extra, a broken project, a taken address), 2 on usage, 130 on
+    Ctrl-C before it serves (while the project loads or the deck opens; no traceback), 143 on
+    SIGTERM then (128 + its number, as a shell reports it; the deck is closed)."""
     env = os.environ
     parser = argparse.ArgumentParser(prog="kit-serve", description="Serve a kit project over HTTP "
                                      "and SSE. The API is unauthenticated.")

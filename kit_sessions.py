@@ -291,9 +291,10 @@ class Sessions:
     At most ``max_sessions`` are kept (``KIT_SESSION_MAX``), least recently used dropped first:
     for the in-process default that *forgets the conversation* (its history is deleted; the log
     keeps every turn), the conversations of the process's earlier decks counted too; for the
-    others only the cached object goes (the data stays where it lives). A conversation held by a live or parked run of the deck (``hold``, from the run's
-    claim to its terminal end, ``release``) is never dropped: its run would play on without
-    its history (a paused run's resume, a turn waiting for its tool). While every kept one is
+    others only the cached object goes (the data stays where it lives). A conversation held by
+    a live or parked run of the deck (``hold``, from the run's claim to its terminal end,
+    ``release``) is never dropped: its run would play on without its history (a paused run's
+    resume, a turn waiting for its tool). While every kept one is
     held the bound is exceeded; nothing else grows past it. A turn takes its session before
     its claim (``peek``), so one refused at the claim evicts nothing. Raises ``ConfigError``
     for another URL scheme (the URL masked), a missing extra, or a bound below 1; ``get``
