@@ -169,10 +169,6 @@ class _TapModel(sdk.Model):
             self._inner = sdk.MultiProvider().get_model(self._model)  # type: ignore[arg-type]
         return self._inner
 
-    def inner_if_made(self) -> sdk.Model | None:
-        """The inner model if it exists already (closing a deck must not build a client)."""
-        return self._inner
-
     def model_name(self) -> str:
         inner = self.inner()
         return str(getattr(inner, "model", None) or self._model or type(inner).__name__)
@@ -783,15 +779,3 @@ async def warm_up(specs: Sequence[InvocableSpec]) -> None:
     for spec in specs:
         if spec.kind == "agent":
             _price(spec.engine.sdk_agent.model.known_name(), 1, 1)
-
-
-def model_clients(specs: Sequence[InvocableSpec]) -> list[Any]:
-    """The HTTP clients of the deck's model objects (to close on the loop that used them)."""
-    out = []
-    for spec in specs:
-        if spec.kind == "agent":
-            tap = spec.engine.sdk_agent.model
-            client = getattr(tap.inner_if_made(), "_client", None)
-            if client is not None and callable(getattr(client, "close", None)):
-                out.append(client)
-    return out

@@ -1,9 +1,10 @@
 """kit_bridge: the asyncio loop that plays the engines when kit runs under trio.
 
-Owns: ``Bridge`` (one asyncio loop in a daemon thread, the calls into it and the mailbox out of
-it), ``on_asyncio`` (await an engine coroutine from asyncio or trio alike; under trio on one
-bridge per trio run) and ``spawn`` (a background asyncio task that outlives the call that starts
-it). This is the only kit module that touches asyncio directly.
+Owns: ``Bridge`` (one asyncio loop in a daemon thread, or another bridge's, the calls into it
+and the mailbox out of it), ``shared`` (the bridge whose loop a trio run's callers share),
+``on_asyncio`` (await an engine coroutine from asyncio or trio alike; under trio on that shared
+loop) and ``spawn`` (a background asyncio task that outlives the call that starts it). This is
+the only kit module that touches asyncio directly.
 
 Must never: know what a run, an event or a store is (it carries opaque items), block the trio
 side, or wake the trio side once per item.
@@ -11,7 +12,9 @@ side, or wake the trio side once per item.
 Theory of operation
 -------------------
 openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9). Under trio the Runtime
-starts one ``Bridge`` and every SDK object lives on its loop. ``call`` runs a coroutine function
+starts a ``Bridge`` of its own (its mailbox) on the loop of the trio run's ``shared`` bridge, and
+every SDK object lives on that loop: what a caller keeps from one deck to the next (a model's
+client and its pooled connections) stays bound to a loop that lives as long as the trio run. ``call`` runs a coroutine function
 there and waits for it from trio; cancelling the trio caller cancels the asyncio task and waits,
 bounded by ``CANCEL_TIMEOUT``, for it to unwind (so a run records how it ended before its caller
 goes on). Items travel the other way through a mailbox: ``post`` (engine side) appends and wakes
@@ -35,7 +38,7 @@ import sniffio
 
 from kit_core import DeckStateError
 
-__all__ = ("Bridge", "on_asyncio", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT", "STOP_TIMEOUT")
+__all__ = ("Bridge", "shared", "on_asyncio", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT", "STOP_TIMEOUT")
 
 #: Ordinary items wait up to this long before waking the trio side, so one wake-up carries many
 #: (PERF.md section 5, strategy D); urgent items wake it at once.
@@ -48,15 +51,18 @@ STOP_TIMEOUT = 10.0
 
 
 class Bridge:
-    """One asyncio loop in a daemon thread, hosting every SDK object while kit runs on trio.
+    """One asyncio loop in a daemon thread, hosting every SDK object while kit runs on trio; or,
+    given ``host``, that bridge's loop, with a mailbox of its own (``stop`` leaves the loop).
 
     Make it and ``start()`` it on trio; ``call`` and ``pump`` from trio; ``post``,
     ``post_and_wait`` and ``to_kit`` from the loop's thread; ``soon`` from trio.
     """
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name="kit-bridge", daemon=True)
+    def __init__(self, host: Bridge | None = None) -> None:
+        self.loop = host.loop if host is not None else asyncio.new_event_loop()
+        self._thread = host._thread if host is not None else threading.Thread(
+            target=self._main, name="kit-bridge", daemon=True)
+        self._hosted = host is not None
         self._mail: deque[Any] = deque()
         self._lock = threading.Lock()
         self._armed = 0  # 0: no wake-up pending, 1: a delayed one, 2: an immediate one
@@ -79,12 +85,14 @@ class Bridge:
         import trio
         self._token = trio.lowlevel.current_trio_token()
         self._wake = anyio.Event()
-        self._thread.start()
+        if not self._hosted:
+            self._thread.start()
 
     async def stop(self) -> None:
         """Stop the loop (its tasks are cancelled) and wait for its thread, at most
-        ``STOP_TIMEOUT``; a thread that will not end is left behind (it is a daemon)."""
-        if self._thread.is_alive():
+        ``STOP_TIMEOUT``; a thread that will not end is left behind (it is a daemon). A hosted
+        bridge's loop is its host's: left running."""
+        if not self._hosted and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             with anyio.move_on_after(STOP_TIMEOUT):
                 await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
@@ -198,19 +206,17 @@ def _settle(reply: asyncio.Future[Any], error: BaseException | None) -> None:
             reply.set_exception(error)
 
 
-#: Under trio, the ``Bridge`` that ``on_asyncio`` calls share, per trio run (by its token): what
-#: a caller keeps between calls (an OpenAI client's pooled connections, a Redis session's lock)
-#: is bound to the asyncio loop that first used it, so every call plays on that one loop. A
-#: bridge of its own per call closed its loop after it, and the next call over a connection
-#: pooled there failed (``APIConnectionError``).
+#: Under trio, the ``Bridge`` whose loop ``on_asyncio`` calls and decks share, per trio run (by
+#: its token): what a caller keeps between calls (an OpenAI client's pooled connections, a Redis
+#: session's lock) is bound to the asyncio loop that first used it, so every call plays on that
+#: one loop. A loop of its own per call (or per deck) closed after it, and the next call over a
+#: connection pooled there failed (``APIConnectionError``).
 _SHARED: dict[Any, Bridge] = {}
 
 
-async def on_asyncio(fn: Callable[[], Awaitable[Any]]) -> Any:
-    """Await ``fn()`` on an asyncio loop: this one, or under trio the ``Bridge`` this trio run's
-    calls share (started by the first, stopped when the trio run ends)."""
-    if sniffio.current_async_library() == "asyncio":
-        return await fn()
+def shared() -> Bridge:
+    """Trio side: the ``Bridge`` this trio run's callers share (started by the first, stopped
+    when the trio run ends)."""
     import trio
     token = trio.lowlevel.current_trio_token()
     bridge = _SHARED.get(token)
@@ -218,7 +224,14 @@ async def on_asyncio(fn: Callable[[], Awaitable[Any]]) -> Any:
         bridge = _SHARED[token] = Bridge()
         bridge.start()
         trio.lowlevel.spawn_system_task(_hold, token, bridge)
-    return await bridge.call(fn)
+    return bridge
+
+
+async def on_asyncio(fn: Callable[[], Awaitable[Any]]) -> Any:
+    """Await ``fn()`` on an asyncio loop: this one, or under trio the ``shared`` bridge's."""
+    if sniffio.current_async_library() == "asyncio":
+        return await fn()
+    return await shared().call(fn)
 
 
 async def _hold(token: Any, bridge: Bridge) -> None:

@@ -14,7 +14,8 @@ Theory of operation
 -------------------
 There are two sides. The *kit side* is the event loop that opened the deck (asyncio or trio): it
 owns the store, the writer and the streams. The *engine side* is where SDK objects live: the same
-loop under asyncio; under trio, one asyncio loop in a daemon thread (kit_bridge), because
+loop under asyncio; under trio, the trio run's asyncio loop in a daemon thread (kit_bridge's
+``shared``: it outlives the deck, as the caller's loop does under asyncio), because
 openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9).
 
 An engine records a run through its handle: ``emit`` for an ordinary event, ``durable`` for one it
@@ -53,7 +54,7 @@ import sniffio
 
 import kit_observers
 import kit_threads
-from kit_bridge import Bridge
+from kit_bridge import Bridge, shared
 from kit_control import BACKOFF_MAX, RunControl
 from kit_core import (
     Claim, ConfigError, DeckStateError, Event, InterruptResult, InvocableSpec, LogConflictError,
@@ -328,7 +329,7 @@ class Runtime(RunControl):
         if processors and self._agents is not None:  # the SDK's own spans, a second trace per run
             self._sdk_tracing = self._agents.use_trace_processors(processors)
         if sniffio.current_async_library() == "trio":
-            self.bridge = Bridge()
+            self.bridge = Bridge(host=shared())
             self.bridge.start()
             self._tg.start_soon(self.bridge.pump, self._on_mail)
         self._tg.start_soon(self.writer.run)
@@ -396,11 +397,7 @@ class Runtime(RunControl):
                 await self._on_engine(self.sessions.aclose)
             if self._close_graphs is not None:
                 await self._on_engine(self._close_graphs)
-            if self.bridge is not None:
-                clients = self._agents.model_clients(list(self.specs.values())) if self._agents else []
-                for client in clients:
-                    with anyio.move_on_after(CLOSE_TIMEOUT):  # pooled connections of its loop
-                        await self.bridge.call(client.close)
+            if self.bridge is not None:  # (the loop is the trio run's: models' clients outlive us)
                 await self.bridge.stop()
             if self._own_store and self.store is not None:
                 await self.store.aclose()

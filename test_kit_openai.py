@@ -195,9 +195,7 @@ async def open_deck(stub: Stub, model_cls: type, store: SQLiteStore, tools=()):
         async with kit.Deck([agent], store=store) as deck:
             yield deck
     finally:
-        # Under trio kit has closed it on its engine loop, where its pooled (keep-alive)
-        # connections live; closing again is a no-op.
-        await client.close()
+        await on_asyncio(client.close)  # where its connections live (trio: the run's asyncio loop)
 
 
 def kinds(events) -> list[str]:
@@ -308,7 +306,7 @@ async def test_a_server_that_reports_no_usage_costs_unknown_not_zero(stub, store
             async with kit.Deck([agent], store=store) as deck:
                 events = [e async for e in deck.stream("bot", "hi")]
     finally:
-        await client.close()
+        await on_asyncio(client.close)
     [call_] = [e.payload for e in events if e.kind == "model.completed"]
     assert (call_.input_tokens, call_.output_tokens, call_.usd) == (0, 0, None)
     assert events[-1].payload.usage.usd is None
@@ -419,3 +417,24 @@ async def test_an_image_in_a_system_message_of_the_history_is_refused_on_the_cha
     parts = [p for m in body["messages"] if m["role"] == "user" for p in m["content"]]
     assert [p["image_url"]["url"] for p in parts if p["type"] == "image_url"] == [
         f"data:image/png;base64,{PNG}"]
+
+
+async def test_a_models_client_serves_one_deck_after_another(stub, tmp_path):
+    """SPEC 4.1 rule 6 allows sequential decks: the same model (its client, its pooled
+    connections) serves each in turn. Under trio each deck played the SDK on an asyncio loop of
+    its own and closed the user's client with it, so the second deck's turn failed with
+    ``APIConnectionError``."""
+    stub.script += [text("one"), text("two")]
+    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
+    agent = kit.Agent("bot", "Be brief.", model=agents.OpenAIResponsesModel("gpt-4o", client))
+    outputs = []
+    try:
+        with anyio.fail_after(20):
+            for n in range(2):
+                async with SQLiteStore(tmp_path / f"{n}.db") as store:
+                    async with kit.Deck([agent], store=store) as deck:
+                        outputs.append((await deck.run("bot", "hi")).output)
+                assert not client.is_closed()  # the caller's, to close when the caller is done
+    finally:
+        await on_asyncio(client.close)
+    assert outputs == ["one", "two"] and len(stub.requests) == 2
