@@ -246,13 +246,18 @@ class App:
                 if message["type"] == "lifespan.startup":
                     try:
                         entered = True
-                        await self.deck.__aenter__()
+                        try:
+                            await self.deck.__aenter__()
+                        except DeckStateError:
+                            entered = False  # open (opening, closed) by another: theirs to close
+                            raise
                         await self._open_mcp()
                     except Exception as exc:
                         self.open_error = exc
                         # A failed open frees the live-deck slot. Unshielded: the deck leaves its
                         # task group from the scope it entered it in (its close shields the rest).
-                        await self.deck.aclose()
+                        if entered:
+                            await self.deck.aclose()
                         await send({"type": "lifespan.startup.failed",
                                     "message": f"{type(exc).__name__}: {exc}"})
                         return

@@ -1030,6 +1030,21 @@ async def test_lifespan_startup_failure_is_reported_and_frees_the_deck():
     Deck([echo()]).build()  # the failed deck does not hold the one live-deck slot
 
 
+async def test_a_lifespan_given_a_deck_open_elsewhere_fails_its_startup_and_leaves_it_open():
+    """An app whose deck the caller opened already (``async with deck:`` around the server): the
+    lifespan's open is refused, so its startup fails naming why, and the deck stays open for its
+    opener. The lifespan then closed the deck it had not opened (its opener's runs cut off)."""
+    deck = catalog()
+    async with deck:
+        life = Scripted({"type": "lifespan.startup"})
+        with anyio.fail_after(10):
+            await App(deck)({"type": "lifespan", "asgi": {"version": "3.0"}}, life.receive, life.send)
+        [failed] = life.sent
+        assert failed["type"] == "lifespan.startup.failed"
+        assert failed["message"].startswith("DeckStateError: cannot open the deck: the deck is OPEN")
+        assert deck._state == "OPEN" and (await deck.run("echo", "still here")).output
+
+
 SLOW_MCP = """
 import os, subprocess, sys, time
 helper = subprocess.Popen(["sleep", "300"])  # outlives this server unless its group is ended
