@@ -112,6 +112,10 @@ def _origin(value: str) -> str | None:
     return f"{parts.scheme}://{host}{f':{port}' if keep else ''}"
 
 
+def _is_host(host: str) -> bool:
+    return "/" not in host and bool(_NAME.fullmatch(_host_name(host)))
+
+
 class Guard:
     """The browser-safety policy of one app: the host names it answers for and the origins
     (beside its own) whose pages may call it.
@@ -132,7 +136,7 @@ class Guard:
                                   f"wrap it in a list, {name}=[{given!r}]")
         hosts = [h.strip() for h in allowed_hosts if h.strip()]
         for host in hosts:
-            if host != ANY_HOST and ("/" in host or not _NAME.fullmatch(_host_name(host))):
+            if host != ANY_HOST and not _is_host(host):
                 raise ConfigError(f"KIT_ALLOWED_HOSTS lists host names, got {host!r}")
         self.any_host = ANY_HOST in hosts
         self.hosts = tuple(dict.fromkeys(_host_name(h) for h in hosts if h != ANY_HOST))
@@ -160,6 +164,9 @@ class Guard:
         else:
             hosts = list(LOOPBACK_HOSTS)
             if bind and bind.strip("[]") not in ("", "0.0.0.0", "::"):
+                if not _is_host(bind.strip()):  # named as what the user gave, not as a list
+                    raise ConfigError(f"the address to bind (--host or HOST) is a host name or "
+                                      f"address, got {bind!r}")
                 hosts.append(bind)
         return cls(hosts, env.get("KIT_CORS_ORIGINS", "").split(","))
 

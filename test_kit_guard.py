@@ -34,6 +34,14 @@ def test_default_hosts_follow_the_bound_address():
     assert "answering Host localhost, 127.0.0.1, [::1]" in Guard().describe()
 
 
+def test_a_bad_bind_address_is_named_as_the_address_not_as_a_setting_never_set():
+    """``kit-serve --host "no such host"`` was refused as "KIT_ALLOWED_HOSTS lists host names",
+    a setting the user never set."""
+    with pytest.raises(ConfigError, match=r"^the address to bind \(--host or HOST\) is a host "
+                                          r"name or address, got 'no such host'$"):
+        Guard.from_env({}, bind="no such host")
+
+
 def test_origins_are_normalised_and_bad_settings_are_config_errors():
     guard = Guard.from_env({"KIT_CORS_ORIGINS": "http://localhost:3000/, HTTPS://App.Example:443"})
     assert guard.origins == {"http://localhost:3000", "https://app.example"}
