@@ -4,8 +4,8 @@ storable (the ground floor's second storey: it imports only ``kit_errors``).
 
 Owns: ``TextBlock``, ``ImageBlock``, ``AudioBlock``, ``ResourceBlock``, ``DataBlock``,
 ``ContentBlock``, ``MAX_INLINE_BYTES``, ``as_blocks``, ``block_to_json``/``block_from_json``,
-``HistoryMessage``, ``HISTORY_ROLES``, ``as_history``; for sibling modules, ``BLOCK_TYPES`` and
-``check_inline_json``. ``kit_core`` re-exports the public names.
+``HistoryMessage``, ``HISTORY_ROLES``, ``as_history``; for sibling modules, ``BLOCK_TYPES``,
+``check_inline_json`` and ``check_unicode``. ``kit_core`` re-exports the public names.
 
 Must never: import another sibling module or an engine SDK, do I/O or read the environment.
 
@@ -62,9 +62,10 @@ def _check_b64(block: str, data_b64: object) -> None:
                            "use a ResourceBlock for larger content")
 
 
-def _check_unicode(what: str, text: str) -> None:
-    # A lone surrogate ("\ud800" is valid JSON) cannot be encoded as UTF-8: the log, a session
-    # or a response could not store it, so it is refused before anything is written.
+def check_unicode(what: str, text: str) -> None:
+    """Raise ``ContentError`` naming ``what`` for ``text`` with a lone surrogate (``"\\ud800"`` is
+    valid JSON): it cannot be encoded as UTF-8, so the log, a session, a checkpoint or a
+    response could not store it; it is refused before anything is written."""
     if not text.isascii():
         try:
             text.encode("utf-8")
@@ -82,7 +83,7 @@ class TextBlock:
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):
             raise ContentError(f"TextBlock.text must be str, got {type(self.text).__name__}")
-        _check_unicode("TextBlock.text", self.text)
+        check_unicode("TextBlock.text", self.text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +145,7 @@ def check_inline_json(what: str, data: Any, reference: str) -> None:
         raise ContentError(f"{what} must be JSON data: {exc}") from None
     except RecursionError:
         raise ContentError(f"{what} is nested too deep to be JSON data") from None
-    _check_unicode(what, text)
+    check_unicode(what, text)
     if len(text) > MAX_INLINE_BYTES:
         raise ContentError(f"{what} is {len(text)} bytes of JSON, more than {MAX_INLINE_BYTES} "
                            f"(the log holds data inline up to that); keep larger data elsewhere "

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kit_bridge import on_asyncio
-from kit_content import check_inline_json
+from kit_content import check_inline_json, check_unicode
 from kit_context import context_params, node_function
 from kit_core import (
     ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, InterruptResult,
@@ -108,12 +108,7 @@ def _check_data(what: str, value: Any) -> None:
                     raise ContentError(f"{what} holds an integer beyond 64 bits, which "
                                        "LangGraph's checkpoints cannot store; send it as a string")
             elif isinstance(v, str):
-                if not v.isascii():
-                    try:
-                        v.encode("utf-8")
-                    except UnicodeEncodeError as exc:
-                        raise ContentError(f"{what} holds text that is not valid Unicode: a lone "
-                                           f"surrogate {v[exc.start]!r}") from None
+                check_unicode(what, v)
             elif isinstance(v, float):
                 if v - v != 0.0:
                     raise ContentError(f"{what} holds {v!r}, which the log cannot write as JSON "

@@ -359,8 +359,8 @@ CYCLIC.append(CYCLIC)
     ({"score": [float("nan")]}, r"holds nan, which the log cannot write as JSON"),  # was null
     # Refused as an input's is: a durable checkpoint stored it as "?", which its node was
     # given in silence, and a dict key failed in the serializer's words.
-    ({"note": ["ok\udfff"]}, r"holds text that is not valid Unicode: a lone surrogate '\\udfff'"),
-    ({"\ud800": 1}, r"holds text that is not valid Unicode: a lone surrogate '\\ud800'"),
+    ({"note": ["ok\udfff"]}, r"is not valid Unicode: a lone surrogate '\\udfff'"),
+    ({"\ud800": 1}, r"is not valid Unicode: a lone surrogate '\\ud800'"),
 ], ids=["object", "past-the-recursion-limit", "past-max-depth", "holds-itself", "nan",
         "lone-surrogate", "lone-surrogate-key"])
 async def test_an_answer_its_checkpoint_cannot_store_is_refused_and_the_run_waits(
