@@ -33,9 +33,9 @@ import kit_threads
 import kit_workflows
 from kit_core import (
     CheckpointMissingError, ControlRequest, ControlRequested, Due, Event, LogConflictError,
-    ModelCompleted, Pending, RunCancelled, RunInterrupted, RunNotWaitingError, RunResumed,
-    RunSleeping, RunStatus, SessionBusyError, StoreUnavailableError, Ticked, UnknownNameError,
-    UnknownRunError, check_id, check_text,
+    ModelCompleted, Pending, RunCancelled, RunInfo, RunInterrupted, RunNotWaitingError,
+    RunResumed, RunSleeping, RunStatus, SessionBusyError, StoreUnavailableError, Ticked,
+    UnknownNameError, UnknownRunError, check_id, check_text,
 )
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class RunControl:
         if info is None or info.status not in (*_PARKED, RunStatus.CANCELLED):
             return
         if info.status is not RunStatus.CANCELLED:
-            last = (await self.store.read(req.run_id))[-1]
+            last = await self._last_event(info)
             if last.payload.ends != "parking":  # resumed since: its player hears the request
                 return self._reach(req)
             try:
@@ -346,7 +346,7 @@ class RunControl:
         info = await self.store.run_info(run_id)
         if info is None:
             raise UnknownRunError(run_id)
-        last = (await self.store.read(run_id))[-1]
+        last = await self._last_event(info)
         if last.kind != wanted or run_id in self.active:
             raise RunNotWaitingError(run_id, info.status, status)
         spec = self.specs.get(info.name)
@@ -392,10 +392,17 @@ class RunControl:
             return await self._unpark(run_id, "run.interrupted", value, "answer", context, True)
         return self._streamed(take, committed)
 
+    async def _last_event(self, info: RunInfo) -> Event:
+        """The last event of ``info``'s run as the log holds it now: the rows from the index's
+        ``last_seq`` on (one, unless the run moved on since), not the whole log (that, from a
+        store whose index does not keep ``last_seq``)."""
+        after = -1 if info.last_seq is None else info.last_seq - 1
+        return (await self.store.read(info.run_id, after))[-1]
+
     async def pending(self) -> list[Pending]:
         out = []
         for info in await self.store.runs(status=RunStatus.WAITING_HUMAN):
-            last = (await self.store.read(info.run_id))[-1]
+            last = await self._last_event(info)
             if isinstance(last.payload, RunInterrupted):
                 out.append(Pending(info.run_id, info.name, last.payload.thread_id or "",
                                    info.session_id, last.payload.payload, last.at,
@@ -414,7 +421,7 @@ class RunControl:
             spec = self.specs.get(info.name)
             if spec is None or spec.kind != "workflow":
                 continue
-            last = (await self.store.read(info.run_id))[-1]
+            last = await self._last_event(info)
             if not isinstance(last.payload, RunSleeping):
                 continue
             thread = last.payload.thread_id or ""

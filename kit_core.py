@@ -441,7 +441,10 @@ class Ticked:
 
 @dataclass(frozen=True, slots=True)
 class RunInfo:
-    """One row of the store's run index (``EventStorePort.runs``)."""
+    """One row of the store's run index (``EventStorePort.runs``). ``last_seq`` is the seq of
+    the run's last event in the log (its end, for a run that ended; its parking event, for a
+    parked one), kept by the index: a reader after the last event reads one row, not the log
+    (None from a store that does not keep it)."""
     run_id: str
     name: str
     invocable: str
@@ -450,6 +453,7 @@ class RunInfo:
     status: RunStatus
     started_at: datetime
     parent_run_id: str | None = None
+    last_seq: int | None = None
 
 
 # ====================================================================================== ports ====

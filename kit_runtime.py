@@ -733,7 +733,7 @@ class Runtime(RunControl):
             for info in reversed(page):
                 if info.namespace == namespace:
                     if info.status is RunStatus.FAILED:
-                        last = (await self.store.read(info.run_id))[-1].payload
+                        last = (await self._last_event(info)).payload
                         return getattr(last, "error", None) == "RunAbandoned"
                     return info.status not in (RunStatus.COMPLETED, RunStatus.CANCELLED)
             if len(page) < PREVIOUS_PAGE:

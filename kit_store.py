@@ -134,7 +134,8 @@ _SCHEMA = (
     "action TEXT NOT NULL, reason TEXT, source TEXT, at REAL NOT NULL)",
     CONTROLS_INDEX,
 )
-RUN_COLUMNS = "run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id"
+RUN_COLUMNS = ("run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id, "
+               "last_seq")
 #: The columns of kit's tables, as ``_SCHEMA`` (and ``kit_pg``'s tables) make them. A database
 #: whose table of one of these names has others is another program's: ``CREATE TABLE IF NOT
 #: EXISTS`` would add kit's other tables beside it, then every append fail (an outage to the
@@ -216,7 +217,8 @@ def runs_query(status: RunStatus | None, name: str | None, session_id: str | Non
 
 def run_row(r: tuple[Any, ...]) -> RunInfo:
     """A ``RunInfo`` from a row of ``RUN_COLUMNS`` (``started_at`` as ISO text)."""
-    return RunInfo(r[0], r[1], r[2], r[3], r[4], RunStatus(r[5]), datetime.fromisoformat(r[6]), r[7])
+    return RunInfo(r[0], r[1], r[2], r[3], r[4], RunStatus(r[5]), datetime.fromisoformat(r[6]), r[7],
+                   r[8])
 
 
 class _Checkpointer(threading.Thread):
@@ -634,12 +636,14 @@ class MemoryStore(StoreBase):
             self._insert(e)
             if isinstance(p := e.payload, RunStarted):
                 self._index[e.run_id] = RunInfo(e.run_id, p.name, p.invocable, p.session_id,
-                                                p.namespace, RunStatus.RUNNING, e.at, p.parent_run_id)
+                                                p.namespace, RunStatus.RUNNING, e.at,
+                                                p.parent_run_id, e.seq)
                 bisect.insort(self._order, (e.at, e.run_id))  # at the end, as a rule
         for run_id, run_events in by_run(events).items():
             status, info = fold_status(e.kind for e in run_events), self._index.get(run_id)
-            if status is not None and info is not None:
-                self._index[run_id] = replace(info, status=status)
+            if info is not None:  # (a batch's seqs may come in any order, as in SQL's MAX)
+                last = max(info.last_seq or 0, *map(_seq, run_events))
+                self._index[run_id] = replace(info, status=status or info.status, last_seq=last)
             ends = run_events[-1].payload.ends  # as it stands after the batch, as in SQLite
             if ends == "terminal":
                 self._leases.pop(run_id, None)
@@ -656,9 +660,10 @@ class MemoryStore(StoreBase):
 
     def _abandon(self, run_id: str) -> None:
         log, info = self._logs.get(run_id), self._index.get(run_id)
-        self._insert(abandoned(run_id, log[-1].seq + 1 if log else 0, info.name if info else ""))
+        event = abandoned(run_id, log[-1].seq + 1 if log else 0, info.name if info else "")
+        self._insert(event)
         if info is not None:
-            self._index[run_id] = replace(info, status=RunStatus.FAILED)
+            self._index[run_id] = replace(info, status=RunStatus.FAILED, last_seq=event.seq)
         del self._leases[run_id]
         # Its followers wait for a wake-up, with no poll to fall back on: a run overtaken for
         # its session is not in the batch whose commit wakes followers (``StoreBase.append``).

@@ -212,8 +212,38 @@ async def test_runs_listing_filters_and_status_folding(store):
     assert (await store.run_info("asked")).status is RunStatus.RUNNING
     info = await store.run_info("done")
     assert info == kit.RunInfo("done", "b", "agent", "s0", None, RunStatus.COMPLETED,
-                               T0 + timedelta(seconds=0), None)
+                               T0 + timedelta(seconds=0), None, 2)
     assert await store.run_info("nope") is None
+
+
+async def test_the_run_index_keeps_the_seq_of_each_runs_last_event(store):
+    """``RunInfo.last_seq`` is the seq of the last event the log holds for the run, in every
+    store, whoever wrote it: a batch, a batch whose seqs come out of order, a parked run's
+    resume, a reaper's or a claimant's ``run.failed``; a refused batch leaves it as it was."""
+    async def last_seqs() -> dict[str, int | None]:
+        listed = {r.run_id: r.last_seq for r in await store.runs()}
+        for run_id, seq in listed.items():
+            assert seq == (await store.read(run_id))[-1].seq
+            assert (await store.run_info(run_id)).last_seq == seq
+        return listed
+
+    await store.append([started("one")])
+    await store.append([started("wait"), ev("wait", 1, kit.RunInterrupted("i1", {"q": 1}, "t"))])
+    await store.append([started("lapsed", session_id="s")], claims=[Claim("lapsed", "x", 0.05,
+                                                                          session_id="s")])
+    await store.append([started("reaped"), ev("reaped", 1, kit.TextDelta("a"))],
+                       claims=[Claim("reaped", "x", 0.05)])
+    assert await last_seqs() == {"one": 0, "wait": 1, "lapsed": 0, "reaped": 1}
+
+    await store.append([ev("one", 2, kit.TextDelta("b")), ev("one", 1, kit.TextDelta("a"))])
+    await store.append([ev("wait", 2, kit.RunResumed("yes")), ev("wait", 3, kit.RunCompleted({}))])
+    with pytest.raises(kit.LogConflictError):  # an ended run takes no more: nothing changes
+        await store.append([ev("one", 3, kit.TextDelta("c")), ev("wait", 4, kit.TextDelta("x"))])
+    await anyio.sleep(0.1)
+    await store.append([started("next", session_id="s")],  # takes over the lapsed lease
+                       claims=[Claim("next", "me", 30, session_id="s")])
+    assert await store.reap() == ["reaped"]  # each abandoned run's run.failed at its next seq
+    assert await last_seqs() == {"one": 2, "wait": 3, "lapsed": 1, "reaped": 2, "next": 0}
 
 
 async def many_runs(store) -> list[str]:

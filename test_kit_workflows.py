@@ -307,6 +307,11 @@ async def test_answer_returns_the_next_interrupt(store):
         [p] = await deck.pending()
         second = await deck.answer(p.run_id, "a")
         assert second == kit.InterruptResult({"question": "second?"}, first.thread_id, run_id=p.run_id)
+        [again] = await deck.pending()  # parked again: what its last event asks, since then
+        last = (await store.read(p.run_id))[-1]
+        assert kinds(await store.read(p.run_id)).count("run.interrupted") == 2
+        assert again == kit.Pending(p.run_id, "w", first.thread_id, None, {"question": "second?"},
+                                    last.at)
         assert await deck.answer(p.run_id, "b") == {"log": ["a+b"]}
 
 
