@@ -66,6 +66,7 @@ class Bridge:
         self._mail: deque[Any] = deque()
         self._lock = threading.Lock()
         self._armed = 0  # 0: no wake-up pending, 1: a delayed one, 2: an immediate one
+        self._taken = 0  # how many times ``take`` emptied the mailbox: a delayed wake-up's batch
         self._token: Any = None
         self._wake: anyio.Event | None = None
 
@@ -147,16 +148,20 @@ class Bridge:
         with self._lock:
             self._mail.append(item)
             armed, self._armed = self._armed, max(self._armed, 2 if urgent else 1)
+            batch = self._taken
         if urgent and armed < 2:
             self._token.run_sync_soon(self._set)
         elif not armed:
-            self.loop.call_later(WAKE_DELAY, self._wake_later)
+            self.loop.call_later(WAKE_DELAY, self._wake_later, batch)
 
-    def _wake_later(self) -> None:
-        """Loop side: the delayed wake-up, unless an urgent one (or a ``take``) came first: a
-        crossing costs the trio side a thread wake-up, so none is spent on an empty mailbox."""
+    def _wake_later(self, batch: int) -> None:
+        """Loop side: the delayed wake-up of the batch that began at ``take`` number ``batch``,
+        unless an urgent one came first or that batch was taken already: a crossing costs the
+        trio side a thread wake-up, so none is spent on an empty mailbox, nor on a later batch
+        WAKE_DELAY early (a run played through ``call`` is taken at its end: under trio, each
+        short run's timer fired in the run after it, taking that one's first events mid-run)."""
         with self._lock:
-            if self._armed != 1:
+            if self._armed != 1 or batch != self._taken:
                 return
             self._armed = 2
         self._token.run_sync_soon(self._set)
@@ -185,7 +190,7 @@ class Bridge:
         with self._lock:
             items = list(self._mail)
             self._mail.clear()
-            self._armed = 0
+            self._armed, self._taken = 0, self._taken + 1
             if self._wake.is_set():  # an unset one may be what ``pump`` waits on: keep it
                 self._wake = anyio.Event()
         return items

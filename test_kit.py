@@ -1609,3 +1609,37 @@ async def test_a_stalled_stream_catches_up_from_the_log(store, monkeypatch):
     assert [e.seq for e in events] == list(range(len(events)))
     assert events == await store.read(first.run_id)
     assert "".join(e.payload.text for e in events if e.kind == "text.delta") == words
+
+
+# ----------------------------------------------------------------------------- the bridge ----
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_mailbox_batch_taken_before_its_wake_up_leaves_the_next_batch_its_own(monkeypatch):
+    """Under trio a short run's events are taken at its end (``Runtime._played``), before the
+    delayed wake-up its first event armed. That wake-up was its batch's: the next run's first
+    event waits for its own, a whole WAKE_DELAY (the old one took it mid-run, early, and woke
+    the trio side once more per run for it)."""
+    import kit_bridge
+    monkeypatch.setattr(kit_bridge, "WAKE_DELAY", 0.2)
+    bridge, delivered = kit_bridge.Bridge(), []
+
+    async def handle(item: str) -> None:
+        delivered.append((item, anyio.current_time()))
+
+    bridge.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bridge.pump, handle)
+            bridge.loop.call_soon_threadsafe(bridge.post, "a")  # a run's first event ...
+            await anyio.sleep(0.1)
+            assert bridge.take() == ["a"]  # ... taken at its end, 0.1 s before its wake-up
+            posted = anyio.current_time()
+            bridge.loop.call_soon_threadsafe(bridge.post, "b")  # the next run's first event
+            with anyio.fail_after(10):
+                while not delivered:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    finally:
+        await bridge.stop()
+    [(item, at)] = delivered
+    assert item == "b" and at - posted >= 0.15  # its own wake-up, not a's (0.1 s after posted)
