@@ -39,7 +39,7 @@ from kit_core import (
 )
 
 if TYPE_CHECKING:
-    from kit_runtime import Run
+    from kit_runs import Run
 
 __all__ = ("RunControl", "BACKOFF_MAX", "ACT_TRIES", "ORPHAN_SCAN")
 

@@ -1,7 +1,7 @@
 """kit_runtime: the Runtime that plays runs and records them in the log.
 
-Owns: runs (a ``Run`` per run: its seqs, its live buffer for streams), the one write path of
-events (``Runtime._put`` / ``Runtime._write``: the writer's group commit to the store, then the
+Owns: the runs it plays (a ``kit_runs.Run`` each: the engine's handle, the live buffer a
+stream reads), the one write path of events (``Runtime._put`` / ``Runtime._write``: the writer's group commit to the store, then the
 observers, with the run's live readers fed on the way), session claims (through the store), child
 runs, run control and parked runs (their half of the Runtime is ``kit_control.RunControl``, a
 mixin that writes through this path), and the lifecycle of what a deck holds open: the store it
@@ -44,7 +44,6 @@ import logging
 import os
 import socket
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,27 +56,24 @@ import kit_threads
 from kit_bridge import Bridge, shared
 from kit_control import BACKOFF_MAX, RunControl
 from kit_core import (
-    Claim, ConfigError, DeckStateError, Event, InterruptResult, InvocableSpec, LogConflictError,
-    NewRunId, RunCancelled, RunCompleted, RunHandle, RunInterrupted, RunPaused, RunSleeping,
-    RunStarted, RunStatus, RunStoppedError, StoreUnavailableError, TurnResult, as_blocks,
-    as_history, check_id, check_name, count_setting, new_run_id,
+    Claim, ConfigError, DeckStateError, Event, InvocableSpec, LogConflictError, NewRunId,
+    RunCancelled, RunHandle, RunStarted, RunStatus, StoreUnavailableError, as_blocks, as_history,
+    check_id, check_name, count_setting, new_run_id,
 )
 from kit_pg import store_from_url
+from kit_runs import Run, result_of
 from kit_store import ENDED
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
 
 if TYPE_CHECKING:
     import kit_sessions
 
-__all__ = ("Runtime", "Run", "CONTROL_RETRY", "LIVE_MAX", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT")
+__all__ = ("Runtime", "CONTROL_RETRY", "DEFAULT_LEASE_SECONDS", "CLOSE_TIMEOUT")
 
 #: The control-request watcher follows the store (``follow_requests``), so a pause or cancel
 #: written anywhere reaches the run's next safe point as soon as the store hears of it; when
 #: following fails (the store is down) it starts again after this long, backing off.
 CONTROL_RETRY = 0.1
-#: A stream's live buffer. A consumer that falls this far behind is not allowed to grow memory:
-#: its buffer is dropped and it catches up from the log (which has every event) instead.
-LIVE_MAX = 10_000
 #: A live run's lease; renewed every third of it. A process that dies stops renewing, and after
 #: this long its runs are recorded as abandoned and their sessions freed (DESIGN 4.5).
 DEFAULT_LEASE_SECONDS = 30.0
@@ -91,89 +87,7 @@ PREVIOUS_PAGE, PREVIOUS_PAGES = 20, 5
 _log = logging.getLogger("kit.runtime")
 
 
-# ======================================================================================= runs ====
-
-class Run(RunHandle):
-    """One run being played: the engine's handle, plus the kit side's live buffer and end.
-
-    ``feed`` and ``events`` are called on the kit side; the rest is the engine's (``RunHandle``).
-    ``committed`` is the seq up to which the run's events are durable (kept for streamed runs);
-    a reader that acknowledges events outside the process reads only up to it.
-    """
-
-    def __init__(self, spec: InvocableSpec, run_id: str, data: Any, session_id: str | None,
-                 namespace: str | None, streaming: bool, *, deliver: Any, commit: Any, pace: Any,
-                 read: Callable[[str, int], Any], writer: Writer) -> None:
-        super().__init__(run_id, spec.name, data, deliver=deliver, commit=commit, pace=pace,
-                         session_id=session_id, namespace=namespace, streaming=streaming)
-        self.spec, self._read, self._writer = spec, read, writer
-        self.parent: str | None = None  # a child run (workflow-as-tool) ends with its parent
-        self.live: deque[Event] | None = deque() if streaming else None
-        self.committed = -1
-        self.wake = anyio.Event()
-        self.lagged = False
-        self.commit_reader = False  # its reader waits for commits, not for events
-        self.done = anyio.Event()
-        self.scope = anyio.CancelScope()
-        # Under trio, a run played through ``Bridge.call``: its end (terminal or parking) is
-        # posted without a round trip and committed by ``_played`` before its caller hears.
-        self.ends_on_kit = False
-
-    def feed(self, event: Event) -> None:
-        if self.live is None:
-            return
-        if len(self.live) >= LIVE_MAX:  # the consumer stalled: it will catch up from the log
-            self.live.clear()
-            self.lagged = True
-        self.live.append(event)
-        if self.commit_reader:
-            self._writer.hurry()  # the reader waits for this one: HURRY_DELAY, not FLUSH_DELAY
-        else:
-            self.wake.set()
-
-    def on_commit(self, seq: int) -> None:
-        self.committed = seq
-        self.wake.set()
-
-    async def events(self, after: int, committed: bool = False) -> AsyncIterator[Event]:
-        """Kit side: this run's events after ``after``, live, until a terminal/parking one;
-        with ``committed``, each only once it is durable."""
-        last, self.commit_reader = after, committed
-
-        def ready() -> int:
-            live = self.live
-            return len(live) if not committed else _count_upto(live, self.committed)  # type: ignore[arg-type]
-
-        while True:
-            if self.lagged:
-                self.lagged = False
-                try:
-                    backlog = await self._read(self.run_id, last)
-                except StoreUnavailableError as exc:  # what its caller is told, if told already
-                    raise self.abort_error or exc from None
-            else:
-                n = ready()
-                if not n:
-                    if self.done.is_set() and (not self.live or self.abort_error is not None
-                                               or not self._writer.holds(self.run_id)):
-                        # The run is over and what is left will not commit now: an aborted
-                        # run's tail waits for the store; a refused one is not the log's.
-                        return
-                    if self.live:
-                        self._writer.hurry()  # what is left waits for its commit: commit soon
-                    self.wake = anyio.Event()
-                    if not ready() and not (self.done.is_set() and not self.live):
-                        await self.wake.wait()
-                    continue
-                backlog = [self.live.popleft() for _ in range(n)]  # type: ignore[union-attr]
-            for ev in backlog:
-                if ev.seq <= last:
-                    continue
-                last = ev.seq
-                yield ev
-                if ev.payload.ends:
-                    return
-
+# ==================================================================================== helpers ====
 
 class _OnEngine:
     """A session handed to a caller under trio: its coroutine methods run on the engine's
@@ -211,32 +125,6 @@ def _seconds(env: Any, name: str, default: float) -> float:
     if not value > 0:
         raise ConfigError(f"{name} must be positive, got {raw!r}")
     return value
-
-
-def _count_upto(live: deque[Event], seq: int) -> int:
-    """How many events at the front of ``live`` have a seq at most ``seq``."""
-    n = 0
-    for ev in live:
-        if ev.seq > seq:
-            break
-        n += 1
-    return n
-
-
-def _result(run: Run, end: Event) -> Any:
-    """What a run returns to its caller, from its last event."""
-    p = end.payload
-    if isinstance(p, RunCompleted):
-        if run.spec.kind == "agent":
-            return TurnResult(p.output, p.usage, run.run_id, run.session_id)
-        return p.output
-    if isinstance(p, (RunInterrupted, RunSleeping)):
-        payload = p.payload if isinstance(p, RunInterrupted) else {"kind": "sleep", "until": p.until}
-        thread_id = p.thread_id or run.thread_id
-        return InterruptResult(payload, thread_id, run_id=run.run_id)  # type: ignore[arg-type]
-    if isinstance(p, RunPaused):
-        raise RunStoppedError(run.run_id, RunStatus.PAUSED, p.reason)
-    raise RunStoppedError(run.run_id, RunStatus.CANCELLED, getattr(p, "reason", None))
 
 
 # ==================================================================================== runtime ====
@@ -846,7 +734,7 @@ class Runtime(RunControl):
 
     async def _finish(self, run: Run, job: Callable[[], Any]) -> Any:
         """Play ``run`` to its end; what it returns to its caller."""
-        return _result(run, await self._play(run, job))
+        return result_of(run, await self._play(run, job))
 
     async def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                      session_id: str | None = None, namespace: str | None = None,
@@ -912,7 +800,7 @@ class Runtime(RunControl):
         if parent.requested is not None and parent.requested[0] == "cancel":
             run.request(*parent.requested)  # asked while it started
         try:
-            return _result(run, await spec.engine.play(run, self.graphs[name], block.data))
+            return result_of(run, await spec.engine.play(run, self.graphs[name], block.data))
         finally:
             parent.children.discard(run)
             self.active.pop(run.run_id, None)

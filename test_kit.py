@@ -1595,8 +1595,8 @@ async def test_a_session_claim_holds_across_processes_and_lapses_when_its_owner_
 
 
 async def test_a_stalled_stream_catches_up_from_the_log(store, monkeypatch):
-    import kit_runtime
-    monkeypatch.setattr(kit_runtime, "LIVE_MAX", 4)  # a tiny live buffer: the consumer lags
+    import kit_runs
+    monkeypatch.setattr(kit_runs, "LIVE_MAX", 4)  # a tiny live buffer: the consumer lags
     words = " ".join(f"w{i}" for i in range(40))
     async with Deck([Agent("a", model=ScriptedModel([words]))], store=store) as deck:
         stream = deck.stream("a", "go")

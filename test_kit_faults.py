@@ -24,7 +24,7 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 import kit
-import kit_runtime
+import kit_runs
 import kit_threads
 import kit_writer
 from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableError, TextDelta, Workflow
@@ -209,7 +209,7 @@ async def test_a_stream_that_fell_behind_ends_with_an_error_frame_within_the_bou
     committed what was buffered first: while the store took no writes, its SSE response hung
     until the store came back, long after the run was stopped."""
     monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
-    monkeypatch.setattr(kit_runtime, "LIVE_MAX", 20)  # the run's reply overflows it
+    monkeypatch.setattr(kit_runs, "LIVE_MAX", 20)  # the run's reply overflows it
     async with FaultyStore(tmp_path / "kit.db") as store:
         def outage() -> str:
             """The store goes away."""

@@ -1,0 +1,147 @@
+"""kit_runs: a run being played, as the kit side holds it, and the live stream of its events.
+
+Owns: ``Run`` (the engine's ``RunHandle`` for one run, plus what the kit side keeps of it: its
+spec, its cancel scope and end, the parent it ends with, and the live buffer a stream of it
+reads), the live reader (``Run.events``), ``LIVE_MAX`` (how far behind a reader may fall) and
+``result_of`` (what a run returns to its caller, from its last event).
+
+Must never: write an event or a claim (every event reaches the log through the Runtime's one
+write path, ``kit_runtime``), reach the store but through the ``read`` it is given, or know
+what an engine is.
+
+Theory of operation: the Runtime puts each event of a run into the writer's buffer and, when
+someone streams the run, into the run's live buffer (``feed``); each commit moves the run's
+``committed`` seq on (``on_commit``). ``events`` yields from the live buffer up to the run's
+terminal or parking event: each event as it arrives, or, for a reader that acknowledges events
+outside the process (``committed=True``), each once it is durable (such a reader hurries the
+writer instead of waiting out its timer). A reader that falls ``LIVE_MAX`` events behind costs no
+memory: its buffer is dropped and it reads the rest from the log (``read``, which commits what
+is buffered first), which has every event.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+
+from kit_core import (
+    Event, InterruptResult, InvocableSpec, RunCompleted, RunHandle, RunInterrupted, RunPaused,
+    RunSleeping, RunStatus, RunStoppedError, StoreUnavailableError, TurnResult,
+)
+from kit_writer import Writer
+
+__all__ = ("Run", "LIVE_MAX", "result_of")
+
+#: A stream's live buffer. A consumer that falls this far behind is not allowed to grow memory:
+#: its buffer is dropped and it catches up from the log (which has every event) instead.
+LIVE_MAX = 10_000
+
+
+class Run(RunHandle):
+    """One run being played: the engine's handle, plus the kit side's live buffer and end.
+
+    ``feed`` and ``events`` are called on the kit side; the rest is the engine's (``RunHandle``).
+    ``committed`` is the seq up to which the run's events are durable (kept for streamed runs);
+    a reader that acknowledges events outside the process reads only up to it.
+    """
+
+    def __init__(self, spec: InvocableSpec, run_id: str, data: Any, session_id: str | None,
+                 namespace: str | None, streaming: bool, *, deliver: Any, commit: Any, pace: Any,
+                 read: Callable[[str, int], Any], writer: Writer) -> None:
+        super().__init__(run_id, spec.name, data, deliver=deliver, commit=commit, pace=pace,
+                         session_id=session_id, namespace=namespace, streaming=streaming)
+        self.spec, self._read, self._writer = spec, read, writer
+        self.parent: str | None = None  # a child run (workflow-as-tool) ends with its parent
+        self.live: deque[Event] | None = deque() if streaming else None
+        self.committed = -1
+        self.wake = anyio.Event()
+        self.lagged = False
+        self.commit_reader = False  # its reader waits for commits, not for events
+        self.done = anyio.Event()
+        self.scope = anyio.CancelScope()
+        # Under trio, a run played through ``Bridge.call``: its end (terminal or parking) is
+        # posted without a round trip and committed by ``_played`` before its caller hears.
+        self.ends_on_kit = False
+
+    def feed(self, event: Event) -> None:
+        if self.live is None:
+            return
+        if len(self.live) >= LIVE_MAX:  # the consumer stalled: it will catch up from the log
+            self.live.clear()
+            self.lagged = True
+        self.live.append(event)
+        if self.commit_reader:
+            self._writer.hurry()  # the reader waits for this one: HURRY_DELAY, not FLUSH_DELAY
+        else:
+            self.wake.set()
+
+    def on_commit(self, seq: int) -> None:
+        self.committed = seq
+        self.wake.set()
+
+    async def events(self, after: int, committed: bool = False) -> AsyncIterator[Event]:
+        """Kit side: this run's events after ``after``, live, until a terminal/parking one;
+        with ``committed``, each only once it is durable."""
+        last, self.commit_reader = after, committed
+
+        def ready() -> int:
+            live = self.live
+            return len(live) if not committed else _count_upto(live, self.committed)  # type: ignore[arg-type]
+
+        while True:
+            if self.lagged:
+                self.lagged = False
+                try:
+                    backlog = await self._read(self.run_id, last)
+                except StoreUnavailableError as exc:  # what its caller is told, if told already
+                    raise self.abort_error or exc from None
+            else:
+                n = ready()
+                if not n:
+                    if self.done.is_set() and (not self.live or self.abort_error is not None
+                                               or not self._writer.holds(self.run_id)):
+                        # The run is over and what is left will not commit now: an aborted
+                        # run's tail waits for the store; a refused one is not the log's.
+                        return
+                    if self.live:
+                        self._writer.hurry()  # what is left waits for its commit: commit soon
+                    self.wake = anyio.Event()
+                    if not ready() and not (self.done.is_set() and not self.live):
+                        await self.wake.wait()
+                    continue
+                backlog = [self.live.popleft() for _ in range(n)]  # type: ignore[union-attr]
+            for ev in backlog:
+                if ev.seq <= last:
+                    continue
+                last = ev.seq
+                yield ev
+                if ev.payload.ends:
+                    return
+
+
+def _count_upto(live: deque[Event], seq: int) -> int:
+    """How many events at the front of ``live`` have a seq at most ``seq``."""
+    n = 0
+    for ev in live:
+        if ev.seq > seq:
+            break
+        n += 1
+    return n
+
+
+def result_of(run: Run, end: Event) -> Any:
+    """What a run returns to its caller, from its last event."""
+    p = end.payload
+    if isinstance(p, RunCompleted):
+        if run.spec.kind == "agent":
+            return TurnResult(p.output, p.usage, run.run_id, run.session_id)
+        return p.output
+    if isinstance(p, (RunInterrupted, RunSleeping)):
+        payload = p.payload if isinstance(p, RunInterrupted) else {"kind": "sleep", "until": p.until}
+        thread_id = p.thread_id or run.thread_id
+        return InterruptResult(payload, thread_id, run_id=run.run_id)  # type: ignore[arg-type]
+    if isinstance(p, RunPaused):
+        raise RunStoppedError(run.run_id, RunStatus.PAUSED, p.reason)
+    raise RunStoppedError(run.run_id, RunStatus.CANCELLED, getattr(p, "reason", None))
