@@ -110,3 +110,13 @@ def test_every_command_line_option_is_documented():
         assert options, module
         missing = [o for o in options if not re.search(rf"{o}\b", text)]
         assert not missing, f"{module}'s options README never mentions: {missing}"
+
+
+def test_every_module_name_readme_cites_exists():
+    import importlib
+    cited = set(re.findall(r"`(kit_[a-z]+)\.([A-Za-z_]\w*)", README.read_text()))
+    loggers = set(re.findall(r"getLogger\(\"([\w.]+)\"\)", "".join(CODE.values())))
+    cited = {(m, n) for m, n in cited if n not in ("py", "html") and f"{m}.{n}" not in loggers}
+    assert cited
+    missing = sorted(f"{m}.{n}" for m, n in cited if not hasattr(importlib.import_module(m), n))
+    assert not missing, f"README cites names its modules lack: {missing}"
