@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 __all__ = ("compile_workflow", "WorkflowEngine", "INT_RANGE", "MAX_DEPTH", "resume_command",
            "sleeping_until", "sleeping_threads", "run_headless", "workflow_tool", "child_tool")
 
-_log = logging.getLogger("kit_workflows")
+_log = logging.getLogger("kit.workflows")
 _CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"
 _NO_VALUE = object()

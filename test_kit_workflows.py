@@ -1159,7 +1159,7 @@ async def test_a_durable_thread_whose_state_no_longer_fits_is_started_afresh(sto
         for _ in range(2):
             assert await deck.run("counted", {"n": 5}, session_id="t") == {"n": 6}
             assert await deck.run("needs", {"n": 5}, session_id="t") == {"n": 6}
-        warned = [r.getMessage() for r in caplog.records if r.name == "kit_workflows"]
+        warned = [r.getMessage() for r in caplog.records if r.name == "kit.workflows"]
         assert warned == [
             "workflow counted: could not drop the stopped tasks of thread 'counted::t': "
             "ValidationError",
