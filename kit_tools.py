@@ -2,14 +2,16 @@
 
 Owns: a plain function compiled into an SDK ``FunctionTool`` (``compile_tool``: its schema the
 SDK's own, its ``Context[...]`` parameters hidden from the model and injected), an SDK tool the
-caller built, watched so its failures and refusals reach the log as a plain function's do
-(``watched``), the skills' catalog and the generated ``load_skill`` tool (``skill_catalog``,
-``skill_tool``), an MCP tool call's error for the model (``mcp_tool_error``) and a tool call's
-origin in the log (``tool_origin``). kit_agents compiles the agent around them.
+caller built, watched so its failures and refusals reach the log as a plain function's do and
+its ``ctx.context`` is the caller's object, as the SDK gives it (``watched``), the skills'
+catalog and the generated ``load_skill`` tool (``skill_catalog``, ``skill_tool``), an MCP tool
+call's error for the model (``mcp_tool_error``) and a tool call's origin in the log
+(``tool_origin``). kit_agents compiles the agent around them.
 
 Must never: reach the event store or the Runtime (a call is recorded through the ``RunHandle``
 it carries as the SDK's run context), import kit_agents or anything above it, or write the
-application context anywhere (a tool gets it by reference, as ``Context(run.data)``).
+application context anywhere (a tool gets it by reference: ``Context(run.data)``, or an SDK
+tool's ``ctx.context`` while it runs).
 
 A tool's failure goes back to the model as an error string, never a failed run, and its call's
 ``tool.completed`` says ``is_error`` (``failed``: the call's id, ``call_id``, is added to
@@ -18,6 +20,7 @@ A tool's failure goes back to the model as an error string, never a failed run, 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -230,9 +233,55 @@ def skill_tool(agent: str, skills: Sequence[Skill]) -> sdk.FunctionTool:
 # ------------------------------------------------------------------- SDK and MCP tools ----
 
 def watched(tool: sdk.FunctionTool) -> sdk.FunctionTool:
-    """An SDK ``FunctionTool`` as a deck plays it: its failures flagged (``_flag_errors``), its
-    guardrails' refusals logged (``_log_refusals``); the caller's object is left as built."""
-    return _log_refusals(_flag_errors(tool))
+    """An SDK ``FunctionTool`` as a deck plays it: given the caller's context object
+    (``_with_callers_context``), its failures flagged (``_flag_errors``), its guardrails'
+    refusals logged (``_log_refusals``); the caller's object is left as built."""
+    return _with_callers_context(_log_refusals(_flag_errors(tool)))
+
+
+#: The run whose SDK tool is running with the caller's object as its context (``_as_callers``):
+#: the tool's own failure error function, called inside it, flags the call through it.
+_PLAYING: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_tool_run",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def _as_callers(tool_ctx: Any) -> Any:
+    """While an SDK tool (or its guardrail) runs, its ``ToolContext.context`` is the caller's
+    ``context=`` object, as the SDK would give it, not the ``RunHandle`` kit plays the run
+    through (its hooks and wrappers read it there again once the tool returns)."""
+    run = getattr(tool_ctx, "context", None)
+    if not isinstance(run, RunHandle):
+        yield
+        return
+    token, tool_ctx.context = _PLAYING.set(run), run.data
+    try:
+        yield
+    finally:
+        tool_ctx.context = run
+        _PLAYING.reset(token)
+
+
+def _run_of(tool_ctx: Any) -> RunHandle | None:
+    run = getattr(tool_ctx, "context", None)
+    return run if isinstance(run, RunHandle) else _PLAYING.get()
+
+
+def _with_callers_context(tool: sdk.FunctionTool) -> sdk.FunctionTool:
+    """A copy of an SDK ``FunctionTool`` whose calls see the caller's object as
+    ``ctx.context`` (``_as_callers``). An SDK agent played as a tool keeps kit's: its own run
+    records through it (kit_agents)."""
+    if getattr(tool, "_is_agent_tool", False):
+        return tool
+    tool = copy.copy(tool)  # (last: the SDK binds a tool's invoker, its failure function, to it)
+    invoke = tool.on_invoke_tool
+
+    async def on_invoke_tool(tool_ctx: Any, arguments: str) -> Any:
+        with _as_callers(tool_ctx):
+            return await invoke(tool_ctx, arguments)
+
+    tool.on_invoke_tool = on_invoke_tool
+    return tool
 
 
 def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
@@ -252,8 +301,8 @@ def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
 
     def flagged(say: Callable[[Any, Exception], Any]) -> Callable[[Any, Exception], Any]:
         def flag(ctx: Any, error: Exception) -> Any:
-            run = getattr(ctx, "context", None)
-            if isinstance(run, RunHandle):
+            run = _run_of(ctx)  # (a failure's function runs inside the tool: _as_callers)
+            if run is not None:
                 failed(run, ctx)
             return say(ctx, error)  # the SDK awaits an awaitable answer
         return flag
@@ -278,8 +327,9 @@ def _log_refusals(tool: sdk.FunctionTool) -> sdk.FunctionTool:
 
     def logged(guardrail: Any, after: bool) -> Any:
         async def check(data: Any) -> Any:
-            out = guardrail.guardrail_function(data)
-            out = await out if inspect.isawaitable(out) else out
+            with _as_callers(data.context):
+                out = guardrail.guardrail_function(data)
+                out = await out if inspect.isawaitable(out) else out
             ctx = data.context
             run, behavior = getattr(ctx, "context", None), getattr(out, "behavior", None) or {}
             refusal = behavior.get("type", "allow")

@@ -619,6 +619,47 @@ async def test_a_tool_call_refused_by_its_input_guardrail_is_in_the_log(store):
     assert look_up.tool_input_guardrails[0] is no_secrets  # the caller's tool is left as built
 
 
+async def test_an_sdk_tool_and_its_guardrail_see_the_callers_context_object(store):
+    """An SDK ``function_tool`` taking a ``RunContextWrapper`` reads ``ctx.context`` as the SDK
+    gives it: the object passed as ``context=``. It got kit's run handle, so a tool ported from
+    the SDK (``ctx.context.user``) failed on every call; its failures are still flagged, and the
+    object still reaches nothing kit writes."""
+    from agents import ToolGuardrailFunctionOutput, tool_input_guardrail
+
+    @dataclasses.dataclass
+    class Deps:
+        user: str
+        token: str
+
+    seen = []
+
+    @tool_input_guardrail
+    def only_alice(data):
+        seen.append(data.context.context.user)
+        return ToolGuardrailFunctionOutput.allow()
+
+    @agents.function_tool(tool_input_guardrails=[only_alice])
+    def whoami(ctx: agents.RunContextWrapper) -> str:
+        """Who is asking."""
+        return f"you are {ctx.context.user}"
+
+    @agents.function_tool
+    async def boom(ctx: agents.RunContextWrapper) -> str:
+        """Explode."""
+        raise ValueError(f"no {ctx.context.user}")
+
+    model = ScriptedModel([[{"tool": "whoami"}, {"tool": "boom"}], "done"])
+    deps = Deps("alice", "sk-secret-123")
+    async with Deck([Agent("a", tools=[whoami, boom], model=model)], store=store) as deck:
+        result = await deck.run("a", "who?", context=deps)
+        log = await store.read(result.run_id)
+    done = {e.payload.tool: e.payload for e in log if e.kind == "tool.completed"}
+    assert (done["whoami"].output, done["whoami"].is_error) == ("you are alice", False)
+    assert done["boom"].is_error is True and "no alice" in done["boom"].output
+    assert seen == ["alice"] and result.output == "done"
+    assert "sk-secret-123" not in json.dumps([e.to_json() for e in log])
+
+
 async def test_a_tool_output_refused_by_its_output_guardrail_is_an_error_in_the_log(store):
     """A tool output guardrail that withholds a call's output: the model is told the guardrail's
     message, which the log recorded as the call's successful output; one whose tripwire fails
