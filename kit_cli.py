@@ -14,7 +14,8 @@ Commands:
       When older runs match, stderr says so with the command that lists the next page.
   kit runs events <run_id> [--store URL] [--follow]
       The run's events in seq order, one JSON envelope per line; ``--follow`` then waits for the
-      rest, live, until the run ends or parks.
+      rest, live, until the run ends or parks, or its lease lapses (exit 1: no process plays it;
+      checked every ``LEASE_CHECK`` seconds).
   kit runs signal <run_id> {pause,cancel,resume} [--store URL] [--reason TEXT]
       Records the request for a run another process plays; that process acts on it at the run's
       next safe point (a resume is taken up by a deck that has the run's agent or workflow).
@@ -48,7 +49,9 @@ import os
 import shlex
 import sqlite3
 import sys
+import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 
 import anyio
 
@@ -66,6 +69,8 @@ LIST_LIMIT = 50
 #: The largest ``--limit``: a page is read whole before it prints, so it is held in memory at
 #: once (and SQLite's and Postgres's LIMIT are 64-bit); more runs are ``--before`` pages away.
 LIST_LIMIT_MAX = 100_000
+#: How often ``runs events --follow`` asks whether a process still holds the run's lease.
+LEASE_CHECK = 5.0
 
 _STORE_HELP = ("event store URL, e.g. sqlite:///app.db (default: $KIT_STORE, else the project's "
                "log, $KIT_PROJECT/.state/kit.db with KIT_PROJECT defaulting to .kit)")
@@ -204,8 +209,39 @@ async def _events(store: EventStorePort, a: argparse.Namespace) -> None:
             for event in await store.read(a.run_id):
                 print(json.dumps(event.to_json(), separators=(",", ":")))
             return
-        async for event in store.follow(a.run_id):  # flushed: a tail is read as it happens
-            print(json.dumps(event.to_json(), separators=(",", ":")), flush=True)
+        ended: list[Exception] = []  # why the tail stopped short: a store error, or no player
+        async with anyio.create_task_group() as tg:
+            async def tail() -> None:
+                try:
+                    async for event in store.follow(a.run_id):  # flushed: read as it happens
+                        print(json.dumps(event.to_json(), separators=(",", ":")), flush=True)
+                except Exception as exc:
+                    ended.append(exc)
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:  # a run whose process died never ends by itself
+                while not ended:
+                    await anyio.sleep(LEASE_CHECK)
+                    try:
+                        until = await store.lease_until(a.run_id)
+                    except Exception as exc:
+                        ended.append(exc)
+                    else:
+                        if until is not None and until < time.time():  # (None: parked, ended)
+                            ended.append(_Refused(_lapsed(a.run_id, until)))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(tail)
+            tg.start_soon(watch)
+        if ended:
+            raise ended[0]
+
+
+def _lapsed(run_id: str, until: float) -> str:
+    since = datetime.fromtimestamp(until, timezone.utc).isoformat(timespec="seconds")
+    return (f"run {run_id} has had no process playing it since {since}: its lease lapsed (the "
+            "process died, or lost the store); the next deck that opens on this log records "
+            "it as abandoned")
 
 
 class _Unreadable(Exception):

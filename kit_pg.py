@@ -728,6 +728,10 @@ class PostgresStore(StoreBase):
                                  "session_id = %s", (namespace, session_id))
         return rows[0][0] if rows else None
 
+    async def _lease_until(self, run_id: str) -> float | None:
+        rows = await self._fetch("SELECT lease_until FROM leases WHERE run_id = %s", (run_id,))
+        return rows[0][0] if rows else None
+
     async def _request(self, run_id: str, action: str, reason: str | None, source: str | None,
                        at: float) -> int:
         # Ids must commit in their order: a watcher goes on from the last id it saw

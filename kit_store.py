@@ -551,6 +551,11 @@ class SQLiteStore(StoreBase):
                                 (namespace, session_id)).fetchone()
         return None if row is None else row[0]
 
+    def _lease_until(self, run_id: str) -> float | None:
+        row = self._con.execute("SELECT lease_until FROM leases WHERE run_id = ?",
+                                (run_id,)).fetchone()
+        return None if row is None else row[0]
+
     def _request(self, run_id: str, action: str, reason: str | None, source: str | None, at: float) -> int:
         with self._tx() as db:
             return db.execute("INSERT INTO controls(run_id, action, reason, source, at) "
@@ -723,6 +728,10 @@ class MemoryStore(StoreBase):
     def _holder(self, session_id: str, namespace: str) -> str | None:
         return next((r for r, lease in self._leases.items()
                      if lease.session_id == session_id and lease.namespace == namespace), None)
+
+    def _lease_until(self, run_id: str) -> float | None:
+        lease = self._leases.get(run_id)
+        return None if lease is None else lease.until
 
 
 # ================================================================================== locations ====

@@ -226,6 +226,26 @@ async def test_runs_events_prints_the_log_as_json_lines_and_follows_a_live_run(t
     assert out.returncode == 1 and "'nope'" in out.stderr
 
 
+async def test_following_a_run_whose_process_died_ends_once_its_lease_lapses(tmp_path, monkeypatch):
+    """A run whose process died (its lease no longer renewed) never ends by itself until a deck
+    opens and reaps it: ``--follow`` waited on it for good. It prints the log so far, then says
+    the run has no process and exits 1."""
+    db = tmp_path / "kit.db"
+    async with SQLiteStore(db) as store:
+        await store.append([kit.Event("orphan", 0, kit.RunStarted("a", "agent"), "a")],
+                           claims=[kit.Claim("orphan", "a-process-killed-since", 0.5)])
+        logged = [e.to_json() for e in await store.read("orphan")]
+    monkeypatch.setattr(cli, "LEASE_CHECK", 0.1)
+    with anyio.fail_after(10):  # (the old follow waited for good: abandoned, it fails here)
+        ran = await anyio.to_thread.run_sync(
+            kit_cli, "runs", "events", "orphan", "--follow", "--store", f"sqlite:///{db}",
+            abandon_on_cancel=True)
+    assert ran.returncode == 1, ran.stderr
+    assert [json.loads(line) for line in ran.stdout.splitlines()] == logged
+    assert ran.stderr.startswith("kit: run orphan has had no process playing it since ")
+    assert "its lease lapsed" in ran.stderr and "records it as abandoned" in ran.stderr
+
+
 async def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     db = tmp_path / "kit.db"
     async with SQLiteStore(db) as store:  # more rows than a pipe holds (64 KiB)

@@ -186,6 +186,21 @@ async def test_a_batch_with_an_event_for_an_ended_run_is_refused_whole(store):
     assert await store.session_holder("t") is None
 
 
+async def test_lease_until_says_when_a_live_runs_claim_lapses_and_none_once_it_parks_or_ends(store):
+    """``lease_until``: what ``kit runs events --follow`` asks to tell a run whose process died
+    (its lease lapsed) from one still played."""
+    before = time.time()
+    await store.append([started("live")], claims=[Claim("live", "me", 30)])
+    assert before + 30 <= await store.lease_until("live") <= time.time() + 30
+    await store.renew("me", 60)
+    assert await store.lease_until("live") >= before + 60
+    await store.append([ev("live", 1, kit.RunInterrupted("i1", {"q": 1}, "t1"))])  # parks
+    assert await store.lease_until("live") is None
+    await store.append([started("done"), ev("done", 1, kit.RunCompleted("ok"))],
+                       claims=[Claim("done", "me", 30)])
+    assert await store.lease_until("done") is None and await store.lease_until("nope") is None
+
+
 async def test_runs_listing_filters_and_status_folding(store):
     ends = {"done": kit.RunCompleted("ok"), "asked": kit.RunInterrupted("i1", {"q": 1}, "t1"),
             "asleep": kit.RunSleeping("2030-01-01T00:00:00+00:00"), "held": kit.RunPaused("safe"),
