@@ -37,7 +37,8 @@ Leaving a call (the client cancels it, or goes away) ends its stream, never its 
 the server stopping (``stop``), whose call then ends with an ``isError`` result
 ``ServerStoppingError`` naming the run, since a client whose call's stream is cut without a
 result waits for one forever. Skills are
-resources ``skill://<name>`` (``text/markdown``: the body ``load_skill`` serves). The server is
+resources ``skill://<name>`` (``text/markdown``: the body ``load_skill`` serves; no resource
+templates, an empty list to a client that asks). The server is
 stateless (``stateless=True``): no MCP session lives between requests, so any replica sharing
 the deck's store can serve any call, and nothing is kept for idle clients.
 """
@@ -147,6 +148,9 @@ class MCPSurface:
         server.list_tools()(self._tools)
         server.call_tool()(self._call)
         server.list_resources()(self._resources)
+        # Part of the resources capability, which clients that browse resources call too:
+        # kit's skills are plain resources, so it has none (never "Method not found").
+        server.list_resource_templates()(self._templates)
         server.read_resource()(self._read)
         self.server = server
         self.manager = StreamableHTTPSessionManager(server, stateless=True,
@@ -288,6 +292,9 @@ class MCPSurface:
         return [types.Resource(uri=f"{SKILL_SCHEME}://{name}", name=name, mimeType="text/markdown",
                                description=skill.description)
                 for name, skill in sorted(self.deck.skills.items())]
+
+    async def _templates(self) -> list[types.ResourceTemplate]:
+        return []
 
     async def _read(self, uri: Any) -> list[ReadResourceContents]:
         url = str(uri)

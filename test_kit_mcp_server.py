@@ -71,6 +71,16 @@ async def test_tools_are_the_agents_the_workflows_and_answer_and_skills_are_reso
             await session.read_resource("skill://nope")
 
 
+async def test_a_client_browsing_resources_is_told_there_are_no_templates():
+    """The server declares the resources capability, whose methods include
+    ``resources/templates/list`` (VS Code and the MCP Inspector call it when they browse
+    resources): it answered "Method not found", an error where the answer is an empty list."""
+    async with mcp_served(Deck([echo()], skills=Skills(SKILLS))) as (session, _, _):
+        assert (await session.list_resource_templates()).resourceTemplates == []
+        assert [str(r.uri) for r in (await session.list_resources()).resources] == [
+            "skill://release-notes"]
+
+
 async def test_an_agent_call_sends_its_text_as_progress_and_logs_a_v1_stream():
     async with mcp_served(catalog()) as (session, client, app):
         progress: list[tuple[float, str | None]] = []
