@@ -355,9 +355,8 @@ class TracingObserver:
             workflow = isinstance(p, NodeUpdated) or (isinstance(p, RunResumed)
                                                       and p.by in ("answer", "tick"))
             parked = self._parked.pop(ev.run_id, None)
-            meta = parked or {
-                "name": (ev.origin or "run").split("/")[0],
-                "invocable": "workflow" if workflow else "agent"}
+            meta = parked or {"name": _run_name(ev),
+                              "invocable": "workflow" if workflow else "agent"}
         name, workflow = meta["name"], meta["invocable"] == "workflow"
         op = "invoke_workflow" if workflow else "invoke_agent"
         attrs: dict[str, Any] = {
@@ -485,6 +484,19 @@ class _SdkProcessor(TracingProcessor):
         provider = self._obs._provider
         if provider is not None:
             provider.force_flush(int(EXPORT_TIMEOUT * 1000))
+
+
+def _run_name(ev: Event) -> str:
+    """The name of the run an event belongs to, read off its origin, the path of invocables and
+    steps down from the top run (``boss``, ``boss/release``, ``boss/release/approve``): the last
+    part of a run-level event's (a child's is below its parent's: ``boss/release``), the part
+    before a node's, the first of an agent's step (its tool's, or an agent tool's model call)."""
+    path, p = ev.origin or "run", ev.payload
+    if isinstance(p, NodeUpdated):
+        path = path.rpartition("/")[0] or path
+    elif not (isinstance(p, RunResumed) or p.ends):
+        return path.split("/")[0]
+    return path.rsplit("/", 1)[-1]
 
 
 def _scalar(v: Any) -> bool:

@@ -352,6 +352,35 @@ async def test_a_workflow_answered_after_a_restart_stays_a_workflow_in_its_trace
     assert attrs(roots[1])["kit.resumed_by"] == "answer"
 
 
+async def test_a_child_workflow_answered_by_another_process_keeps_its_name(receiver, tmp_path):
+    """A workflow played as a tool parks; another process answers it. Its resumed segment was
+    named after the parent agent, ``invoke_workflow boss`` (its origin is ``boss/release``), and
+    its langfuse.trace.name renamed the child's trace to the parent's."""
+    def catalog() -> tuple[list[Agent], list[Workflow]]:
+        graph = StateGraph(Release).add_node("approve", approve)
+        model = ScriptedModel([{"tool": "release", "args": {}}, "asked"], name="gpt-4o")
+        return [Agent("boss", "Ask.", workflows=["release"], model=model)], [Workflow(
+            "release", graph.add_edge(START, "approve").add_edge("approve", END), durable=True)]
+
+    parked: list = []
+    with anyio.fail_after(30):
+        for answer in (False, True):  # a deck, and its tracer, per process
+            async with SQLiteStore(str(tmp_path / "kit.db")) as store:
+                async with Deck(*catalog(), store=store, observers=[TracingObserver(
+                        public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
+                    if answer:
+                        await deck.answer(parked[0].run_id, "yes")
+                    else:
+                        await deck.run("boss", "ship it", session_id="s-42")
+                        parked.extend(await deck.pending())
+    spans = receiver.traces()[TracingObserver.trace_id(parked[0].run_id)]
+    roots = sorted((s for s in spans if not s.parent_span_id), key=lambda s: s.start_time_unix_nano)
+    assert [(r.name, attrs(r)["kit.name"], attrs(r)["langfuse.trace.name"], attrs(r)["kit.status"])
+            for r in roots] == [("invoke_workflow release", "release", "release", "WAITING_HUMAN"),
+                                ("invoke_workflow release", "release", "release", "COMPLETED")]
+    assert attrs(roots[1])["gen_ai.workflow.name"] == "release"
+
+
 def test_start_refuses_missing_keys_and_a_bad_host(monkeypatch):
     monkeypatch.delenv("KIT_TRACING_PUBLIC_KEY", raising=False)
     monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
