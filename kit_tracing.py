@@ -36,7 +36,10 @@ trace when it parks and resumes, in this process or another. Parking (``run.inte
 with ``kit.status`` (``WAITING_HUMAN``, ...) and ``kit.parked`` (the kind), since a run may stay
 parked for days and an unended span is never exported. ``run.resumed`` opens a new root segment
 in the same trace (``kit.resumed_by``); a parked run cancelled ends in a segment of its end
-alone, with no ``kit.resumed_by``. Open runs are capped (``MAX_OPEN_RUNS``).
+alone, with no ``kit.resumed_by``. A segment opened by a process that did not see the run park
+(a replica, or after a restart) reads the run's name off the event's origin, and its kind off
+the event or the first step that tells it (a node update: a workflow's); until then its root
+has the run's bare name and claims no kind. Open runs are capped (``MAX_OPEN_RUNS``).
 
 Raw layer (``sdk_spans=True``): ``sdk_processor()`` is an ``agents.tracing.TracingProcessor``.
 Each SDK trace becomes a second, separate OTLP trace (the SDK's trace id), its spans nested as
@@ -267,6 +270,8 @@ class TracingObserver:
             if isinstance(p, (RunStarted, RunResumed)):
                 return
         self._runs.move_to_end(ev.run_id)
+        if seg.meta["invocable"] is None and _invocable(p) is not None:
+            self._kind(seg, _invocable(p))
         if isinstance(p, ModelCompleted):
             usage = {"input": p.input_tokens, "output": p.output_tokens,
                      "total": p.input_tokens + p.output_tokens}
@@ -350,19 +355,15 @@ class TracingObserver:
                 # tool) claims no session, but is its parent's turn's: the session lists it
                 meta["session.id"] = parent.meta.get("session.id")
         else:  # resumed, or first seen mid-run: what parking remembered, else what the event
-            # tells (a run parked by another process, or before a restart): an answer or a tick
-            # resumes only a workflow, a node update is one's; its session stays unknown.
-            workflow = isinstance(p, NodeUpdated) or (isinstance(p, RunResumed)
-                                                      and p.by in ("answer", "tick"))
+            # tells (a run parked by another process, or before a restart); its session stays
+            # unknown, and so does its kind until a step tells (_kind): a resume or a cancel
+            # may be an agent's or a workflow's
             parked = self._parked.pop(ev.run_id, None)
-            meta = parked or {"name": _run_name(ev),
-                              "invocable": "workflow" if workflow else "agent"}
-        name, workflow = meta["name"], meta["invocable"] == "workflow"
-        op = "invoke_workflow" if workflow else "invoke_agent"
-        attrs: dict[str, Any] = {
-            "kit.run_id": ev.run_id, "kit.invocable": meta["invocable"], "kit.name": name,
-            "gen_ai.operation.name": op, f"gen_ai.{op[7:]}.name": name,
-            "langfuse.trace.name": name, "langfuse.observation.type": "chain" if workflow else "agent"}
+            meta = parked or {"name": _run_name(ev), "invocable": _invocable(p)}
+        name = meta["name"]
+        attrs: dict[str, Any] = {"kit.run_id": ev.run_id, "kit.name": name,
+                                 "langfuse.trace.name": name, "langfuse.observation.type": "span",
+                                 **_kind_attrs(name, meta["invocable"])}
         attrs.update({k: v for k, v in meta.items() if "." in k and v})
         if attrs.get("session.id"):
             attrs["gen_ai.conversation.id"] = attrs["session.id"]
@@ -372,8 +373,8 @@ class TracingObserver:
             attrs["kit.resumed_by"] = "unknown"  # first seen mid-run; a parked run cancelled
             # where it stood was not resumed: its segment is its end alone
         self._ids.next = _hash_id("kit.run:" + ev.run_id)
-        root = self._tracer.start_span(f"{op} {name}", context=self._o.empty, start_time=at,
-                                       attributes=attrs)
+        root = self._tracer.start_span(_root_name(name, meta["invocable"]), context=self._o.empty,
+                                       start_time=at, attributes=attrs)
         seg = self._runs[ev.run_id] = _Segment(root, self._o.in_context(root), at, meta)
         if parent is not None:  # a child run: named on the tool span that called it, the
             # earliest open one of its name not naming one yet (parallel calls start in order)
@@ -386,6 +387,13 @@ class TracingObserver:
         while len(self._runs) > MAX_OPEN_RUNS:
             self._end(self._runs.popitem(last=False)[1], at, unfinished=True)
         return seg
+
+    @staticmethod
+    def _kind(seg: _Segment, invocable: str) -> None:
+        """A segment whose run's kind its opening event did not tell learns it from a step."""
+        seg.meta = {**seg.meta, "invocable": invocable}
+        seg.root.update_name(_root_name(seg.meta["name"], invocable))
+        seg.root.set_attributes(_kind_attrs(seg.meta["name"], invocable))
 
     def _step(self, seg: _Segment, name: str, kind: Any, at: int, attrs: dict[str, Any],
               origin: str) -> None:
@@ -484,6 +492,32 @@ class _SdkProcessor(TracingProcessor):
         provider = self._obs._provider
         if provider is not None:
             provider.force_flush(int(EXPORT_TIMEOUT * 1000))
+
+
+def _invocable(p: Any) -> str | None:
+    """The kind of run an event tells it belongs to, if it does: a node update is a workflow's,
+    as is an answer or a tick (only a workflow waits or sleeps); a model or tool call is an
+    agent's; a resume or an end may be either's."""
+    if isinstance(p, NodeUpdated) or (isinstance(p, RunResumed) and p.by in ("answer", "tick")):
+        return "workflow"
+    if isinstance(p, (ModelCompleted, ToolStarted, ToolCompleted, SkillLoaded)):
+        return "agent"
+    return None
+
+
+def _root_name(name: str, invocable: str | None) -> str:
+    """A root span's name: ``invoke_agent|invoke_workflow <name>``; the bare name while the
+    run's kind is unknown."""
+    return f"invoke_{invocable} {name}" if invocable else name
+
+
+def _kind_attrs(name: str, invocable: str | None) -> dict[str, Any]:
+    """A root's attributes that name its run's kind (none while it is unknown)."""
+    if invocable is None:
+        return {}
+    return {"kit.invocable": invocable, "gen_ai.operation.name": f"invoke_{invocable}",
+            f"gen_ai.{invocable}.name": name,
+            "langfuse.observation.type": "chain" if invocable == "workflow" else "agent"}
 
 
 def _run_name(ev: Event) -> str:

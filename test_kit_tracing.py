@@ -25,8 +25,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from kit import (
-    Agent, ConfigError, ControlRequested, Deck, Event, ModelCompleted, RunCancelled, RunCompleted,
-    RunPaused, RunResumed, RunStarted, ScriptedModel, Workflow, interrupt,
+    Agent, ConfigError, ControlRequested, Deck, Event, ModelCompleted, NodeUpdated, RunCancelled,
+    RunCompleted, RunPaused, RunResumed, RunStarted, ScriptedModel, Workflow, interrupt,
 )
 from kit_observers import ObserverHub
 from kit_store import MemoryStore, SQLiteStore
@@ -379,6 +379,30 @@ async def test_a_child_workflow_answered_by_another_process_keeps_its_name(recei
             for r in roots] == [("invoke_workflow release", "release", "release", "WAITING_HUMAN"),
                                 ("invoke_workflow release", "release", "release", "COMPLETED")]
     assert attrs(roots[1])["gen_ai.workflow.name"] == "release"
+
+
+async def test_a_paused_workflow_resumed_by_another_process_stays_a_workflow(receiver):
+    """A paused workflow resumed by another process (a replica, or after a restart): its resumed
+    segment was rendered as an agent's, ``invoke_agent flow`` of observation type agent, since
+    a resume (unlike an answer or a tick) may be an agent's."""
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    before = [RunStarted("flow", "workflow", "t1"), NodeUpdated("a"),
+              ControlRequested("pause", None, "api"), RunPaused(None)]
+    after = [ControlRequested("resume", None, "api"), RunResumed("resume"), NodeUpdated("b"),
+             RunCompleted({"log": []})]
+    origins = ["flow", "flow/a", "flow", "flow", "flow", "flow", "flow/b", "flow"]
+    logged = [Event("r5", i, p, o, None, t0 + timedelta(seconds=i))
+              for i, (p, o) in enumerate(zip(before + after, origins))]
+    with anyio.fail_after(10):
+        for part in (logged[:4], logged[4:]):  # a tracer per process
+            await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), part)
+    [spans] = receiver.traces().values()
+    roots = sorted((s for s in spans if not s.parent_span_id), key=lambda s: s.start_time_unix_nano)
+    assert [(r.name, attrs(r)["kit.invocable"], attrs(r)["langfuse.observation.type"])
+            for r in roots] == [("invoke_workflow flow", "workflow", "chain")] * 2
+    assert attrs(roots[1])["gen_ai.workflow.name"] == "flow"
+    assert "gen_ai.agent.name" not in attrs(roots[1])
+    assert attrs(roots[1])["kit.resumed_by"] == "resume"
 
 
 def test_start_refuses_missing_keys_and_a_bad_host(monkeypatch):
