@@ -346,7 +346,7 @@ class TracingObserver:
         self._end(seg, at)
 
     def _open(self, ev: Event, at: int) -> _Segment:
-        p, parked, parent = ev.payload, None, None
+        p, parent = ev.payload, None
         if isinstance(p, RunStarted):
             meta = {"name": p.name, "invocable": p.invocable, "session.id": p.session_id,
                     "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
@@ -358,8 +358,8 @@ class TracingObserver:
             # tells (a run parked by another process, or before a restart); its session stays
             # unknown, and so does its kind until a step tells (_kind): a resume or a cancel
             # may be an agent's or a workflow's
-            parked = self._parked.pop(ev.run_id, None)
-            meta = parked or {"name": _run_name(ev), "invocable": _invocable(p)}
+            meta = self._parked.pop(ev.run_id, None) or {"name": _run_name(ev),
+                                                          "invocable": _invocable(p)}
         name = meta["name"]
         attrs: dict[str, Any] = {"kit.run_id": ev.run_id, "kit.name": name,
                                  "langfuse.trace.name": name, "langfuse.observation.type": "span",
@@ -369,9 +369,9 @@ class TracingObserver:
             attrs["gen_ai.conversation.id"] = attrs["session.id"]
         if isinstance(p, RunResumed):
             attrs["kit.resumed_by"] = p.by
-        elif not isinstance(p, RunStarted) and not (parked and p.ends == "terminal"):
+        elif not isinstance(p, RunStarted) and p.ends != "terminal":
             attrs["kit.resumed_by"] = "unknown"  # first seen mid-run; a parked run cancelled
-            # where it stood was not resumed: its segment is its end alone
+            # where it stood (seen park here or not) was not resumed: its segment is its end alone
         self._ids.next = _hash_id("kit.run:" + ev.run_id)
         root = self._tracer.start_span(_root_name(name, meta["invocable"]), context=self._o.empty,
                                        start_time=at, attributes=attrs)

@@ -405,6 +405,29 @@ async def test_a_paused_workflow_resumed_by_another_process_stays_a_workflow(rec
     assert attrs(roots[1])["kit.resumed_by"] == "resume"
 
 
+async def test_a_parked_run_cancelled_by_another_process_says_no_resume(receiver):
+    """A paused run cancelled where it stood by another process: its last segment said
+    kit.resumed_by "unknown" (only a cancel in the process that saw it park said nothing) and
+    claimed the run was an agent's, which the cancel does not tell."""
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    payloads = [RunStarted("flow", "workflow", "t1"), NodeUpdated("a"), RunPaused(None),
+                ControlRequested("cancel", "done with it", "api"), RunCancelled("done with it")]
+    origins = ["flow", "flow/a", "flow", "flow", "flow"]
+    logged = [Event("r6", i, p, o, None, t0 + timedelta(seconds=i))
+              for i, (p, o) in enumerate(zip(payloads, origins))]
+    with anyio.fail_after(10):
+        for part in (logged[:3], logged[3:]):  # a tracer per process
+            await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), part)
+    [spans] = receiver.traces().values()
+    roots = sorted((s for s in spans if not s.parent_span_id), key=lambda s: s.start_time_unix_nano)
+    last = attrs(roots[1])
+    assert last["kit.status"] == "CANCELLED" and last["kit.cancel_reason"] == "done with it"
+    assert "kit.resumed_by" not in last
+    assert last["kit.name"] == last["langfuse.trace.name"] == "flow"
+    assert "kit.invocable" not in last and "gen_ai.agent.name" not in last  # not known here
+    assert roots[1].name == "flow"
+
+
 def test_start_refuses_missing_keys_and_a_bad_host(monkeypatch):
     monkeypatch.delenv("KIT_TRACING_PUBLIC_KEY", raising=False)
     monkeypatch.setenv("KIT_TRACING_SECRET_KEY", SK)
