@@ -4,7 +4,10 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import logging
 import os
+import socket
+import time
 import subprocess
 import sys
 import operator
@@ -30,7 +33,8 @@ from kit import (
 )
 from kit_observers import ObserverHub
 from kit_store import MemoryStore, SQLiteStore
-from kit_tracing import OTLP_PATH, TracingObserver
+import kit_tracing
+from kit_tracing import OTLP_PATH, TracingObserver, TracingStats
 
 pytestmark = pytest.mark.anyio
 PK, SK = "pk-lf-test", "sk-lf-test"
@@ -42,6 +46,7 @@ class Receiver:
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, Any, ExportTraceServiceRequest]] = []
+        self.status = 200  # what it answers: 400 for a collector that refuses what it is sent
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -52,7 +57,7 @@ class Receiver:
                 receiver.requests.append((self.path, self.headers,  # case-insensitive
                                           ExportTraceServiceRequest.FromString(body)))
                 reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
+                self.send_response(receiver.status)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
@@ -426,6 +431,71 @@ async def test_a_parked_run_cancelled_by_another_process_says_no_resume(receiver
     assert last["kit.name"] == last["langfuse.trace.name"] == "flow"
     assert "kit.invocable" not in last and "gen_ai.agent.name" not in last  # not known here
     assert roots[1].name == "flow"
+
+
+def turn(run_id: str, calls: int) -> list[Event]:
+    """An agent run's events as the log holds them: ``calls`` model calls (``calls + 1`` spans)."""
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    payloads = [RunStarted("calc", "agent"), *[ModelCompleted("gpt-4o", 10, 2, None)] * calls,
+                RunCompleted("done")]
+    return [Event(run_id, i, p, "calc", None, t0 + timedelta(seconds=i))
+            for i, p in enumerate(payloads)]
+
+
+def losses(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kit.observers"]
+
+
+async def test_spans_the_collector_refuses_are_counted_and_reported(receiver, caplog):
+    """A collector that refuses what it is sent (a 400: a wrong key, a body it will not take):
+    every span was lost, and nothing said how many. The hub's ObserverStats counts the events
+    the observer took, all of them; OpenTelemetry's export log counts nothing."""
+    receiver.status = 400
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with caplog.at_level(logging.WARNING, logger="kit.observers"), anyio.fail_after(10):
+        await play(observer, turn("r1", calls=3))
+    assert receiver.requests  # sent, and refused
+    assert observer.stats == TracingStats(spans=4, exported=0, failed=4, dropped=0)
+    assert any("4 of 4 spans were not exported" in m for m in losses(caplog))
+
+
+async def test_spans_pushed_out_of_the_full_queue_are_counted_and_reported(
+        receiver, monkeypatch, caplog):
+    """Runs faster than the collector fill the span queue, which drops its oldest: OpenTelemetry
+    logged "Queue full, dropping Span." at most once per 20 s and counted nothing."""
+    monkeypatch.setattr(kit_tracing, "QUEUE_SIZE", 4)
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with caplog.at_level(logging.WARNING, logger="kit.observers"), anyio.fail_after(10):
+        await play(observer, turn("r1", calls=9))  # within the export delay: nothing left yet
+    assert observer.stats == TracingStats(spans=10, exported=4, failed=0, dropped=6)
+    assert sum(len(spans) for spans in receiver.traces().values()) == 4
+    assert any("6 of 10 spans were not exported" in m for m in losses(caplog))
+    assert any("spans are being lost" in m for m in losses(caplog))  # said when it began
+
+
+async def test_close_gives_up_on_a_collector_that_never_answers_and_says_so(monkeypatch, caplog):
+    """A collector that takes the connection and never answers: close waited on each batch's
+    export for EXPORT_TIMEOUT, retries included (OpenTelemetry's flush ignores its timeout), so
+    the hub abandoned it at CLOSE_TIMEOUT before anything was told of the spans lost."""
+    monkeypatch.setattr(kit_tracing, "FLUSH_TIMEOUT", 0.5)
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts nor answers
+    host = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        observer = TracingObserver(public_key=PK, secret_key=SK, host=host)
+        observer.start()
+        for ev in turn("r1", calls=1):
+            observer.emit(ev)
+        observer.sdk_processor().force_flush()  # the application's agents.flush_traces(): at once
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="kit.observers"):
+            await anyio.to_thread.run_sync(observer.close)
+        assert time.monotonic() - began < 3
+        assert observer.stats.spans == 2 and observer.stats.exported == 0
+        assert any("2 of 2 spans were not exported" in m for m in losses(caplog))
+    finally:
+        silent.close()  # the request in flight fails now: the export thread ends within the test
+        if observer._export is not None:
+            observer._export._thread.join(5)
 
 
 def test_start_refuses_missing_keys_and_a_bad_host(monkeypatch):
