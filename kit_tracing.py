@@ -17,10 +17,11 @@ Theory of operation
 -------------------
 Semantic layer (always on). ``emit`` gets each run's events in order (from ``ObserverHub``, in a
 worker thread) and keeps a ``_Segment`` per open run. ``run.started`` opens the root span,
-``invoke_agent <name>`` or ``invoke_workflow <name>`` (``kit.run_id``, ``session.id``, the
-invocable's name; a child run's own trace has ``kit.parent_run_id`` and its parent's session,
-and the parent's ``execute_tool`` span that played it names it, ``kit.child_run_id`` and
-``kit.child_trace_id``, and links to its root); each step becomes its child:
+``invoke_agent <name>`` or ``invoke_workflow <name>`` (``kit.run_id``, ``session.id``: under a
+namespace the session's key, ``<namespace>\x1f<session_id>``; the invocable's name; a child
+run's own trace has ``kit.parent_run_id`` and its parent's session, and the parent's
+``execute_tool`` span that played it names it, ``kit.child_run_id`` and ``kit.child_trace_id``,
+and links to its root); each step becomes its child:
 
 - ``model.completed`` -> ``chat <model>`` (CLIENT; ``gen_ai.request.model``, ``gen_ai.usage.*``,
   Langfuse ``usage_details``/``cost_details``). The log records a model call's end only, so its
@@ -77,6 +78,7 @@ from kit_core import (
     ConfigError, ControlRequested, Event, ModelCompleted, NodeUpdated, RunCancelled, RunCompleted,
     RunFailed, RunInterrupted, RunResumed, RunStarted, SkillLoaded, ToolCompleted, ToolStarted,
 )
+from kit_sessions import NAMESPACE_SEP as _NAMESPACE_SEP
 
 __all__ = ("DEFAULT_HOST", "OTLP_PATH", "QUEUE_SIZE", "BATCH_SIZE", "EXPORT_DELAY_MS",
            "EXPORT_TIMEOUT", "FLUSH_TIMEOUT", "REPORT_EVERY", "MAX_OPEN_RUNS", "TracingStats",
@@ -512,7 +514,11 @@ class TracingObserver:
     def _open(self, ev: Event, at: int) -> _Segment:
         p, parent = ev.payload, None
         if isinstance(p, RunStarted):
-            meta = {"name": p.name, "invocable": p.invocable, "session.id": p.session_id,
+            # A namespaced session is the session's own key (kit_sessions), which no session id
+            # reaches: two namespaces' "s1" are two conversations, so two Langfuse sessions.
+            session = p.session_id and (p.session_id if p.namespace is None else
+                                        f"{p.namespace}{_NAMESPACE_SEP}{p.session_id}")
+            meta = {"name": p.name, "invocable": p.invocable, "session.id": session,
                     "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
             parent = self._runs.get(p.parent_run_id or "")
             if parent is not None and not p.session_id:  # a child run (a workflow played as a

@@ -170,6 +170,24 @@ async def test_each_agent_turn_is_one_trace_with_genai_spans(receiver):
     assert attrs(root)["kit.status"] == "FAILED"
 
 
+async def test_the_same_session_id_in_two_namespaces_is_two_sessions(receiver):
+    """Two tenants' conversations under one session id (namespaces keep them apart: each has
+    its own history): both traces said session.id "s1", so Langfuse listed them as one session,
+    one tenant's turns among the other's."""
+    model = ScriptedModel(["hello there"], name="gpt-4o", cycle=True)
+    with anyio.fail_after(10):
+        async with Deck([Agent("a", "Answer.", model=model)], observers=[TracingObserver(
+                public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
+            runs = [await deck.run("a", "hi", session_id="s1", namespace=ns)
+                    for ns in ("tenant-a", "tenant-b", None)]
+    traces = receiver.traces()
+    roots = [root_and_children(traces[TracingObserver.trace_id(r.run_id)])[0] for r in runs]
+    # the session's own key (README: Sessions and claims), which no session id can reach
+    assert [attrs(r)["session.id"] for r in roots] == ["tenant-a\x1fs1", "tenant-b\x1fs1", "s1"]
+    assert [attrs(r).get("kit.namespace") for r in roots] == ["tenant-a", "tenant-b", None]
+    assert attrs(roots[0])["gen_ai.conversation.id"] == "tenant-a\x1fs1"
+
+
 def served_at(url: str, name: str) -> agents.OpenAIChatCompletionsModel:
     """Model ``name`` through an OpenAI-compatible server at ``url``, answered in-process."""
     def reply(request: httpx.Request) -> httpx.Response:
