@@ -33,6 +33,7 @@ import functools
 import inspect
 import os
 import typing
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -685,6 +686,10 @@ def use_api(api: str | None) -> None:
 _APP_PROCESSORS: list[Any] | None = None
 
 
+#: Ended deck-run traces ``_Routed`` still routes late spans of (the latest first kept).
+_ENDED_MAX = 10_000
+
+
 class _Routed(sdk.TracingProcessor):
     """The SDK's one trace processor while a deck takes the spans of its runs: a trace tagged
     ``kit.run_id`` (``run_config``) and its spans go to the deck's processors, every other one
@@ -693,9 +698,12 @@ class _Routed(sdk.TracingProcessor):
     def __init__(self, kit: Sequence[Any], app: Sequence[Any]) -> None:
         self._kit, self._app = tuple(kit), tuple(app)
         self._traces: set[str] = set()  # the open traces of deck runs (set ops: one per call)
+        # Deck runs' traces that ended lately: a span may end after its trace (a cancelled tool's,
+        # which the SDK ends once the tool has stopped), and is the deck's all the same.
+        self._ended: OrderedDict[str, None] = OrderedDict()
 
     def _of(self, trace_id: str) -> tuple[Any, ...]:
-        return self._kit if trace_id in self._traces else self._app
+        return self._kit if trace_id in self._traces or trace_id in self._ended else self._app
 
     def on_trace_start(self, trace: Any) -> None:
         if (getattr(trace, "metadata", None) or {}).get("kit.run_id") is not None:
@@ -706,7 +714,11 @@ class _Routed(sdk.TracingProcessor):
     def on_trace_end(self, trace: Any) -> None:
         for processor in self._of(trace.trace_id):
             processor.on_trace_end(trace)
-        self._traces.discard(trace.trace_id)
+        if trace.trace_id in self._traces:
+            self._traces.discard(trace.trace_id)
+            self._ended[trace.trace_id] = None
+            if len(self._ended) > _ENDED_MAX:
+                self._ended.popitem(last=False)
 
     def on_span_start(self, span: Any) -> None:
         for processor in self._of(span.trace_id):

@@ -173,3 +173,45 @@ async def test_sdk_spans_give_the_application_its_trace_processors_back_at_close
         assert {a.key for s in raw for a in s.attributes} >= {"kit.run_id"}
     finally:
         agents.set_trace_processors(before)
+
+
+class AppSpans(AppTraces):
+    """The application's trace processor, recording the spans it is given too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list = []
+
+    def on_span_end(self, span) -> None:
+        self.spans.append(span)
+
+
+async def test_a_cancelled_tools_sdk_span_stays_the_decks(receiver):  # noqa: F811
+    """A run cancelled while its tool runs: the SDK ends the tool's span once the tool has
+    stopped, after the run's SDK trace ended, and that late span went to the application's trace
+    processors (the SDK's default exporter sends it, the tool's input with it, to OpenAI), while
+    the deck's tracer held it open until close and exported it as unfinished."""
+    from agents.tracing import get_trace_provider
+    before = list(get_trace_provider()._multi_processor._processors)
+    app = AppSpans()
+
+    async def slow(a: int) -> int:
+        """Wait a little."""
+        await anyio.sleep(0.3)
+        return a
+
+    agents.set_trace_processors([app])
+    try:
+        observer = TracingObserver(sdk_spans=True, public_key=PK, secret_key=SK, host=receiver.host)
+        model = ScriptedModel([{"tool": "slow", "args": {"a": 1}}, "done"])
+        async with Deck([Agent("a", tools=[slow], model=model)], observers=[observer]) as deck:
+            with anyio.move_on_after(0.1):
+                await deck.run("a", "go", run_id="r-cancelled")
+            await anyio.sleep(0.6)  # the tool has stopped, and the SDK ended its span
+        assert [s.span_data.type for s in app.spans] == []
+        [raw] = [spans for spans in receiver.traces().values()
+                 if any(a.key == "kit.layer" for s in spans for a in s.attributes)]
+        [tool] = [s for s in raw if s.name == "execute_tool slow"]
+        assert "kit.unfinished" not in {a.key for a in tool.attributes}
+    finally:
+        agents.set_trace_processors(before)
