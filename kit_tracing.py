@@ -18,8 +18,8 @@ Theory of operation
 Semantic layer (always on). ``emit`` gets each run's events in order (from ``ObserverHub``, in a
 worker thread) and keeps a ``_Segment`` per open run. ``run.started`` opens the root span,
 ``invoke_agent <name>`` or ``invoke_workflow <name>`` (``kit.run_id``, ``session.id``: under a
-namespace the session's key, ``<namespace>\x1f<session_id>``; the invocable's name; a child
-run's own trace has ``kit.parent_run_id`` and its parent's session, and the parent's
+namespace ``<namespace>/<session_id>``, one Langfuse session per tenant; the invocable's name; a
+child run's own trace has ``kit.parent_run_id`` and its parent's session, and the parent's
 ``execute_tool`` span that played it names it, ``kit.child_run_id`` and ``kit.child_trace_id``,
 and links to its root); each step becomes its child:
 
@@ -78,7 +78,6 @@ from kit_core import (
     ConfigError, ControlRequested, Event, ModelCompleted, NodeUpdated, RunCancelled, RunCompleted,
     RunFailed, RunInterrupted, RunResumed, RunStarted, SkillLoaded, ToolCompleted, ToolStarted,
 )
-from kit_sessions import NAMESPACE_SEP as _NAMESPACE_SEP
 
 __all__ = ("DEFAULT_HOST", "OTLP_PATH", "QUEUE_SIZE", "BATCH_SIZE", "EXPORT_DELAY_MS",
            "EXPORT_TIMEOUT", "FLUSH_TIMEOUT", "REPORT_EVERY", "MAX_OPEN_RUNS", "TracingStats",
@@ -514,10 +513,10 @@ class TracingObserver:
     def _open(self, ev: Event, at: int) -> _Segment:
         p, parent = ev.payload, None
         if isinstance(p, RunStarted):
-            # A namespaced session is the session's own key (kit_sessions), which no session id
-            # reaches: two namespaces' "s1" are two conversations, so two Langfuse sessions.
+            # Two namespaces' "s1" are two conversations, so two Langfuse sessions; a namespace
+            # name holds no "/" (check_name), so the pair reads back one way only.
             session = p.session_id and (p.session_id if p.namespace is None else
-                                        f"{p.namespace}{_NAMESPACE_SEP}{p.session_id}")
+                                        f"{p.namespace}/{p.session_id}")
             meta = {"name": p.name, "invocable": p.invocable, "session.id": session,
                     "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
             parent = self._runs.get(p.parent_run_id or "")

@@ -183,9 +183,9 @@ async def test_the_same_session_id_in_two_namespaces_is_two_sessions(receiver):
     traces = receiver.traces()
     roots = [root_and_children(traces[TracingObserver.trace_id(r.run_id)])[0] for r in runs]
     # the session's own key (README: Sessions and claims), which no session id can reach
-    assert [attrs(r)["session.id"] for r in roots] == ["tenant-a\x1fs1", "tenant-b\x1fs1", "s1"]
+    assert [attrs(r)["session.id"] for r in roots] == ["tenant-a/s1", "tenant-b/s1", "s1"]
     assert [attrs(r).get("kit.namespace") for r in roots] == ["tenant-a", "tenant-b", None]
-    assert attrs(roots[0])["gen_ai.conversation.id"] == "tenant-a\x1fs1"
+    assert attrs(roots[0])["gen_ai.conversation.id"] == "tenant-a/s1"
 
 
 def served_at(url: str, name: str) -> agents.OpenAIChatCompletionsModel:
