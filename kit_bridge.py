@@ -14,14 +14,15 @@ Theory of operation
 openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9). Under trio the Runtime
 starts a ``Bridge`` of its own (its mailbox) on the loop of the trio run's ``shared`` bridge, and
 every SDK object lives on that loop: what a caller keeps from one deck to the next (a model's
-client and its pooled connections) stays bound to a loop that lives as long as the trio run. ``call`` runs a coroutine function
-there and waits for it from trio; cancelling the trio caller cancels the asyncio task and waits,
-bounded by ``CANCEL_TIMEOUT``, for it to unwind (so a run records how it ended before its caller
-goes on). Items travel the other way through a mailbox: ``post`` (engine side) appends and wakes
-the trio side at most once per batch: an ordinary item waits up to ``WAKE_DELAY`` so one wake-up
-carries many (about 0.4 us per item instead of 16-70 us per crossing, notes/PERF.md section 5); an
-urgent one wakes it at once. ``pump`` (trio side) hands each item to its handler in order.
-``post_and_wait`` is ``post`` for an item whose handler must finish before the engine goes on.
+client and its pooled connections) stays bound to a loop that lives as long as the trio run.
+``call`` runs a coroutine function there and waits for it from trio; cancelling the trio caller
+cancels the asyncio task and waits, bounded by ``CANCEL_TIMEOUT``, for it to unwind (so a run
+records how it ended before its caller goes on). Items travel the other way through a
+mailbox: ``post`` (engine side) appends and wakes the trio side at most once per batch: an
+ordinary item waits up to ``WAKE_DELAY`` so one wake-up carries many (about 0.4 us per item
+instead of 16-70 us per crossing, notes/PERF.md section 5); an urgent one wakes it at once.
+``pump`` (trio side) hands each item to its handler in order. ``post_and_wait`` is ``post`` for
+an item whose handler must finish before the engine goes on.
 """
 from __future__ import annotations
 

@@ -183,7 +183,8 @@ class App:
     native routes ``POST /v2/invocables/{name}/chat``, which ``kit-serve`` never mounts (SPEC 1).
     ``surfaces`` names optional surfaces to serve too (``SURFACES``; none by default):
     ``"openai"`` adds ``POST /v1/chat/completions`` and ``GET /v1/models[/{model}]``
-    (kit_openai), ``"mcp"`` an MCP server at ``/mcp`` (kit_mcp, started by the lifespan once the deck is open).
+    (kit_openai), ``"mcp"`` an MCP server at ``/mcp`` (kit_mcp, started by the lifespan once
+    the deck is open).
     ``playground`` serves the playground page at ``GET /`` (default: unless ``KIT_PLAYGROUND``
     is ``0``; off, ``/`` is a 404 as before). ``guard`` says which ``Host`` and ``Origin`` headers
     are answered (default: ``Guard.from_env``, which answers loopback names only unless

@@ -212,8 +212,9 @@ def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[st
         body: str | None = None, body_required: bool = True, params: Iterable[dict] = (),
         description: str = "", error_schema: str = "Error") -> dict[str, Any]:
     """One operation; its errors (403, 421, 500 and 503 for every route; ``errors`` and, with a
-    ``body``, 400/408/413/415, or with a path parameter 400) as ``error_schema``: kit's ``Error``, or ``OpenAIError`` for a route
-    of the Chat Completions wire, where kit_http answers every refusal in OpenAI's shape."""
+    ``body``, 400/408/413/415, or with a path parameter 400) as ``error_schema``: kit's
+    ``Error``, or ``OpenAIError`` for a route of the Chat Completions wire, where kit_http
+    answers every refusal in OpenAI's shape."""
     op: dict[str, Any] = {"operationId": op_id, "summary": summary}
     if description:
         op["description"] = description

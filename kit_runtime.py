@@ -1,11 +1,12 @@
 """kit_runtime: the Runtime that plays runs and records them in the log.
 
 Owns: the runs it plays (a ``kit_runs.Run`` each: the engine's handle, the live buffer a
-stream reads), the one write path of events (``Runtime._put`` / ``Runtime._write``: the writer's group commit to the store, then the
-observers, with the run's live readers fed on the way), session claims (through the store), child
-runs, run control and parked runs (their half of the Runtime is ``kit_control.RunControl``, a
-mixin that writes through this path), and the lifecycle of what a deck holds open: the store it
-built, the observers, the engines' graphs and sessions, the MCP servers, the trio bridge.
+stream reads), the one write path of events (``Runtime._put`` / ``Runtime._write``: the
+writer's group commit to the store, then the observers, with the run's live readers fed on the
+way), session claims (through the store), child runs, run control and parked runs (their half
+of the Runtime is ``kit_control.RunControl``, a mixin that writes through this path), and the
+lifecycle of what a deck holds open: the store it built, the observers, the engines' graphs and
+sessions, the MCP servers, the trio bridge.
 
 Must never: speak HTTP or read argv; print, log or persist the application context; hand an
 engine anything but a ``RunHandle`` (engines never see the Runtime or the store).
