@@ -49,6 +49,7 @@ from kit_core import aware as _aware  # a helper, not part of kit's surface
 #: What ``import kit`` offers: the values (kit_core), the catalog (kit_catalog), ``Deck``, and
 #: ``ScriptedModel`` (kit_scripted, loaded on first use: it imports the agents SDK).
 __all__ = (*kit_core.__all__, *kit_catalog.__all__, "Deck", "ScriptedModel")
+__version__ = kit_core.VERSION
 
 
 def __getattr__(name: str) -> Any:

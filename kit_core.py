@@ -117,6 +117,10 @@ class Payload:
         return cls(**{n: obj[n] for n in cls._fields if n in obj})
 
 
+#: kit's release: pyproject reads it (the package's version), and ``kit.__version__`` and the
+#: MCP surface's ``serverInfo`` tell it.
+VERSION = "3.0.0"
+
 #: The longest integer the log takes (bits): Python writes no integer past 4,300 decimal digits
 #: (about 14,280 bits) as JSON text, so one that long is refused where it is made.
 MAX_INT_BITS = 14_000

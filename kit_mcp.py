@@ -60,9 +60,9 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.shared.exceptions import McpError
 
 from kit_core import (
-    ConfigError, Event, InterruptResult, KitError, NodeUpdated, RunCancelled, RunCompleted,
-    RunFailed, RunInterrupted, RunPaused, RunSleeping, RunStoppedError, TextDelta, UnknownNameError,
-    UnknownRunError, jsonable,
+    VERSION, ConfigError, Event, InterruptResult, KitError, NodeUpdated, RunCancelled,
+    RunCompleted, RunFailed, RunInterrupted, RunPaused, RunSleeping, RunStoppedError, TextDelta,
+    UnknownNameError, UnknownRunError, jsonable,
 )
 
 if typing.TYPE_CHECKING:
@@ -144,7 +144,7 @@ class MCPSurface:
             raise ConfigError(f"an invocable named {ANSWER!r} clashes with the MCP server's "
                               f"{ANSWER!r} tool; rename it to serve MCP")
         self.deck = deck
-        server: Server[Any, Any] = Server("kit", instructions=_INSTRUCTIONS)
+        server: Server[Any, Any] = Server("kit", VERSION, instructions=_INSTRUCTIONS)
         server.list_tools()(self._tools)
         server.call_tool()(self._call)
         server.list_resources()(self._resources)

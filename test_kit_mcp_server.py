@@ -3,6 +3,7 @@ real streamable-HTTP client against a real Hypercorn on loopback with both worke
 progress, interrupts and ``answer``, skills as resources, and what each call leaves in the log."""
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
@@ -69,6 +70,17 @@ async def test_tools_are_the_agents_the_workflows_and_answer_and_skills_are_reso
         assert content.text == deck.skills["release-notes"].body
         with pytest.raises(Exception, match="no resource skill://nope"):
             await session.read_resource("skill://nope")
+
+
+async def test_the_handshake_names_kit_and_its_release():
+    """``serverInfo`` told the ``mcp`` package's version (1.x) as kit's: a client logging or
+    pinning the server it talks to saw a version kit never had."""
+    async with served(Deck([echo()]), surfaces=("mcp",)) as (client, _):
+        async with streamable_http_client(f"{client.base_url}/mcp") as (read, write, _):
+            async with ClientSession(read, write) as session:
+                info = (await session.initialize()).serverInfo
+    assert (info.name, info.version) == ("kit", kit.__version__)
+    assert kit.__version__ == importlib.metadata.version("kit")
 
 
 async def test_a_client_browsing_resources_is_told_there_are_no_templates():
