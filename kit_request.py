@@ -223,7 +223,7 @@ _ABSOLUTE_RAW = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
 class Request:
     """One HTTP exchange: the scope's facts, the body reader, and whether a response started."""
     __slots__ = ("scope", "receive", "send", "started", "run_id", "query", "surface", "reading",
-                 "authority")
+                 "read", "authority")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope, self.receive, self.send = scope, receive, send
@@ -238,6 +238,7 @@ class Request:
                 self.scope["raw_path"] = scope["raw_path"][raw.end():] or b"/"
         self.started = False
         self.reading = False  # body() was called: the body is read, or refused (413, gone)
+        self.read = False  # the body was read to its end (else the connection cannot go on)
         self.surface: str | None = None  # the optional surface whose route matched
         self.run_id: str | None = None  # set once this request's run exists: x-kit-run-id
         self.query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
@@ -275,6 +276,7 @@ class Request:
             if size > MAX_BODY_BYTES:
                 raise too_large
             if not message.get("more_body", False):
+                self.read = True
                 break
         coding = (self.header(b"content-encoding") or "identity").strip().lower()
         if coding != "identity":  # read first: the connection serves the client's next request
@@ -323,11 +325,19 @@ class Request:
 async def respond(req: Request, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = (),
                    content_type: bytes = b"application/json") -> None:
     """The JSON response helper (``obj`` None: no body, as for 204; bytes: sent as they are).
-    A body the request still holds is read first (``Request.drain``)."""
+    A body the request still holds is read first (``Request.drain``); one refused before its
+    end gets an answer that ends the connection (``connection: close``, chunked)."""
     await req.drain()
     body = b"" if obj is None else obj if isinstance(obj, bytes) else dumps(obj).encode()
     head = [(b"content-type", content_type)] if obj is not None else []
-    if status != 204:  # a 204 never carries Content-Length (RFC 9110 section 8.6)
+    if req.reading and not req.read:
+        # Refused before the body ended (413, 408): Hypercorn closes the connection after the
+        # answer, so it says so (RFC 9112 section 9.6), and it goes chunked: its end is then a
+        # chunk the client waits for, not Content-Length's empty end-of-message, which a client
+        # that had the whole answer raced by closing (Hypercorn's trio worker then ran its
+        # send_eof, unlocked, into that send: BusyResourceError, logged as an ASGI error).
+        head.append((b"connection", b"close"))
+    elif status != 204:  # a 204 never carries Content-Length (RFC 9110 section 8.6)
         head.append((b"content-length", b"%d" % len(body)))
     head += run_id_header(req.run_id)
     req.started = True

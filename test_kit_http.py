@@ -7,6 +7,7 @@ import contextlib
 import gc
 import gzip
 import json
+import logging
 import operator
 import os
 import re
@@ -400,6 +401,39 @@ async def test_a_body_over_the_cap_is_413_before_it_is_read():
         assert (await client.post("/agents/echo/chat", json={"message": "hi"})).status_code == 200
 
 
+async def test_a_refusal_before_the_body_ended_says_connection_close_and_logs_no_server_error(
+        monkeypatch, caplog):
+    """A 413 or 408 sent while the body is unfinished: the connection closes after it, so the
+    answer says so, and ends with a chunk the client waits for. With a Content-Length answer an
+    HTTP client had it all before its end-of-message went out; closing then, it raced that send
+    against Hypercorn's trio worker's ``send_eof``, which logged ``BusyResourceError`` as an
+    'Error in ASGI Framework' for about half of such refusals."""
+    import h11
+    monkeypatch.setattr(kit_request, "BODY_TIMEOUT", 0.05, raising=False)
+    async with served(catalog()) as (client, _):
+        for length in [kit_request.MAX_BODY_BYTES + 1] * 10 + [100] * 10:  # 413s, then 408s
+            peer = h11.Connection(h11.CLIENT)
+            async with await anyio.connect_tcp("127.0.0.1", client.base_url.port) as conn:
+                await conn.send(peer.send(h11.Request(method="POST", target="/agents/echo/chat", headers=[
+                    ("host", "127.0.0.1"), ("content-type", "application/json"),
+                    ("content-length", str(length))])) + peer.send(h11.Data(data=b"{")))
+                got = []
+                with anyio.fail_after(5):  # to the end of the answer, as an HTTP client reads it
+                    while not got or type(got[-1]) is not h11.EndOfMessage:
+                        event = peer.next_event()
+                        if event is h11.NEED_DATA:
+                            peer.receive_data(await conn.receive())
+                        else:
+                            got.append(event)
+            assert got[0].status_code == (413 if length > 100 else 408)
+            assert (b"connection", b"close") in got[0].headers
+            assert json.loads(b"".join(e.data for e in got[1:-1]))["error"] in (
+                "BodyTooLargeError", "RequestTimeoutError")
+        await anyio.sleep(0.1)  # the server's side of the last connection has closed
+    assert [r.getMessage() for r in caplog.records if r.name == "kit_http.hypercorn"
+            and r.levelno >= logging.WARNING] == []
+
+
 @pytest.mark.parametrize("head, sent", [
     (b"content-length: 100", b'{"message": '),  # the rest of its length never comes
     (b"transfer-encoding: chunked", b"c\r\n{\"message\": \r\n"),  # nor the next chunk
@@ -419,7 +453,9 @@ async def test_a_body_that_stops_arriving_is_a_408_not_a_request_held_for_good(m
                     while True:
                         reply += await conn.receive()
         assert reply.startswith(b"HTTP/1.1 408 "), reply
-        body = json.loads(reply.partition(b"\r\n\r\n")[2])
+        head, _, chunked = reply.partition(b"\r\n\r\n")  # one chunk, then the last
+        assert b"\r\nconnection: close\r\n" in head and chunked.endswith(b"\r\n0\r\n\r\n")
+        body = json.loads(chunked.split(b"\r\n")[1])
         assert body["error"] == "RequestTimeoutError" and "0.3 s" in body["message"], body
         with anyio.fail_after(5):  # the request's task has ended
             while app._inflight:
