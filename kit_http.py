@@ -567,12 +567,18 @@ class App:
         if status is None:
             raise UnknownRunError(run_id)
         store, req.run_id = self.deck.store, run_id
+        # The seq of the run's last event, from its index row (every kit store keeps it, in the
+        # transaction of each batch): whether event `after` exists, or nothing follows it, is
+        # one row, not the log's tail. None: a store of the port's that keeps none.
+        info = await store.run_info(run_id) if after >= 0 else None
+        last = None if info is None else info.last_seq
         if status in _TERMINAL:  # its log is whole: read once, sent as read
-            log = await store.read(run_id, after)
+            log = [] if last is not None and after >= last else await store.read(run_id, after)
             if not log:
                 return await respond(req, 204, None)  # past the end: 204 stops EventSource retrying
             return await self._sse(req, run_id, log[0], _replayed(log[1:]), native_frame)
-        if after >= 0 and not await store.read(run_id, after - 1):  # no event `after` (yet)
+        if after >= 0 and (after > last if last is not None else  # no event `after` (yet)
+                           not await store.read(run_id, after - 1)):
             raise MalformedRequestError(f"run {run_id} has no event {after}: a client only ever "
                                         "receives events the log holds")
         await self._sse(req, run_id, None, store.follow(run_id, after), native_frame)

@@ -581,34 +581,64 @@ async def test_reconnect_with_last_event_id_replays_the_rest_then_204(tmp_path, 
 
 
 class CountingReads(SQLiteStore):
-    """The real SQLite store, counting the reads of each run's log."""
+    """The real SQLite store, counting the reads of each run's log: ``(run_id, after)``."""
 
     def __init__(self, path) -> None:
         super().__init__(path)
-        self.reads: list[str] = []
+        self.reads: list[tuple[str, int]] = []
 
     async def read(self, run_id, after=-1):
-        self.reads.append(run_id)
+        self.reads.append((run_id, after))
         return await super().read(run_id, after)
 
 
-async def test_the_events_of_a_finished_run_are_read_from_the_store_once(tmp_path):
+async def test_the_events_of_a_finished_run_are_read_from_the_store_once_and_past_its_end_not_at_all(tmp_path):
     """GET /runs/{id}/events of a finished run read its log two or three times (to find it was
-    not past the end, that the client's Last-Event-ID was an event, then to follow it)."""
+    not past the end, that the client's Last-Event-ID was an event, then to follow it); a
+    client past its end is told so from the run's index row, reading no event."""
     async with CountingReads(tmp_path / "kit.db") as store:
         async with served(Deck([echo()], store=store)) as (client, _):
             r = await client.post("/agents/echo/chat", json={"message": "hi"})
             run_id = r.headers["x-kit-run-id"]
             log = await store.read(run_id)
-            for headers, sent in (({}, log), ({"Last-Event-ID": str(log[-3].seq)}, log[-2:])):
+            for headers, after, sent in (({}, -1, log), ({"Last-Event-ID": str(log[-3].seq)},
+                                                          log[-3].seq, log[-2:])):
                 store.reads.clear()
                 r, body = await wire(client, "GET", f"/runs/{run_id}/events", headers=headers)
                 assert r.status_code == 200
                 assert body == b"".join(kit_sse.native_frame(e) for e in sent)
-                assert store.reads == [run_id]
+                assert store.reads == [(run_id, after)]
+            for seq in (log[-1].seq, log[-1].seq + 5):
+                store.reads.clear()
+                r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": str(seq)})
+                assert (r.status_code, store.reads) == (204, [])
+
+
+async def test_a_live_run_picked_up_after_n_sends_every_event_after_n_once_reading_no_earlier_one(tmp_path):
+    """Last-Event-ID (or ?after=) N on a run still playing: the stream sends each event after N
+    once, those committed while it opens included, and none up to N; whether event N exists
+    was checked by reading the log from N - 1 (the whole tail of a long run, for one row)."""
+    gate, worker = gated("finished")
+    async with CountingReads(tmp_path / "kit.db") as store:
+        async with served(Deck([echo(), worker], store=store)) as (client, _):
+            async with client.stream("POST", "/agents/worker/chat?stream=true",
+                                     json={"message": "go"}) as r:
+                run_id = r.headers["x-kit-run-id"]
+                await gate.until_entered()
+            so_far = await store.read(run_id)
+            n = so_far[-2].seq
             store.reads.clear()
-            r = await client.get(f"/runs/{run_id}/events", headers={"Last-Event-ID": str(log[-1].seq)})
-            assert (r.status_code, store.reads) == (204, [run_id])
+            r = await client.get(f"/runs/{run_id}/events?after={so_far[-1].seq + 1}")
+            assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError")
+            for headers, query in (({"Last-Event-ID": str(n)}, ""), ({}, f"?after={n}")):
+                async with aconnect_sse(client, "GET", f"/runs/{run_id}/events{query}",
+                                        headers=headers) as es:
+                    gate.release.set()  # the run goes on while the stream opens
+                    got = [int(s.id) async for s in es.aiter_sse()]
+                log = await store.read(run_id)
+                assert got == [e.seq for e in log if e.seq > n], headers
+                assert log[-1].kind == "run.completed"
+            assert (run_id, n - 1) not in store.reads  # the check reads no event
 
 
 async def test_a_client_disconnect_ends_the_stream_never_the_run():
