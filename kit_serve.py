@@ -42,10 +42,14 @@ _log = logging.getLogger("kit_serve")
 #: Settings whose values are secrets: masked wherever a failure message quotes them.
 _SECRET_SETTING = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 #: Shapes of a secret a failure message may quote (the groups are kept, the rest masked): a
-#: provider key (``sk-...``, ``pk-lf-...``), an Authorization value, a URL's ``user:password@``,
-#: ``api_key=...``-like pairs.
+#: provider key (``sk-...``, ``pk-lf-...``), an Authorization value, a URL's ``user:password@``
+#: (up to its last ``@``, as ``kit_storebase.masked`` reads it: a ``/`` in the password too) or
+#: a token given as its user (``https://<token>@github.com``: 16 characters or more), and
+#: ``api_key=...``-like pairs. A URL's short user alone is no secret: the hints' examples
+#: (``postgresql://user@host/db``) stay readable.
 _SECRET_SHAPES = re.compile(
-    r"\b((?:sk|pk|rk)-)[\w*.-]{6,}|\b((?i:bearer|basic) )[\w.~+/=-]{6,}|(://)[^/\s@]+(?=@)"
+    r"\b((?:sk|pk|rk)-)[\w*.-]{6,}|\b((?i:bearer|basic) )[\w.~+/=-]{6,}"
+    r"|(://)(?:[^\s/@:]*:\S*|[^\s/@:]{16,})(?=@)"
     r"|\b((?i:api[_-]?key|token|secret|password)[\"']?\s*[:=]\s*[\"']?)[^\s,;'\"]+")
 
 #: Loggers whose messages kit composes, quoting only what it has bounded and masked (the address,
@@ -82,7 +86,7 @@ class FailedRunLog:
         """``message`` on one line (control characters escaped), at most ``MAX_LOG_MESSAGE``
         characters, with ``***`` for the values of secret-looking settings (``*KEY*``,
         ``*SECRET*``, ``*TOKEN*``, ``*PASSWORD*``) and for anything shaped like a key, a bearer
-        token or a URL's credentials."""
+        token or a URL's credentials (a password, or a token as its user; ``_SECRET_SHAPES``)."""
         for value in self._secrets:
             message = message.replace(value, "***")
         message = _SECRET_SHAPES.sub(lambda m: "".join(g or "" for g in m.groups()) + "***", message)

@@ -276,6 +276,21 @@ def test_a_deck_that_does_not_open_is_one_masked_line_naming_why(tmp_path):
     assert "hunter2222" not in out.stderr
 
 
+def test_a_store_url_kit_cannot_use_is_one_line_whose_example_url_is_readable(tmp_path):
+    """The failure line is masked, and the mask took the user of the hint's example for a
+    secret: ``postgresql://***@host/database``, the very URL a user must copy to fix it."""
+    root = project(tmp_path, echo="import kit\nagent = kit.Agent('echo', model=kit.ScriptedModel(['hi']))\n")
+    env = dict(os.environ, KIT_PROJECT=str(root), KIT_STORE="mysql://app:hunter2222@db/x",
+               HOST="127.0.0.1", PORT=str(free_port()))
+    out = subprocess.run([sys.executable, "-m", "kit_http"], cwd=HERE, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    failed = out.stderr.splitlines()[-1]
+    assert failed.startswith("kit-serve: ConfigError: KIT_STORE: unsupported store URL 'mysql://***@db/x'")
+    assert failed.endswith(" or 'postgresql://user@host/database[?schema=name]'"), failed
+    assert "hunter2222" not in out.stderr
+
+
 @pytest.mark.parametrize("worker", ["asyncio", "trio"])
 def test_an_agent_named_like_the_mcp_answer_tool_exits_1_naming_the_clash(tmp_path, worker):
     """The deck opened, the MCP surface refused the name, and closing the deck from inside a
@@ -497,6 +512,11 @@ def test_a_failure_message_is_logged_on_one_line_with_its_secrets_masked():
     assert log.redact("401: key sk-live-0123456789 refused\nretry") == "401: key *** refused retry"
     assert log.redact("Authorization: Bearer abc.def-ghi") == "Authorization: Bearer ***"
     assert log.redact("cannot reach redis://kit:hunter22@cache:6379/0") == "cannot reach redis://***@cache:6379/0"
+    # A password up to the URL's last @, a / or an @ in it too; a token as the user; a user alone
+    # (the hints' example URLs) is no secret.
+    assert log.redact("no postgresql://app:pa/ss@w@db/x here") == "no postgresql://***@db/x here"
+    assert log.redact("git https://ghp_0123456789abcdef@github.com/o/r") == "git https://***@github.com/o/r"
+    assert log.redact("or 'postgresql://user@host/db'") == "or 'postgresql://user@host/db'"
     assert log.redact('{"api_key": "xyz123", "password": "p4ss"}') == '{"api_key": "***", "password": "***"}'
     assert log.redact("no such file /home/someone-long/x") == "no such file /home/someone-long/x"  # not a secret
     assert log.redact("the api_key client option must be set") == "the api_key client option must be set"
