@@ -10,7 +10,8 @@ Commands:
                 [--json]
       A page of the run index: the ``--limit`` (default ``LIST_LIMIT``) most recent runs that
       match, started before run ``--before`` if given, oldest first: a header, then one line per
-      run (run id, status, name, session, start); ``--json``: one JSON object per run instead.
+      run (run id, status, name, namespace, session, start); ``--json``: one JSON object per run
+      instead.
       When older runs match, stderr says so with the command that lists the next page.
   kit runs events <run_id> [--store URL] [--follow]
       The run's events in seq order, one JSON envelope per line; ``--follow`` then waits for the
@@ -192,13 +193,15 @@ def _print_runs(infos: Sequence[RunInfo], as_json: bool) -> None:
                               "namespace": i.namespace, "started_at": i.started_at.isoformat(),
                               "parent_run_id": i.parent_run_id}))
         return
-    rows = [("RUN_ID", "STATUS", "NAME", "SESSION", "STARTED")] + [
-        (printable(i.run_id), i.status.value, printable(i.name),
+    # The namespace beside the session: one session id under two namespaces is two
+    # conversations (two tenants'), which the session column alone showed as one.
+    rows = [("RUN_ID", "STATUS", "NAME", "NAMESPACE", "SESSION", "STARTED")] + [
+        (printable(i.run_id), i.status.value, printable(i.name), printable(i.namespace or "-"),
          printable(i.session_id or "-"),
          i.started_at.isoformat(timespec="seconds")) for i in infos]
-    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+    widths = [max(len(row[c]) for row in rows) for c in range(5)]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5])
 
 
 async def _events(store: EventStorePort, a: argparse.Namespace) -> None:

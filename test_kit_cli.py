@@ -47,22 +47,29 @@ def kit_cli(*args: str) -> Ran:
 
 async def test_runs_list_reads_the_log(shared_url):
     async with store_from_url(shared_url) as store:
-        model = kit.ScriptedModel(["hi", RuntimeError("down")])
+        model = kit.ScriptedModel(["hi", RuntimeError("down"), "hi"])
         async with kit.Deck([kit.Agent("greeter", model=model)], store=store) as deck:
             ok = await deck.run("greeter", "hello", session_id="s1")
             with pytest.raises(RuntimeError):
                 await deck.run("greeter", "again", session_id="s2")
+            tenant = await deck.run("greeter", "hello", session_id="s1", namespace="tenant-a")
     out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url)
     assert out.returncode == 0, out.stderr
     header, *lines = out.stdout.splitlines()
-    assert header.split() == ["RUN_ID", "STATUS", "NAME", "SESSION", "STARTED"]
-    assert len(lines) == 2 and lines[0].startswith(ok.run_id) and "COMPLETED" in lines[0]
+    assert header.split() == ["RUN_ID", "STATUS", "NAME", "NAMESPACE", "SESSION", "STARTED"]
+    assert len(lines) == 3 and lines[0].startswith(ok.run_id) and "COMPLETED" in lines[0]
     assert "FAILED" in lines[1] and "s2" in lines[1]
-    assert [line.index("greeter") for line in lines] == [header.index("NAME")] * 2  # columns align
+    # Session s1 twice, two conversations: the namespace tells them apart.
+    assert [line.split()[3:5] for line in (lines[0], lines[2])] == [["-", "s1"], ["tenant-a", "s1"]]
+    assert lines[2].startswith(tenant.run_id)
+    assert [line.index("greeter") for line in lines] == [header.index("NAME")] * 3  # columns align
+    assert [line.index("s1") for line in (lines[0], lines[2])] == [header.index("SESSION")] * 2
     out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url,
                                          "--status", "FAILED", "--json")
     [row] = [json.loads(line) for line in out.stdout.splitlines()]
     assert (row["status"], row["name"], row["session_id"]) == ("FAILED", "greeter", "s2")
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url, "--json")
+    assert [json.loads(line)["namespace"] for line in out.stdout.splitlines()] == [None, None, "tenant-a"]
 
 
 def next_page(ran: Ran) -> list[str] | None:
@@ -273,15 +280,15 @@ async def test_values_from_the_log_reach_the_terminal_as_text_one_run_one_line(s
         await store.append([kit.Event(evil, 0, kit.RunStarted("greeter", "agent", EVIL), "greeter"),
                             kit.Event(evil, 1, kit.RunCompleted("hi"), "greeter")])
         await store.append([kit.Event("run-\u009b31m\u202e", 0, kit.RunStarted(  # C1 CSI, bidi
-            "na\\me\r", "agent", "s\u2028t", None, ()), "a")])
+            "na\\me\r", "agent", "s\u2028t", "t\x85n", ()), "a")])
     ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url)
     assert ran.returncode == 0, ran.stderr
     header, *lines = ran.stdout.split("\n")[:-1]  # split on LF only: no other line break either
     assert len(lines) == 2 and all(line.isprintable() for line in [header, *lines])
     [row] = [line for line in lines if line.startswith(evil)]
-    assert row.split()[3] == r"x\x1b[2J\x1b]0;PWNED\x07\nfake-row"  # one cell, shown escaped
+    assert row.split()[3:5] == ["-", r"x\x1b[2J\x1b]0;PWNED\x07\nfake-row"]  # one cell, escaped
     [other] = [line for line in lines if not line.startswith(evil)]
-    assert other.split()[:4] == [r"run-\x9b31m\u202e", "RUNNING", r"na\me\r", r"s\u2028t"]
+    assert other.split()[:5] == [r"run-\x9b31m\u202e", "RUNNING", r"na\me\r", r"t\x85n", r"s\u2028t"]
     assert [line.index("greeter" if line is row else "na") for line in lines] == (
         [header.index("NAME")] * 2)  # the columns still align
     listed = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--json",
