@@ -456,8 +456,11 @@ class App:
 
     async def _openapi(self, req: Request) -> None:
         if self._document is None:  # built once, when the deck's names are known
-            self._document = dumps(document([(m, p) for m, p, *_ in self._routes],
-                                            agents=self._agents, workflows=self._workflows)).encode()
+            routes = [(m, p) for m, p, *_ in self._routes] + [  # the HEADs _dispatch answers
+                ("HEAD", p) for m, p, _, handler, _ in self._routes
+                if m == "GET" and handler not in _STREAMING_GETS]
+            self._document = dumps(document(routes, agents=self._agents,
+                                            workflows=self._workflows)).encode()
         await respond(req, 200, self._document)
 
     async def _health(self, req: Request) -> None:

@@ -7,7 +7,9 @@ and ``document()``, which assembles the document for the routes one app serves.
 Must never: route or answer anything (kit_http does; this module is data and one function),
 describe a route kit_http does not serve or leave one it serves out (``document`` raises
 ``KeyError`` for a route without a description, and a test holds ``OPERATIONS`` equal to the
-route table), or put a deck's secrets in the document (only agent and workflow names).
+route table), or put a deck's secrets in the document (only agent and workflow names). The
+HEAD kit_http answers on a GET route (not a stream's) is an operation of its own, made from
+the GET's (``_head``), so a client generated from the document can send it.
 
 The SSE routes are documented as ``text/event-stream``, with their frames in the operation text
 and, as OpenAPI 3.1 tools read such a schema, one schema per frame (``_frame``), whose ``data``
@@ -350,16 +352,29 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 
+def _head(get: dict[str, Any]) -> dict[str, Any]:
+    """The HEAD operation of a GET route kit_http answers HEAD on: the GET's statuses and
+    headers, no content (RFC 9110 section 9.3.2)."""
+    responses = {}
+    for code, response in get["responses"].items():
+        if "$ref" in response:
+            response = _RESPONSES[response["$ref"].rpartition("/")[2]]
+        responses[code] = {k: v for k, v in response.items() if k != "content"}
+    return {**get, "operationId": get["operationId"] + "Head", "summary": "The headers of GET: "
+            + get["summary"][0].lower() + get["summary"][1:], "responses": responses}
+
+
 def document(routes: Iterable[tuple[str, str]], *, agents: Iterable[str] = (),
              workflows: Iterable[str] = ()) -> dict[str, Any]:
-    """The OpenAPI document of ``routes`` (``(method, path)`` pairs, as served), with the
-    ``name`` parameters limited to the deck's ``agents`` and ``workflows`` when there are any.
-    Raises ``KeyError`` for a route ``OPERATIONS`` does not describe."""
+    """The OpenAPI document of ``routes`` (``(method, path)`` pairs, as served; ``("HEAD",
+    path)`` for a GET route answered on HEAD too), with the ``name`` parameters limited to the
+    deck's ``agents`` and ``workflows`` when there are any. Raises ``KeyError`` for a route
+    ``OPERATIONS`` does not describe (a HEAD: whose GET it does not)."""
     names = {"/agents/": sorted(agents), "/workflows/": sorted(workflows),
              "/v2/": sorted({*agents, *workflows})}
     paths: dict[str, dict[str, Any]] = {}
     for method, path in routes:
-        op = dict(OPERATIONS[(method, path)])
+        op = _head(OPERATIONS[("GET", path)]) if method == "HEAD" else dict(OPERATIONS[(method, path)])
         known = next((v for k, v in names.items() if path.startswith(k)), [])
         if known and "{name}" in path:
             op["parameters"] = [_param("name", schema={"enum": known}) if p["name"] == "name"

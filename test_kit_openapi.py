@@ -75,13 +75,23 @@ async def test_an_app_documents_the_routes_it_serves_and_a_validator_accepts_it(
         validate(doc)  # raises OpenAPIValidationError
         assert doc["openapi"] == "3.1.0"
         served_ops = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
-        assert served_ops == set(OPERATIONS) - dropped
-        # Every documented operation reaches its handler: no 404 for the route, no 405.
-        for method, path in served_ops:
+        gets = {p for m, p in set(OPERATIONS) - dropped if m == "GET"}
+        assert served_ops == set(OPERATIONS) - dropped | {  # HEAD: a GET but a stream's
+            ("HEAD", p) for p in gets - {"/runs/{run_id}/events", "/mcp"}}
+        # Both ways: a documented operation reaches its handler (no 404 for the route, no
+        # 405), and a method the document leaves out of a path is a 405 there.
+        for path in doc["paths"]:
             url = path.replace("{name}", "echo").replace("{thread_id}", "t").replace("{run_id}", "r")
-            r = await client.request(method, url, json={"message": "hi"} if method == "POST" else None)
-            assert r.status_code != 405, (method, path)
-            assert r.status_code != 404 or r.json()["error"] != "RouteNotFoundError", (method, path)
+            for method in ("GET", "HEAD", "POST", "PUT", "DELETE"):
+                r = await client.request(method, url, json={"message": "hi"} if method == "POST" else None)
+                assert (r.status_code != 405) is ((method, path) in served_ops), (method, path)
+                if r.status_code == 404 and method != "HEAD":
+                    assert r.json()["error"] != "RouteNotFoundError", (method, path)
+                if method == "HEAD" and r.status_code != 405:  # the GET's status and headers
+                    got = await client.get(url)
+                    assert (r.status_code, r.content) == (got.status_code, b""), path
+                    assert r.headers["content-type"] == got.headers["content-type"], path
+                    assert str(r.status_code) in doc["paths"][path]["head"]["responses"], path
         name = {p["name"]: p for p in doc["paths"]["/agents/{name}/chat"]["post"]["parameters"]}["name"]
         assert name["schema"] == {"enum": ["echo"]}
         frames = doc["paths"]["/agents/{name}/chat"]["post"]["responses"]["200"]["content"]
@@ -169,7 +179,10 @@ def test_schemathesis_finds_no_5xx_and_no_response_that_breaks_the_document(tmp_
           f"{sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
     assert out.returncode == 0, out.stdout[-6000:]
     assert summary["failures"] == [] and summary["errors"] == []
-    # Every operation kit-serve serves but the native one, the surfaces and the document's own URL.
-    assert summary["operations"]["tested"] == summary["operations"]["total"] == len(OPERATIONS) - 2 - len(SURFACE_OPS)
+    # Every operation kit-serve serves but the native one, the surfaces and the document's own
+    # URL; and HEAD on each GET but the stream's (/, /openapi.json, /health, /workflows/pending).
+    heads = {p for m, p in OPERATIONS if m == "GET"} - {p for _, p in SURFACE_OPS} - {"/runs/{run_id}/events"}
+    assert summary["operations"]["tested"] == summary["operations"]["total"] == (
+        len(OPERATIONS) - 2 - len(SURFACE_OPS) + len(heads))
     assert not [s for s in statuses if s >= 500]
     assert summary["test_cases"]["generated"] >= 200 and statuses[200] > 0
