@@ -13,10 +13,11 @@ Commands:
       run (run id, status, name, namespace, session, start); ``--json``: one JSON object per run
       instead.
       When older runs match, stderr says so with the command that lists the next page.
-  kit runs events <run_id> [--store URL] [--follow]
-      The run's events in seq order, one JSON envelope per line; ``--follow`` then waits for the
-      rest, live, until the run ends or parks, or its lease lapses (exit 1: no process plays it;
-      checked every ``LEASE_CHECK`` seconds).
+  kit runs events <run_id> [--store URL] [--after SEQ] [--follow]
+      The run's events in seq order, one JSON envelope per line, those after seq ``--after``
+      only if given (the last a broken ``--follow`` printed: exit 1 if the run has no such event
+      yet); ``--follow`` then waits for the rest, live, until the run ends or parks, or its lease
+      lapses (exit 1: no process plays it; checked every ``LEASE_CHECK`` seconds).
   kit runs signal <run_id> {pause,cancel,resume} [--store URL] [--reason TEXT]
       Records the request for a run another process plays; that process acts on it at the run's
       next safe point (a resume is taken up by a deck that has the run's agent or workflow).
@@ -34,13 +35,14 @@ refused, naming it, and left as it is. Only ``signal`` then writes, its one requ
 store it opens once the read-only one found the run.
 
 argparse checks every argument: text is UTF-8 (a non-UTF-8 byte in argv is a usage error naming
-the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, a run id, ``--name``, ``--session``,
-``--store`` and ``--before`` are not empty.
+the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, ``--after`` a seq, a run id, ``--name``,
+``--session``, ``--store`` and ``--before`` are not empty.
 
 Output that meets a closed pipe (``kit runs list | head``) ends quietly. Exit codes: 0 done (or
-recorded), 1 an unknown run, a request that cannot act on the run (a finished run; pause of a
-parked run; resume of a run that is not paused: the message says its status) or a log that
-cannot be read (the message names it), 2 a usage error (clig.dev conventions), 130 interrupted.
+recorded), 1 an unknown run (or event: ``--after``), a request that cannot act on the run (a
+finished run; pause of a parked run; resume of a run that is not paused: the message says its
+status) or a log that cannot be read (the message names it), 2 a usage error (clig.dev
+conventions), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -96,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     events.add_argument("run_id", type=_nonempty)
     events.add_argument("--follow", action="store_true",
                         help="then wait for the rest, live, until the run ends or parks")
+    events.add_argument("--after", metavar="SEQ", type=_seq, default=-1,
+                        help="only the events after this seq (the last one printed before)")
     sig = runs.add_parser("signal", help="ask a run to pause, cancel or resume")
     sig.add_argument("run_id", type=_nonempty)
     sig.add_argument("signal", choices=["pause", "cancel", "resume"])
@@ -124,6 +128,14 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"must be a positive integer at most {LIST_LIMIT_MAX}, got {text!r}")
     return value
+
+
+def _seq(text: str) -> int:
+    """An event's seq, as ``--after`` takes it (-1: before the first)."""
+    if not (text == "-1" or (text.isascii() and text.isdigit() and len(text) <= 18)):
+        raise argparse.ArgumentTypeError(f"must be an event seq (0, 1, ...; -1: from the start), "
+                                         f"got {text!r}")
+    return int(text)
 
 
 def _nonempty(text: str) -> str:
@@ -206,17 +218,20 @@ def _print_runs(infos: Sequence[RunInfo], as_json: bool) -> None:
 
 async def _events(store: EventStorePort, a: argparse.Namespace) -> None:
     async with store:  # type: ignore[attr-defined]
-        if await store.run_info(a.run_id) is None:
+        info = await store.run_info(a.run_id)
+        if info is None:
             raise UnknownRunError(a.run_id)
+        if info.last_seq is not None and a.after > info.last_seq:  # never printed, so a typo
+            raise _Refused(f"run {a.run_id} has no event {a.after} (its last is {info.last_seq})")
         if not a.follow:
-            for event in await store.read(a.run_id):
+            for event in await store.read(a.run_id, a.after):
                 print(json.dumps(event.to_json(), separators=(",", ":")))
             return
         ended: list[Exception] = []  # why the tail stopped short: a store error, or no player
         async with anyio.create_task_group() as tg:
             async def tail() -> None:
                 try:
-                    async for event in store.follow(a.run_id):  # flushed: read as it happens
+                    async for event in store.follow(a.run_id, a.after):  # flushed: as it happens
                         print(json.dumps(event.to_json(), separators=(",", ":")), flush=True)
                 except Exception as exc:
                     ended.append(exc)

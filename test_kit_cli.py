@@ -229,6 +229,19 @@ async def test_runs_events_prints_the_log_as_json_lines_and_follows_a_live_run(t
     assert logged[-1]["kind"] == "run.completed"
     out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", run_id, "--store", f"sqlite:///{db}")
     assert out.stdout.splitlines() == followed[0].stdout.splitlines()
+    # --after: where a broken --follow left off, each later event once, none before.
+    for after, code, shown in ((2, 0, logged[3:]), (len(logged) - 1, 0, []), (-1, 0, logged),
+                               (len(logged), 1, [])):
+        out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", run_id, "--after", str(after),
+                                             "--store", f"sqlite:///{db}")
+        assert (out.returncode, [json.loads(line) for line in out.stdout.splitlines()]) == (code, shown)
+    assert out.stderr == f"kit: run {run_id} has no event {len(logged)} (its last is {len(logged) - 1})\n"
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", run_id, "--after", "2", "--follow",
+                                         "--store", f"sqlite:///{db}")
+    assert [json.loads(line) for line in out.stdout.splitlines()] == logged[3:]
+    for bad in ("x", "-2", "1.5", "\u00b2"):
+        out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", run_id, "--after", bad)
+        assert out.returncode == 2 and "--after: must be an event seq" in out.stderr, bad
     out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", "nope", "--store", f"sqlite:///{db}")
     assert out.returncode == 1 and "'nope'" in out.stderr
 
