@@ -360,8 +360,8 @@ def _head(get: dict[str, Any]) -> dict[str, Any]:
         if "$ref" in response:
             response = _RESPONSES[response["$ref"].rpartition("/")[2]]
         responses[code] = {k: v for k, v in response.items() if k != "content"}
-    return {**get, "operationId": get["operationId"] + "Head", "summary": "The headers of GET: "
-            + get["summary"][0].lower() + get["summary"][1:], "responses": responses}
+    return {**get, "operationId": get["operationId"] + "Head",
+            "summary": f"{get['summary']} (HEAD: the GET's headers, no body)", "responses": responses}
 
 
 def document(routes: Iterable[tuple[str, str]], *, agents: Iterable[str] = (),
