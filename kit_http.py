@@ -547,6 +547,7 @@ class App:
             raise UnknownRunError(run_id)
         not_paused = NotResumableError(f"run {run_id} is not paused: nothing to resume")
         if _flag(req, "stream"):  # the frames of the run that paused: an agent's or a workflow's
+            _no_retry(req)  # a retry would resume the run again, were it paused again since
             events = self.deck.stream_resume(run_id, committed=True)
             first = await anext(events, None)
             if first is None:
@@ -657,13 +658,7 @@ class App:
     # ---------------------------------------------------------------------------- streams --
     async def _stream_run(self, req: Request, events: AsyncIterator[Event], frame_of: FrameOf,
                           ending: Ending = ending_frame) -> None:
-        if req.header(b"last-event-id") is not None:
-            # An SSE client retrying the stream after a network error (fetch-event-source does)
-            # would start a second run: each POST plays a new turn.
-            raise MalformedRequestError(
-                "Last-Event-ID on a POST: a POST starts a new run, so a retried stream would play "
-                "the turn again; pick the run up with GET /runs/{run_id}/events and Last-Event-ID "
-                "(the run id is the x-kit-run-id header of the first response)")
+        _no_retry(req)
         # The first event (run.started) gives the run id before the headers go out; a start
         # the deck refuses (409 busy session, 400 bad input) is still a JSON answer.
         first = await events.__anext__()
@@ -727,6 +722,16 @@ class _PrintableAccess(logging.Filter):
 
 
 _PRINTABLE_ACCESS = _PrintableAccess()
+
+
+def _no_retry(req: Request) -> None:
+    """Refuse a streamed POST that carries ``Last-Event-ID``: an SSE client retrying the stream
+    after a network error (fetch-event-source does) would play the turn (or the resume) again."""
+    if req.header(b"last-event-id") is not None:
+        raise MalformedRequestError(
+            "Last-Event-ID on a POST: a POST starts a new run, so a retried stream would play "
+            "the turn again; pick the run up with GET /runs/{run_id}/events and Last-Event-ID "
+            "(the run id is the x-kit-run-id header of the first response)")
 
 
 def _flag(req: Request, name: str) -> bool:

@@ -845,6 +845,12 @@ async def test_resume_of_a_paused_run_streams_like_the_run_that_paused():
             await client.post(f"/runs/{info.run_id}/pause", json={})
             gate.release.set()
         assert await app.deck.status(info.run_id) is RunStatus.PAUSED
+        # An SSE client retrying a resume stream (Last-Event-ID) is refused, as every streamed
+        # POST is: the run stays paused (it was resumed, by the retry of a stream it had lost).
+        r = await client.post(f"/runs/{info.run_id}/resume?stream=true", headers={"Last-Event-ID": "4"})
+        assert (r.status_code, r.json()["error"]) == (400, "MalformedRequestError")
+        assert "GET /runs/{run_id}/events" in r.json()["message"]
+        assert await app.deck.status(info.run_id) is RunStatus.PAUSED
         r, body = await wire(client, "POST", f"/runs/{info.run_id}/resume?stream=true")
         assert r.headers["x-kit-run-id"] == info.run_id
         frames = [f for f in body.decode().split("\n\n") if f]
