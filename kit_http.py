@@ -729,9 +729,9 @@ def _no_retry(req: Request) -> None:
     after a network error (fetch-event-source does) would play the turn (or the resume) again."""
     if req.header(b"last-event-id") is not None:
         raise MalformedRequestError(
-            "Last-Event-ID on a POST: a POST starts a new run, so a retried stream would play "
-            "the turn again; pick the run up with GET /runs/{run_id}/events and Last-Event-ID "
-            "(the run id is the x-kit-run-id header of the first response)")
+            "Last-Event-ID on a POST: a retried POST would play its turn (or resume) again; "
+            "pick the run up with GET /runs/{run_id}/events and Last-Event-ID (the run id is "
+            "the x-kit-run-id header of the first response)")
 
 
 def _flag(req: Request, name: str) -> bool:
