@@ -42,13 +42,16 @@ _log = logging.getLogger("kit_serve")
 #: Settings whose values are secrets: masked wherever a failure message quotes them.
 _SECRET_SETTING = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 #: Shapes of a secret a failure message may quote (the groups are kept, the rest masked): a
-#: provider key (``sk-...``, ``pk-lf-...``), an Authorization value, a URL's ``user:password@``
+#: provider key (``sk-...``, ``pk-lf-...``), a token by its well-known prefix (GitHub ``ghp_``
+#: and its kin, GitLab ``glpat-``, Slack ``xoxb-``, Google ``AIza``, AWS ``AKIA``, a JWT's
+#: ``eyJ``), an Authorization value, a URL's ``user:password@``
 #: (up to its last ``@``, as ``kit_storebase.masked`` reads it: a ``/`` in the password too) or
 #: a token given as its user (``https://<token>@github.com``: 16 characters or more), and
 #: ``api_key=...``-like pairs. A URL's short user alone is no secret: the hints' examples
 #: (``postgresql://user@host/db``) stay readable.
 _SECRET_SHAPES = re.compile(
     r"\b((?:sk|pk|rk)-)[\w*.-]{6,}|\b((?i:bearer|basic) )[\w.~+/=-]{6,}"
+    r"|\b(gh[pousr]_|github_pat_|glpat-|xox[abprs]-|AIza|AKIA|eyJ)[\w.-]{12,}"
     r"|(://)(?:[^\s/@:]*:\S*|[^\s/@:]{16,})(?=@)"
     r"|\b((?i:api[_-]?key|token|secret|password)[\"']?\s*[:=]\s*[\"']?)[^\s,;'\"]+")
 

@@ -517,6 +517,14 @@ def test_a_failure_message_is_logged_on_one_line_with_its_secrets_masked():
     assert log.redact("no postgresql://app:pa/ss@w@db/x here") == "no postgresql://***@db/x here"
     assert log.redact("git https://ghp_0123456789abcdef@github.com/o/r") == "git https://***@github.com/o/r"
     assert log.redact("or 'postgresql://user@host/db'") == "or 'postgresql://user@host/db'"
+    # Tokens by their well-known prefixes (a tool's error may quote the one it sent).
+    for token, shown in (("ghp_0123456789abcdefABCDEF0123456789abcd", "ghp_***"),
+                         ("github_pat_11ABCDEFG0123456789_abcdef", "github_pat_***"),
+                         ("glpat-0123456789abcdefghij", "glpat-***"), ("xoxb-123456789012-abcdef", "xoxb-***"),
+                         ("AIzaSyA0123456789abcdefghijklmnopq", "AIza***"), ("AKIAIOSFODNN7EXAMPLE", "AKIA***"),
+                         ("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJl", "eyJ***")):
+        assert log.redact(f"401 for {token}: bad credentials") == f"401 for {shown}: bad credentials"
+    assert log.redact("AKIA is a prefix; eyJ too; ghp_short") == "AKIA is a prefix; eyJ too; ghp_short"
     assert log.redact('{"api_key": "xyz123", "password": "p4ss"}') == '{"api_key": "***", "password": "***"}'
     assert log.redact("no such file /home/someone-long/x") == "no such file /home/someone-long/x"  # not a secret
     assert log.redact("the api_key client option must be set") == "the api_key client option must be set"
