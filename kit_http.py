@@ -214,7 +214,7 @@ class App:
         mounted = {None: True, "native": native, "playground": self.playground,
                    **{s: s in self.surfaces for s in SURFACES}}
         self._routes = [r for r in _ROUTES if mounted[r[-1]]]
-        self._document: bytes | None = None
+        self._document: tuple[str, bytes] | None = None  # (root_path, the document)
         self._open = self._stopping = False
         self._agents: frozenset[str] = frozenset()
         self._workflows: frozenset[str] = frozenset()
@@ -455,13 +455,14 @@ class App:
         await respond(req, 200, page, headers, b"text/html; charset=utf-8")
 
     async def _openapi(self, req: Request) -> None:
-        if self._document is None:  # built once, when the deck's names are known
-            routes = [(m, p) for m, p, *_ in self._routes] + [  # the HEADs _dispatch answers
+        root = req.scope.get("root_path", "")
+        if self._document is None or self._document[0] != root:  # built when the deck's names
+            routes = [(m, p) for m, p, *_ in self._routes] + [  # are known, per mount (one kept)
                 ("HEAD", p) for m, p, _, handler, _ in self._routes
                 if m == "GET" and handler not in _STREAMING_GETS]
-            self._document = dumps(document(routes, agents=self._agents,
-                                            workflows=self._workflows)).encode()
-        await respond(req, 200, self._document)
+            self._document = root, dumps(document(
+                routes, agents=self._agents, workflows=self._workflows, root_path=root)).encode()
+        await respond(req, 200, self._document[1])
 
     async def _health(self, req: Request) -> None:
         await respond(req, 200, {"status": "ok", "agents": sorted(self._agents),

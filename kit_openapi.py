@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import quote
 
 from kit_core import MAX_ID_CHARS
 
@@ -365,11 +366,12 @@ def _head(get: dict[str, Any]) -> dict[str, Any]:
 
 
 def document(routes: Iterable[tuple[str, str]], *, agents: Iterable[str] = (),
-             workflows: Iterable[str] = ()) -> dict[str, Any]:
+             workflows: Iterable[str] = (), root_path: str = "") -> dict[str, Any]:
     """The OpenAPI document of ``routes`` (``(method, path)`` pairs, as served; ``("HEAD",
     path)`` for a GET route answered on HEAD too), with the ``name`` parameters limited to the
-    deck's ``agents`` and ``workflows`` when there are any. Raises ``KeyError`` for a route
-    ``OPERATIONS`` does not describe (a HEAD: whose GET it does not)."""
+    deck's ``agents`` and ``workflows`` when there are any, and ``root_path`` (an app mounted
+    below one: ASGI's, decoded) as its server, which every path is below. Raises ``KeyError``
+    for a route ``OPERATIONS`` does not describe (a HEAD: whose GET it does not)."""
     names = {"/agents/": sorted(agents), "/workflows/": sorted(workflows),
              "/v2/": sorted({*agents, *workflows})}
     paths: dict[str, dict[str, Any]] = {}
@@ -387,6 +389,10 @@ def document(routes: Iterable[tuple[str, str]], *, agents: Iterable[str] = (),
             "on one append-only event log. Unauthenticated. Errors are `{\"error\", \"message\"}`. "
             "Requests that carry an Origin must come from this server's own pages or an origin "
             "in KIT_CORS_ORIGINS, which also get CORS answers (OPTIONS preflight).")},
+        # Without servers a client resolves the paths against the host's root (OpenAPI 3.1
+        # section 4.8.1: the default server is "/"), beside the mount, not in it.
+        **({"servers": [{"url": quote(root_path), "description": "this app's mount"}]}
+           if root_path else {}),
         "paths": paths,
         "components": {"schemas": _SCHEMAS, "responses": _RESPONSES},
     }

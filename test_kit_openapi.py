@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gzip
 import json
+from urllib.parse import urljoin
+
+import anyio
 import re
 import shutil
 import subprocess
@@ -20,7 +23,7 @@ from openapi_spec_validator import validate
 import kit_http
 import kit_request
 from kit_openapi import OPERATIONS, document
-from test_kit_http import HERE, catalog, served
+from test_kit_http import HERE, Scripted, catalog, http_scope, served
 from test_kit_serve import kit_serve, stop
 
 #: Test cases per operation and phase: enough to reach every route's runs, refusals and
@@ -153,6 +156,31 @@ async def test_every_refusal_before_a_handler_is_documented_on_every_route_it_re
                     assert str(r.status_code) in op["responses"], (method, path, what, r.status_code)
         assert ("get", "/v1/models/{model}", "path", 400) in seen
         assert ("post", "/mcp", "gzip", 415) in seen
+
+
+@pytest.mark.anyio
+async def test_a_mounted_app_documents_its_mount_as_the_server_its_paths_are_below():
+    """Mounted at /kit, the document listed no server: a client resolves its paths against the
+    host's root (OpenAPI's default server is "/"), so Swagger UI's /health missed the mount."""
+    app = kit_http.App(catalog())
+    life = Scripted({"type": "lifespan.startup"})
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app, {"type": "lifespan", "asgi": {"version": "3.0"}}, life.receive, life.send)
+            while not life.sent:
+                await anyio.sleep(0.01)
+            for root, servers in (("/kit", [{"url": "/kit"}]), ("", None), ("/my kit", [{"url": "/my%20kit"}]),
+                                  ("/kit", [{"url": "/kit"}])):
+                got = Scripted({"type": "http.request", "body": b""})
+                await app(http_scope("GET", f"{root}/openapi.json", root_path=root), got.receive, got.send)
+                doc = json.loads(got.sent[1]["body"])
+                assert [{"url": s["url"]} for s in doc.get("servers", [])] == (servers or []), root
+                url = urljoin("http://127.0.0.1/", (servers or [{"url": ""}])[0]["url"] + "/health")
+                health = Scripted({"type": "http.request", "body": b""})  # where a client sends it
+                await app(http_scope("GET", url[len("http://127.0.0.1"):].replace("%20", " "),
+                                     root_path=root), health.receive, health.send)
+                assert health.sent[0]["status"] == 200, url
+            life.push({"type": "lifespan.shutdown"})
 
 
 def test_schemathesis_finds_no_5xx_and_no_response_that_breaks_the_document(tmp_path):
