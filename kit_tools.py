@@ -3,7 +3,8 @@
 Owns: a plain function compiled into an SDK ``FunctionTool`` (``compile_tool``: its schema the
 SDK's own, its ``Context[...]`` parameters hidden from the model and injected), an SDK tool the
 caller built, watched so its failures and refusals reach the log as a plain function's do and
-its ``ctx.context`` is the caller's object, as the SDK gives it (``watched``), the skills'
+its ``ctx.context`` (in its calls, guardrails and ``is_enabled``) is the caller's object, as the
+SDK gives it (``watched``), the skills'
 catalog and the generated ``load_skill`` tool (``skill_catalog``, ``skill_tool``), an MCP tool
 call's error for the model (``mcp_tool_error``) and a tool call's origin in the log
 (``tool_origin``). kit_agents compiles the agent around them.
@@ -268,9 +269,13 @@ def _run_of(tool_ctx: Any) -> RunHandle | None:
 
 
 def _with_callers_context(tool: sdk.FunctionTool) -> sdk.FunctionTool:
-    """A copy of an SDK ``FunctionTool`` whose calls see the caller's object as
-    ``ctx.context`` (``_as_callers``). An SDK agent played as a tool keeps kit's: its own run
-    records through it (kit_agents)."""
+    """A copy of an SDK ``FunctionTool`` whose calls, and its ``is_enabled`` callable, see the
+    caller's object as ``ctx.context`` (``_as_callers``). An SDK agent played as a tool keeps
+    kit's in its calls (its own run records through it: kit_agents); its ``is_enabled`` gets the
+    caller's too."""
+    if callable(tool.is_enabled):
+        tool = copy.copy(tool)
+        tool.is_enabled = _enabled_for_callers(tool.is_enabled)
     if getattr(tool, "_is_agent_tool", False):
         return tool
     tool = copy.copy(tool)  # (last: the SDK binds a tool's invoker, its failure function, to it)
@@ -282,6 +287,20 @@ def _with_callers_context(tool: sdk.FunctionTool) -> sdk.FunctionTool:
 
     tool.on_invoke_tool = on_invoke_tool
     return tool
+
+
+def _enabled_for_callers(enabled: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """A tool's ``is_enabled(ctx, agent)`` asked with the caller's object as ``ctx.context``:
+    on a copy of the SDK's context wrapper, which is the run's one (the SDK asks every tool at
+    once, and its hooks read kit's run handle there)."""
+    async def is_enabled(wrapper: Any, agent: Any) -> bool:
+        run = getattr(wrapper, "context", None)
+        if isinstance(run, RunHandle):
+            wrapper = copy.copy(wrapper)
+            wrapper.context = run.data
+        out = enabled(wrapper, agent)
+        return bool(await out if inspect.isawaitable(out) else out)
+    return is_enabled
 
 
 def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:

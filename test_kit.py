@@ -660,6 +660,49 @@ async def test_an_sdk_tool_and_its_guardrail_see_the_callers_context_object(stor
     assert "sk-secret-123" not in json.dumps([e.to_json() for e in log])
 
 
+async def test_an_sdk_tools_is_enabled_sees_the_callers_context_object(store):
+    """An SDK ``function_tool``'s ``is_enabled`` callable reads ``ctx.context`` as the SDK gives
+    it: the object passed as ``context=``, as the tool itself and its guardrails do. It got kit's
+    run handle, so a tool ported from the SDK whose ``is_enabled`` read its app context
+    (``ctx.context.admin``) failed every run with an AttributeError."""
+    @dataclasses.dataclass
+    class Deps:
+        admin: bool
+
+    seen = []
+
+    def admins_only(ctx: agents.RunContextWrapper, agent: Any) -> bool:
+        seen.append(type(ctx.context).__name__)
+        return ctx.context.admin
+
+    async def everyone(ctx: agents.RunContextWrapper, agent: Any) -> bool:
+        seen.append(type(ctx.context).__name__)
+        return ctx.context is not None
+
+    @agents.function_tool(is_enabled=admins_only)
+    def wipe() -> str:
+        """Wipe the disk."""
+        return "wiped"
+
+    @agents.function_tool(is_enabled=everyone)
+    def ping() -> str:
+        """Ping."""
+        return "pong"
+
+    helper = agents.Agent(name="helper", model=ScriptedModel([]))
+    audit = helper.as_tool("audit", "Audits.", is_enabled=admins_only)  # an agent as a tool
+    model = ScriptedModel(["hi", "hi"])
+    async with Deck([Agent("a", tools=[wipe, ping, audit], model=model)], store=store) as deck:
+        for admin in (True, False):
+            result = await deck.run("a", "go", context=Deps(admin))
+            assert result.output == "hi"
+            assert "ping" in model.calls[-1]["tools"]
+            assert ("wipe" in model.calls[-1]["tools"]) is admin
+            assert ("audit" in model.calls[-1]["tools"]) is admin
+    assert set(seen) == {"Deps"}
+    assert wipe.is_enabled is admins_only  # the caller's tool is left as built
+
+
 async def test_a_tool_output_refused_by_its_output_guardrail_is_an_error_in_the_log(store):
     """A tool output guardrail that withholds a call's output: the model is told the guardrail's
     message, which the log recorded as the call's successful output; one whose tripwire fails
