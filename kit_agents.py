@@ -143,6 +143,16 @@ def _message_text(item: Any) -> str:
     return "".join(getattr(part, "text", "") or "" for part in getattr(item, "content", ()) or ())
 
 
+def _reply(item: Any) -> bool:
+    """Whether an output item is a reply: a message, unless it is a refusal (its parts refuse,
+    none is text), which is no completed message: the SDK fails the run with
+    ``ModelRefusalError``, whose ``run.failed`` says what the model refused with."""
+    if getattr(item, "type", None) != "message":
+        return False
+    parts = [getattr(p, "type", None) for p in getattr(item, "content", ()) or ()]
+    return "output_text" in parts or "refusal" not in parts
+
+
 #: Set on an exception of a model call whose streamed text reached the log before it failed.
 _PARTIAL = "_kit_partial_reply"
 
@@ -218,7 +228,7 @@ class _TapModel(sdk.Model):
         else:
             response = await inner.get_response(*args, **kw)
             for i, item in enumerate(response.output):
-                if getattr(item, "type", None) == "message":
+                if _reply(item):
                     ids[i] = run.message_id()
                     run.emit(TextDelta(_message_text(item)), origin=self._origin(run),
                              message_id=ids[i])
@@ -267,7 +277,7 @@ class _TapModel(sdk.Model):
         origin = self._origin(run)
         calls_tools = any(getattr(i, "type", None) == "function_call" for i in response.output)
         for i, item in enumerate(response.output):
-            if getattr(item, "type", None) != "message":
+            if not _reply(item):
                 continue
             text, output = _message_text(item), None
             if output_schema is not None and not output_schema.is_plain_text() and not calls_tools:

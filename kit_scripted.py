@@ -1,7 +1,7 @@
 """kit_scripted: ``ScriptedModel``, a deterministic offline model for tests, demos and benchmarks.
 
 Owns: ``ScriptedModel``, an ``agents.Model`` that replies from a script (text streamed token by
-token, tool calls, structured output, raised errors) with real usage counts.
+token, tool calls, structured output, refusals, raised errors) with real usage counts.
 
 Must never: touch the network, a store or the Runtime; import a kit module above ``kit_core``.
 
@@ -25,7 +25,8 @@ from openai.types.responses import (
     Response, ResponseCompletedEvent, ResponseContentPartAddedEvent, ResponseContentPartDoneEvent,
     ResponseCreatedEvent, ResponseFunctionCallArgumentsDeltaEvent,
     ResponseFunctionCallArgumentsDoneEvent, ResponseFunctionToolCall, ResponseOutputItemAddedEvent,
-    ResponseOutputItemDoneEvent, ResponseOutputMessage, ResponseOutputText, ResponseTextDeltaEvent,
+    ResponseOutputItemDoneEvent, ResponseOutputMessage, ResponseOutputRefusal, ResponseOutputText,
+    ResponseRefusalDeltaEvent, ResponseRefusalDoneEvent, ResponseTextDeltaEvent,
     ResponseTextDoneEvent,
 )
 from openai.types.responses.response_usage import (
@@ -49,6 +50,8 @@ def _check_turn(i: int, turn: Any) -> None:
     """Refuse a script entry the model could not answer, naming it (SPEC: ConfigError at build)."""
     if isinstance(turn, (str, BaseException)):
         return
+    if isinstance(turn, Mapping) and isinstance(turn.get("refusal"), str):
+        return
     if isinstance(turn, Mapping) and "json" in turn:
         try:  # NaN and infinities are not JSON (RFC 8259), though Python writes them
             json.dumps(turn["json"], allow_nan=False)
@@ -62,7 +65,8 @@ def _check_turn(i: int, turn: Any) -> None:
         if not (isinstance(c, Mapping) and isinstance(c.get("tool"), str)):
             raise ConfigError(
                 f"ScriptedModel: turn {i} must be a str, {{'tool': name, 'args': {{...}}}} (or a "
-                f"list of them), {{'json': obj}} or an exception instance, got {c!r:.80}")
+                f"list of them), {{'json': obj}}, {{'refusal': str}} or an exception instance, "
+                f"got {c!r:.80}")
         args = c.get("args", {})
         if not isinstance(args, Mapping):
             raise ConfigError(f"ScriptedModel: turn {i}: 'args' of tool call {c['tool']!r} must be "
@@ -79,8 +83,9 @@ class ScriptedModel(_sdk.Model):
 
     ``script`` is a list of turns, one per model call: a ``str`` is a text reply (streamed one
     token, a word with its leading space, per delta); ``{"tool": name, "args": {...}}`` (or a list
-    of them) calls tools; ``{"json": obj}`` replies with structured output; an exception instance
-    is raised. With ``cycle=True`` the script repeats forever. Usage counts are real: input tokens
+    of them) calls tools; ``{"json": obj}`` replies with structured output; ``{"refusal": text}``
+    refuses (a message whose one part is a refusal, streamed as refusal deltas, as OpenAI's
+    models refuse); an exception instance is raised. With ``cycle=True`` the script repeats forever. Usage counts are real: input tokens
     are the tokens of the instructions and input it was sent, output tokens those it produced.
     ``name`` is the model name reported (and priced). ``calls`` keeps the last 64 requests.
 
@@ -124,6 +129,11 @@ class ScriptedModel(_sdk.Model):
 
     def _items(self, turn: Any) -> tuple[list[Any], int]:
         n = next(self._ids)
+        if isinstance(turn, Mapping) and "refusal" in turn:
+            msg = ResponseOutputMessage(
+                id=f"msg_{n}", type="message", role="assistant", status="completed",
+                content=[ResponseOutputRefusal(type="refusal", refusal=turn["refusal"])])
+            return [msg], len(_tokens(turn["refusal"]))
         if isinstance(turn, str) or (isinstance(turn, Mapping) and "json" in turn):
             text = turn if isinstance(turn, str) else json.dumps(turn["json"])
             msg = ResponseOutputMessage(
@@ -163,7 +173,26 @@ class ScriptedModel(_sdk.Model):
         yield ResponseCreatedEvent(type="response.created", sequence_number=next(seq),
                                    response=final.model_copy(update={"output": [], "status": "in_progress"}))
         for idx, item in enumerate(items):
-            if item.type == "message":
+            if item.type == "message" and item.content[0].type == "refusal":
+                part, text = item.content[0], item.content[0].refusal
+                yield ResponseOutputItemAddedEvent(
+                    type="response.output_item.added", output_index=idx, sequence_number=next(seq),
+                    item=item.model_copy(update={"content": [], "status": "in_progress"}))
+                yield ResponseContentPartAddedEvent(
+                    type="response.content_part.added", item_id=item.id, output_index=idx,
+                    content_index=0, sequence_number=next(seq),
+                    part=part.model_copy(update={"refusal": ""}))
+                for tok in _tokens(text):
+                    yield ResponseRefusalDeltaEvent(
+                        type="response.refusal.delta", item_id=item.id, output_index=idx,
+                        content_index=0, delta=tok, sequence_number=next(seq))
+                yield ResponseRefusalDoneEvent(
+                    type="response.refusal.done", item_id=item.id, output_index=idx,
+                    content_index=0, refusal=text, sequence_number=next(seq))
+                yield ResponseContentPartDoneEvent(
+                    type="response.content_part.done", item_id=item.id, output_index=idx,
+                    content_index=0, part=part, sequence_number=next(seq))
+            elif item.type == "message":
                 text = item.content[0].text
                 yield ResponseOutputItemAddedEvent(
                     type="response.output_item.added", output_index=idx, sequence_number=next(seq),

@@ -379,6 +379,26 @@ async def test_a_failed_run_is_in_the_log_and_reaches_the_caller(store):
         assert seen == ["run.started", "run.failed"]
 
 
+async def test_a_refusal_is_no_completed_message_only_the_failure_that_names_it(store):
+    """A model's refusal (a message whose one part refuses): the log said a message completed,
+    with empty text (after an empty ``text.delta`` when the run was not streamed), then
+    ``run.failed`` named the refusal; SSE and ``deck.stream`` carried the same empty message."""
+    refusal = {"refusal": "I can't help with that."}
+    async with Deck([Agent("a", model=ScriptedModel([refusal], cycle=True))], store=store) as deck:
+        with pytest.raises(agents.ModelRefusalError, match="I can't help with that."):
+            await deck.run("a", "how do I pick a lock?", run_id="asked")
+        seen: list[Event] = []
+        with pytest.raises(agents.ModelRefusalError):
+            async for e in deck.stream("a", "how do I pick a lock?", run_id="streamed"):
+                seen.append(e)
+        for run_id in ("asked", "streamed"):
+            log = await store.read(run_id)
+            assert kinds(log) == ["run.started", "model.completed", "run.failed"]
+            assert log[-1].payload == kit.RunFailed(
+                "ModelRefusalError", "Model refused to produce output: I can't help with that.")
+        assert seen == log  # the stream is the log
+
+
 @pytest.mark.parametrize("script, kw, match", [
     ("hello", {}, "script takes a list of turns, got 'hello'"),  # not five one-letter replies
     (None, {}, "script takes a list of turns"),
@@ -390,6 +410,7 @@ async def test_a_failed_run_is_in_the_log_and_reaches_the_caller(store):
     ([{"tool": "add", "args": {"a": {1}}}], {}, "'args' of tool call 'add' are not JSON"),
     ([{"json": {"ids": {1, 2}}}], {}, "turn 0: 'json' is not JSON"),
     ([{"json": {"x": float("nan")}}], {}, "turn 0: 'json' is not JSON"),  # it was, to json.dumps
+    ([{"refusal": None}], {}, "turn 0 must be a str"),
     ([{"tool": "add", "args": {"a": float("inf")}}], {}, "'args' of tool call 'add' are not JSON"),
     ([], {"cycle": True}, "cycle=True needs a script of at least one turn"),
 ])
