@@ -596,9 +596,13 @@ class AgentEngine:
         try:
             if session is not None and not isinstance(session, OpenAIConversationsSession):
                 session = _FencedSession(session, run)  # (the SDK treats that one by its type)
+            config = self.limited(run_config, session)
+            if config.group_id is not None and run.namespace is not None:
+                # The session as kit's own trace names it (kit_tracing): two tenants' "s1" are
+                # two sessions in the SDK's trace too
+                config = dataclasses.replace(config, group_id=f"{run.namespace}/{config.group_id}")
             result = await sdk.Runner.run(self.sdk_agent, items, context=run, hooks=_HOOKS,
-                                          run_config=self.limited(run_config, session),
-                                          session=session, **self.turns)
+                                          run_config=config, session=session, **self.turns)
             output = jsonable(result.final_output)  # ContentError: one no JSON can carry fails
         except _Stop as stop:
             if stop.action == "cancel":
@@ -767,7 +771,8 @@ def use_trace_processors(processors: Sequence[Any]) -> bool:
 
 def run_config(traced: bool, run_id: str | None = None, session_id: str | None = None) -> Any:
     """The SDK run config of a deck run: SDK tracing off (the log is the record) unless a
-    tracing observer asked for the SDK's spans, then tagged with the run id."""
+    tracing observer asked for the SDK's spans, then tagged with the run id and grouped by
+    session (``AgentEngine.play`` puts a run's namespace before it)."""
     if not traced:
         return _UNTRACED
     return sdk.RunConfig(trace_metadata={"kit.run_id": run_id}, group_id=session_id)

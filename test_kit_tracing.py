@@ -173,19 +173,24 @@ async def test_each_agent_turn_is_one_trace_with_genai_spans(receiver):
 async def test_the_same_session_id_in_two_namespaces_is_two_sessions(receiver):
     """Two tenants' conversations under one session id (namespaces keep them apart: each has
     its own history): both traces said session.id "s1", so Langfuse listed them as one session,
-    one tenant's turns among the other's."""
+    one tenant's turns among the other's; the SDK's second trace (``sdk_spans``) still did."""
     model = ScriptedModel(["hello there"], name="gpt-4o", cycle=True)
     with anyio.fail_after(10):
         async with Deck([Agent("a", "Answer.", model=model)], observers=[TracingObserver(
-                public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
+                sdk_spans=True, public_key=PK, secret_key=SK, host=receiver.host)]) as deck:
             runs = [await deck.run("a", "hi", session_id="s1", namespace=ns)
                     for ns in ("tenant-a", "tenant-b", None)]
     traces = receiver.traces()
-    roots = [root_and_children(traces[TracingObserver.trace_id(r.run_id)])[0] for r in runs]
+    roots = [root_and_children(traces.pop(TracingObserver.trace_id(r.run_id)))[0] for r in runs]
     # the session's own key (README: Sessions and claims), which no session id can reach
     assert [attrs(r)["session.id"] for r in roots] == ["tenant-a/s1", "tenant-b/s1", "s1"]
     assert [attrs(r).get("kit.namespace") for r in roots] == ["tenant-a", "tenant-b", None]
     assert attrs(roots[0])["gen_ai.conversation.id"] == "tenant-a/s1"
+    # The SDK's own trace of each run (sdk_spans) says the same session: it said "s1" for both
+    # tenants, so there their sessions were one.
+    raw = {attrs(r)["kit.run_id"]: attrs(r)["session.id"]
+           for r in (root_and_children(spans)[0] for spans in traces.values())}
+    assert [raw[r.run_id] for r in runs] == ["tenant-a/s1", "tenant-b/s1", "s1"]
 
 
 def served_at(url: str, name: str) -> agents.OpenAIChatCompletionsModel:
