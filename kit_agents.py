@@ -217,9 +217,11 @@ class _TapModel(sdk.Model):
         if run is None:
             return await inner.get_response(*args, **kw)
         ids: dict[int, str] = {}
+        answered = None  # the model the response says answered (a streamed Responses reply's)
         if run.streaming:
             try:
-                response = await self._stream(run, inner.stream_response(*args, **kw), ids)
+                response, answered = await self._stream(run, inner.stream_response(*args, **kw),
+                                                        ids)
             except Exception as exc:
                 if ids:  # this attempt's text is in the log: not to be retried (get_retry_advice)
                     with contextlib.suppress(AttributeError, TypeError):
@@ -232,10 +234,13 @@ class _TapModel(sdk.Model):
                     ids[i] = run.message_id()
                     run.emit(TextDelta(_message_text(item)), origin=self._origin(run),
                              message_id=ids[i])
-        self._record(run, response, output_schema, ids)
+        self._record(run, response, output_schema, ids, answered)
         return response
 
-    async def _stream(self, run: RunHandle, stream: AsyncIterator[Any], ids: dict[int, str]) -> Any:
+    async def _stream(self, run: RunHandle, stream: AsyncIterator[Any], ids: dict[int, str]
+                      ) -> tuple[Any, str | None]:
+        """The stream's ``ModelResponse``, as the runner would build it, and the model its final
+        response says answered (the SDK's ``ModelResponse`` has no field for it)."""
         origin, final, done_items = self._origin(run), None, []
         async for ev in stream:
             kind = getattr(ev, "type", None)
@@ -268,12 +273,14 @@ class _TapModel(sdk.Model):
         usage = sdk.Usage(requests=1, input_tokens=u.input_tokens, output_tokens=u.output_tokens,
                           total_tokens=u.total_tokens, input_tokens_details=u.input_tokens_details,
                           output_tokens_details=u.output_tokens_details) if u else sdk.Usage()
-        return sdk.ModelResponse(output=output, usage=usage, response_id=final.id)
+        return (sdk.ModelResponse(output=output, usage=usage, response_id=final.id),
+                getattr(final, "model", None) or None)
 
     def _origin(self, run: RunHandle) -> str:
         return run.origin if self.agent == run.origin else f"{run.origin}/{self.agent}"
 
-    def _record(self, run: RunHandle, response: Any, output_schema: Any, ids: dict[int, str]) -> None:
+    def _record(self, run: RunHandle, response: Any, output_schema: Any, ids: dict[int, str],
+                answered: str | None = None) -> None:
         origin = self._origin(run)
         calls_tools = any(getattr(i, "type", None) == "function_call" for i in response.output)
         for i, item in enumerate(response.output):
@@ -298,7 +305,8 @@ class _TapModel(sdk.Model):
         usd = _price(model, u.input_tokens, u.output_tokens, cached,
                      str(url) if url else None) if reported else None
         run.add_usage(u.input_tokens, u.output_tokens, usd)
-        run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd), origin=origin)
+        run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd,
+                                answered if answered != model else None), origin=origin)
 
     async def stream_response(self, system_instructions: Any, input: Any, *args: Any,
                               **kw: Any) -> AsyncIterator[Any]:

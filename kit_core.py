@@ -225,10 +225,17 @@ class MessageCompleted(Payload):
 
 @_payload("model.completed")
 class ModelCompleted(Payload):
-    model: str
+    model: str  # the model asked for (and priced)
     input_tokens: int = 0
     output_tokens: int = 0
     usd: float | None = None
+    response_model: str | None = None  # the one the response says answered, when another
+
+    def to_json(self) -> dict[str, Any]:
+        out = Payload.to_json(self)
+        if self.response_model is None:  # most calls: their rows stay as they were
+            del out["response_model"]
+        return out
 
 
 @_payload("tool.started")

@@ -23,8 +23,9 @@ child run's own trace has ``kit.parent_run_id`` and its parent's session, and th
 ``execute_tool`` span that played it names it, ``kit.child_run_id`` and ``kit.child_trace_id``,
 and links to its root); each step becomes its child:
 
-- ``model.completed`` -> ``chat <model>`` (CLIENT; ``gen_ai.request.model``, ``gen_ai.usage.*``,
-  Langfuse ``usage_details``/``cost_details``). The log records a model call's end only, so its
+- ``model.completed`` -> ``chat <model>`` (CLIENT; ``gen_ai.request.model``, the model asked
+  for; ``gen_ai.response.model``, the one the response says answered, else the one asked for;
+  ``gen_ai.usage.*``, Langfuse ``usage_details``/``cost_details``). The log records a model call's end only, so its
   span starts where the previous step ended (run start, last model call, tool or node).
 - ``tool.started`` .. ``tool.completed`` -> ``execute_tool <tool>`` (ERROR when the tool erred).
   A step logged inside an open tool (its origin below the tool's: an SDK agent played as a tool
@@ -441,7 +442,8 @@ class TracingObserver:
             usage = {"input": p.input_tokens, "output": p.output_tokens,
                      "total": p.input_tokens + p.output_tokens}
             attrs = {"gen_ai.operation.name": "chat", "gen_ai.request.model": p.model,
-                     "gen_ai.response.model": p.model, "gen_ai.usage.input_tokens": p.input_tokens,
+                     "gen_ai.response.model": p.response_model or p.model,
+                     "gen_ai.usage.input_tokens": p.input_tokens,
                      "gen_ai.usage.output_tokens": p.output_tokens,
                      "langfuse.observation.type": "generation",
                      "langfuse.observation.model.name": p.model,

@@ -31,6 +31,7 @@ from kit import (
     Agent, ConfigError, ControlRequested, Deck, Event, ModelCompleted, NodeUpdated, RunCancelled,
     RunCompleted, RunPaused, RunResumed, RunStarted, ScriptedModel, Workflow, interrupt,
 )
+from kit_bridge import on_asyncio
 from kit_observers import ObserverHub
 from kit_store import MemoryStore, SQLiteStore
 import kit_tracing
@@ -236,6 +237,37 @@ async def test_a_model_openai_does_not_serve_is_exported_with_its_providers_cost
     assert price > 0
     assert json.loads(a["langfuse.observation.cost_details"]) == {"total": pytest.approx(float(price))}
     assert attrs(root)["kit.usage.usd"] == pytest.approx(float(price))
+
+
+async def test_a_model_call_says_the_model_the_provider_says_answered(receiver):
+    """``gen_ai.response.model`` was the model asked for, whatever the provider said answered
+    (OpenAI answers ``gpt-4o`` with a dated snapshot; a gateway may route elsewhere). It is the
+    response's ``model`` when the response carries it (a streamed Responses reply: the stub
+    says "stub"), else the model asked for (the SDK keeps no model of a reply not streamed)."""
+    from test_kit_openai import Stub, text
+    stub = Stub()
+    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
+    stub.script += [text("hi there"), text("hi there")]
+    try:
+        with anyio.fail_after(10):
+            async with MemoryStore() as store:
+                agent = Agent("a", "Answer.", model=agents.OpenAIResponsesModel("gpt-4o", client))
+                async with Deck([agent], store=store) as deck:
+                    streamed = [e async for e in deck.stream("a", "hi")][0].run_id
+                    asked = (await deck.run("a", "hi")).run_id
+                    logged = await store.read(streamed) + await store.read(asked)
+                    await on_asyncio(client.close)
+            await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), logged)
+    finally:
+        stub.server.shutdown()
+        stub.server.server_close()
+    traces = receiver.traces()
+    for run_id, answered in ((streamed, "stub"), (asked, "gpt-4o")):
+        _, [call] = root_and_children(traces[TracingObserver.trace_id(run_id)])
+        assert call.name == "chat gpt-4o" and attrs(call)["gen_ai.request.model"] == "gpt-4o"
+        assert attrs(call)["gen_ai.response.model"] == answered
+    [p] = [e.payload for e in logged if e.run_id == streamed and e.kind == "model.completed"]
+    assert (p.model, p.response_model) == ("gpt-4o", "stub")
 
 
 async def test_an_agent_tools_model_calls_are_children_of_its_tool_span(receiver):
