@@ -293,7 +293,7 @@ class _TapModel(sdk.Model):
                 except Exception:  # the runner reports invalid output itself
                     output = None
             run.emit(MessageCompleted(text, output, self.agent), origin=origin,
-                     message_id=ids.get(i))
+                     message_id=ids.get(i) or run.message_id())  # (a reply streamed no text)
         model = self.model_name()
         u = response.usage
         # No tokens at all is a server that reported no usage (Chat Completions streamed from a

@@ -362,6 +362,19 @@ async def test_stream_yields_deltas_live_then_terminal_last(store):
         assert events == await store.read(events[0].run_id)  # the stream is the log
 
 
+async def test_every_message_completed_has_its_message_id(store):
+    """A reply whose stream carried no text (an empty one) was logged ``message.completed``
+    with no ``message_id``, which groups a reply's events (README: The log), when streamed;
+    not streamed, it had one."""
+    async with Deck([Agent("a", model=ScriptedModel([""], cycle=True))], store=store) as deck:
+        streamed = [e async for e in deck.stream("a", "go")]
+        asked = await store.read((await deck.run("a", "go")).run_id)
+    for log in (streamed, asked):
+        [done] = [e for e in log if e.kind == "message.completed"]
+        assert done.payload.text == "" and done.message_id is not None
+        assert all(e.message_id == done.message_id for e in log if e.kind == "text.delta")
+
+
 async def test_a_failed_run_is_in_the_log_and_reaches_the_caller(store):
     model = ScriptedModel([RuntimeError("model down"), RuntimeError("again")])
     async with Deck([Agent("a", model=model)], store=store) as deck:
