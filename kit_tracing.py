@@ -745,8 +745,8 @@ def _sdk_span(data: Any) -> tuple[str, bool, dict[str, Any]]:
     if t in ("generation", "response"):
         model = data.model if t == "generation" else getattr(data.response, "model", None)
         attrs.update({"gen_ai.operation.name": "chat", "langfuse.observation.type": "generation"})
-        if model:
-            attrs["gen_ai.request.model"] = model
+        if model:  # a generation's model is the one asked for; a response's, the one that answered
+            attrs[f"gen_ai.{'request' if t == 'generation' else 'response'}.model"] = model
         usage = data.usage or {}
         for ours, theirs in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens")):
             value = usage.get(ours, usage.get(theirs))

@@ -637,3 +637,32 @@ async def test_sdk_spans_never_export_what_model_settings_carry_besides_settings
     assert attrs(generation)["agents.model_config.temperature"] == 0.2
     assert attrs(generation)["agents.model_config.max_tokens"] == 50
     assert "SECRET" not in str([attrs(s) for s in raw])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_sdk_spans_tell_the_model_asked_for_from_the_one_that_answered(receiver, anyio_backend):
+    """The SDK's response span (the Responses API's) holds the response, which names the model
+    that answered: it was exported as ``gen_ai.request.model``, the model asked for; a
+    generation span's (Chat Completions') model is the one asked for."""
+    from agents.tracing import response_span
+    from openai.types.responses import Response
+    observer = TracingObserver(sdk_spans=True, public_key=PK, secret_key=SK, host=receiver.host)
+    observer.start()
+    response = Response(id="resp_1", object="response", created_at=0, model="gpt-4o-2024-08-06",
+                        output=[], tool_choice="auto", tools=[], parallel_tool_calls=True)
+    agents.set_trace_processors([observer.sdk_processor()])
+    try:
+        with agents.trace("t", metadata={"kit.run_id": "r3"}):
+            with response_span(response=response):
+                pass
+            with agents.generation_span(model="gpt-4o-mini"):
+                pass
+    finally:
+        agents.set_trace_processors([])
+    await anyio.to_thread.run_sync(observer.close)
+    [raw] = receiver.traces().values()
+    [answered] = [attrs(s) for s in raw if s.name == "chat gpt-4o-2024-08-06"]
+    assert answered["gen_ai.response.model"] == "gpt-4o-2024-08-06"
+    assert "gen_ai.request.model" not in answered
+    [asked] = [attrs(s) for s in raw if s.name == "chat gpt-4o-mini"]
+    assert asked["gen_ai.request.model"] == "gpt-4o-mini" and "gen_ai.response.model" not in asked
