@@ -270,15 +270,12 @@ def _run_of(tool_ctx: Any) -> RunHandle | None:
 
 def _with_callers_context(tool: sdk.FunctionTool) -> sdk.FunctionTool:
     """A copy of an SDK ``FunctionTool`` whose calls, and its ``is_enabled`` callable, see the
-    caller's object as ``ctx.context`` (``_as_callers``). An SDK agent played as a tool keeps
-    kit's in its calls (its own run records through it: kit_agents); its ``is_enabled`` gets the
-    caller's too."""
-    if callable(tool.is_enabled):
-        tool = copy.copy(tool)
-        tool.is_enabled = _enabled_for_callers(tool.is_enabled)
-    if getattr(tool, "_is_agent_tool", False):
-        return tool
+    caller's object as ``ctx.context`` (``_as_callers``). An SDK agent played as a tool runs
+    with it too, so its tools and instructions read it as in the SDK (kit records that agent's
+    model calls from the call's usage, after it: kit_agents)."""
     tool = copy.copy(tool)  # (last: the SDK binds a tool's invoker, its failure function, to it)
+    if callable(tool.is_enabled):
+        tool.is_enabled = _enabled_for_callers(tool.is_enabled)
     invoke = tool.on_invoke_tool
 
     async def on_invoke_tool(tool_ctx: Any, arguments: str) -> Any:

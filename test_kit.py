@@ -737,6 +737,39 @@ async def test_an_sdk_tools_is_enabled_sees_the_callers_context_object(store):
     assert wipe.is_enabled is admins_only  # the caller's tool is left as built
 
 
+async def test_an_sdk_agent_played_as_a_tool_sees_the_callers_context_object(store):
+    """An SDK agent played as a tool (``Agent.as_tool``) runs with the tool call's context: its
+    tools and its instructions read ``ctx.context`` as in the SDK, the object passed as
+    ``context=``. They got kit's run handle, so an agent ported from the SDK whose tool read
+    its app context (``ctx.context.user``) failed there on every call (the model was told an
+    AttributeError); its use still counts in the run's usage."""
+    @dataclasses.dataclass
+    class Deps:
+        user: str
+
+    @agents.function_tool
+    def whoami(ctx: agents.RunContextWrapper) -> str:
+        """Who is asking."""
+        return f"you are {ctx.context.user}"
+
+    inner_model = ScriptedModel([{"tool": "whoami"}, "helped"])
+    inner = agents.Agent("helper", model=inner_model, tools=[whoami],
+                         instructions=lambda ctx, agent: f"Help {ctx.context.user}.")
+    model = ScriptedModel([{"tool": "helper", "args": {"input": "do it"}}, "done"])
+    async with Deck([Agent("a", tools=[inner.as_tool("helper", "Helps.")], model=model)],
+                    store=store) as deck:
+        result = await deck.run("a", "go", context=Deps("alice"))
+        log = await store.read(result.run_id)
+    assert inner_model.calls[0]["instructions"] == "Help alice."
+    outputs = [i["output"] for i in inner_model.calls[1]["input"]
+               if isinstance(i, dict) and i.get("type") == "function_call_output"]
+    assert outputs == ["you are alice"]
+    [done] = [e.payload for e in log if e.kind == "tool.completed"]
+    assert (done.tool, done.output, done.is_error) == ("helper", "helped", False)
+    assert [e.origin for e in log if e.kind == "model.completed"] == ["a", "a/helper", "a"]
+    assert result.output == "done"
+
+
 async def test_a_tool_output_refused_by_its_output_guardrail_is_an_error_in_the_log(store):
     """A tool output guardrail that withholds a call's output: the model is told the guardrail's
     message, which the log recorded as the call's successful output; one whose tripwire fails
