@@ -29,6 +29,13 @@ batches of at most ``LOOP_BATCH_MAX`` with a checkpoint between them: no crossin
 ``start()`` and ``close()`` run in a daemon thread too when synchronous (the tracing observer
 imports OpenTelemetry and flushes over the network there); async ones are awaited on the loop.
 
+An observer that has a ``run_info(info)`` method is told, before the first event of a run it
+sees past its start (one another process played before: resumed, answered, cancelled or reaped
+here), that run's index row (``RunInfo``: name, kind, session, namespace, parent), and its
+parent's before it: the events of a resume or a cancel do not carry them. The drain reads the
+rows from the store (``run_info``, given by the Runtime; at most ``RUN_INFO_TIMEOUT``) on the
+loop, so the observer's calls stay in-memory; a row the store cannot give is left out.
+
 An ``emit`` that raises is counted; ``DISABLE_AFTER`` consecutive failures disable the observer:
 its events are skipped (and counted) until the backoff has passed, then the next one is a trial.
 A success resets the count and the backoff; a failed trial doubles it, up to ``RETRY_MAX``.
@@ -46,7 +53,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,11 +62,12 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-from kit_core import ConfigError, Event, EventSinkPort
+from kit_core import ConfigError, Event, EventSinkPort, RunInfo
 
 __all__ = (
     "QUEUE_SIZE", "BATCH_MAX", "LOOP_BATCH_MAX", "DISABLE_AFTER", "RETRY_MIN", "RETRY_MAX",
-    "DRAIN_TIMEOUT", "CLOSE_TIMEOUT", "ObserverStats", "ObserverHub", "resolve_observers",
+    "DRAIN_TIMEOUT", "CLOSE_TIMEOUT", "SEEN_MAX", "RUN_INFO_TIMEOUT", "ObserverStats",
+    "ObserverHub", "resolve_observers",
     "check_observers",
 )
 
@@ -84,6 +93,13 @@ DRAIN_TIMEOUT = 5.0
 #: How long ``close`` waits for each observer's own ``close()`` (a flush over the network; the
 #: tracing observer's export timeout is 10 s) before abandoning it (seconds).
 CLOSE_TIMEOUT = 10.0
+
+#: Runs an observer that takes ``run_info`` was handed events of (the latest): one past it that
+#: comes back is looked up again, a read at most. Its tracer keeps as many open (MAX_OPEN_RUNS).
+SEEN_MAX = 10_000
+#: One read of a run's index row for such an observer (seconds): a stalled store delays that
+#: observer's drain only (its queue drops past QUEUE_SIZE), never a run.
+RUN_INFO_TIMEOUT = 2.0
 
 _log = logging.getLogger("kit.observers")
 _TRACING_KEYS = ("KIT_TRACING_PUBLIC_KEY", "KIT_TRACING_SECRET_KEY")
@@ -129,9 +145,10 @@ def check_observers(observers: Sequence[EventSinkPort] | None) -> None:
         if not isinstance(obs, EventSinkPort) or not callable(obs.emit):
             raise ConfigError(f"{where} is not an observer: it needs an emit(event) method "
                               "(kit.EventSinkPort)")
-        if inspect.iscoroutinefunction(obs.emit):
-            raise ConfigError(f"{where} has an async emit(); emit must be a plain method that "
-                              "does in-memory work only (SPEC 4.6)")
+        for name in ("emit", "run_info"):
+            if inspect.iscoroutinefunction(getattr(obs, name, None)):
+                raise ConfigError(f"{where} has an async {name}(); {name} must be a plain method "
+                                  "that does in-memory work only (SPEC 4.6)")
 
 
 @dataclass(slots=True)
@@ -164,6 +181,9 @@ class _Slot:
         self.backoff = RETRY_MIN
         self.retry_at: float | None = None  # set while disabled
         self.on_loop = bool(getattr(observer, "nonblocking", False))
+        # The runs it was handed events of, when it takes their index rows (run_info).
+        self.seen: OrderedDict[str, None] | None = (
+            OrderedDict() if callable(getattr(observer, "run_info", None)) else None)
         self.closed = False  # set by close: no emit starts after it
         # Made by start(): a stream never closed warns when collected, and a hub built but
         # never opened must not.
@@ -221,7 +241,8 @@ async def _in_daemon(fn: Callable[[], Any], name: str) -> Any:
 class ObserverHub:
     """Fans events out to observers, each through its own bounded queue and drain task.
 
-    ``clock`` is the time source of the backoff (seconds; tests pass a fake). Raises
+    ``clock`` is the time source of the backoff (seconds; tests pass a fake); ``run_info`` reads
+    a run's index row for observers that take them (the store's; None: they are told none). Raises
     ``ConfigError`` as ``check_observers`` does, or for a ``queue_size`` below 1. ``emit`` must
     be called on the event loop's thread (the kit side), with each run's events in ``seq`` order.
     Call ``close()`` before cancelling the task group given to ``start``: a cancelled drain
@@ -229,8 +250,10 @@ class ObserverHub:
     """
 
     def __init__(self, observers: Sequence[EventSinkPort], *, queue_size: int = QUEUE_SIZE,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 run_info: Callable[[str], Awaitable[RunInfo | None]] | None = None) -> None:
         check_observers(observers)
+        self._run_info = run_info  # the store's: a run's index row, for observers that take it
         if not isinstance(queue_size, int) or queue_size < 1:
             raise ConfigError(f"queue_size must be a positive int, got {queue_size!r}")
         self._slots = [_Slot(o) for o in observers]
@@ -356,6 +379,8 @@ class ObserverHub:
                             batch.append(slot.receive.receive_nowait())
                         except (anyio.WouldBlock, anyio.EndOfStream):
                             break
+                    if slot.seen is not None and self._run_info is not None:
+                        batch = await self._told(slot, batch)
                     if slot.on_loop:
                         self._deliver(slot, batch)
                         await anyio.lowlevel.checkpoint()  # let runs go between batches
@@ -364,13 +389,49 @@ class ObserverHub:
         finally:
             slot.done.set()
 
-    def _deliver(self, slot: _Slot, batch: list[Event]) -> None:
+    async def _told(self, slot: _Slot, batch: list[Any]) -> list[Any]:
+        """``batch`` with the index row of each run first seen past its start (and its
+        parent's) before that run's first event, for an observer that takes them."""
+        out: list[Any] = []
+        seen: OrderedDict[str, None] = slot.seen  # type: ignore[assignment]
+        for event in batch:
+            if event.run_id in seen:
+                seen.move_to_end(event.run_id)
+            else:
+                seen[event.run_id] = None
+                if len(seen) > SEEN_MAX:
+                    seen.popitem(last=False)
+                info = await self._info(event.run_id) if event.seq > 0 else None
+                if info is not None:
+                    parent = info.parent_run_id and await self._info(info.parent_run_id)
+                    out += [parent, info] if parent else [info]
+            out.append(event)
+        return out
+
+    async def _info(self, run_id: str) -> RunInfo | None:
+        with anyio.move_on_after(RUN_INFO_TIMEOUT):
+            try:
+                return await self._run_info(run_id)  # type: ignore[misc]
+            except Exception:  # the store is down or refused: the observer goes without
+                _log.debug("observers: no index row for run %s", run_id, exc_info=True)
+        return None
+
+    def _deliver(self, slot: _Slot, batch: list[Any]) -> None:
         """One batch, in order (the observer's thread, or the loop when it is nonblocking);
-        counts, disables and re-enables the observer. Stops at close."""
+        counts, disables and re-enables the observer. Stops at close. A run's index row
+        (``RunInfo``, ``_told``) goes to its ``run_info``, uncounted; skipped while disabled."""
         stats, emit = slot.stats, slot.observer.emit
         for event in batch:
             if slot.closed:
                 return  # what is left is counted abandoned by close
+            if isinstance(event, RunInfo):
+                if slot.retry_at is None:
+                    try:
+                        slot.observer.run_info(event)  # type: ignore[attr-defined]
+                    except Exception:
+                        _log.warning("observer %s: run_info() raised", stats.observer,
+                                     exc_info=True)
+                continue
             if slot.retry_at is not None:
                 if self._clock() < slot.retry_at:
                     stats.skipped += 1

@@ -205,7 +205,7 @@ class Runtime(RunControl):
 
     async def _start(self, env: Any) -> None:
         observers = kit_observers.resolve_observers(self._observers, env)
-        self.hub = kit_observers.ObserverHub(observers)
+        self.hub = kit_observers.ObserverHub(observers, run_info=self.store.run_info)
         self.writer = Writer(self.store, self._committed, self._give_up, down_limit=self.down_limit,
                              refused=self._refused)
         self._renewed, self._doubted = anyio.current_time(), set()  # leases, for _flushed

@@ -25,8 +25,9 @@ and links to its root); each step becomes its child:
 
 - ``model.completed`` -> ``chat <model>`` (CLIENT; ``gen_ai.request.model``, the model asked
   for; ``gen_ai.response.model``, the one the response says answered, else the one asked for;
-  ``gen_ai.usage.*``, Langfuse ``usage_details``/``cost_details``). The log records a model call's end only, so its
-  span starts where the previous step ended (run start, last model call, tool or node).
+  ``gen_ai.usage.*``, Langfuse ``usage_details``/``cost_details``). The log records a model
+  call's end only, so its span starts where the previous step ended (run start, last model
+  call, tool or node).
 - ``tool.started`` .. ``tool.completed`` -> ``execute_tool <tool>`` (ERROR when the tool erred).
   A step logged inside an open tool (its origin below the tool's: an SDK agent played as a tool
   logs its model's calls as ``<agent>/<tool>``) is that tool span's child, starting in it.
@@ -40,9 +41,11 @@ with ``kit.status`` (``WAITING_HUMAN``, ...) and ``kit.parked`` (the kind), sinc
 parked for days and an unended span is never exported. ``run.resumed`` opens a new root segment
 in the same trace (``kit.resumed_by``); a parked run cancelled ends in a segment of its end
 alone, with no ``kit.resumed_by``. A segment opened by a process that did not see the run park
-(a replica, or after a restart) reads the run's name off the event's origin, and its kind off
-the event or the first step that tells it (a node update: a workflow's); until then its root
-has the run's bare name and claims no kind. Open runs are capped (``MAX_OPEN_RUNS``).
+(a replica, or after a restart) has what the deck tells ``run_info`` first: the run's index row
+(name, kind, session, namespace, parent; its parent's session for a child). Told nothing (a
+store that could not say), it reads the run's name off the event's origin, and its kind off the
+event or the first step that tells it (a node update: a workflow's); until then its root has
+the run's bare name and claims no kind. Open runs are capped (``MAX_OPEN_RUNS``).
 
 Raw layer (``sdk_spans=True``): ``sdk_processor()`` is an ``agents.tracing.TracingProcessor``.
 Each SDK trace becomes a second, separate OTLP trace (the SDK's trace id), its spans nested as
@@ -331,6 +334,7 @@ class TracingObserver:
         self._o: Any = None  # the OpenTelemetry names used, bound at start()
         self._runs: OrderedDict[str, _Segment] = OrderedDict()
         self._parked: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._told: OrderedDict[str, Any] = OrderedDict()  # run id -> RunInfo (run_info)
         self._processor: _SdkProcessor | None = None
 
     def __repr__(self) -> str:
@@ -417,6 +421,17 @@ class TracingObserver:
         return self._processor
 
     # ---------------------------------------------------------------------- semantic layer --
+    def run_info(self, info: Any) -> None:
+        """Take a run's index row (``RunInfo``), which the deck gives before the first event of
+        a run this observer sees past its start (kit_observers), and a child's parent's before
+        it: the segment that event opens names the run's session and parent, which the log's
+        resume and cancel events do not carry. In-memory work only."""
+        with self._lock:
+            self._told[info.run_id] = info
+            self._told.move_to_end(info.run_id)
+            while len(self._told) > MAX_OPEN_RUNS:
+                self._told.popitem(last=False)
+
     def emit(self, event: Event) -> None:
         """Render one event into its run's trace: in-memory work, the export happens elsewhere.
 
@@ -515,22 +530,20 @@ class TracingObserver:
     def _open(self, ev: Event, at: int) -> _Segment:
         p, parent = ev.payload, None
         if isinstance(p, RunStarted):
-            # Two namespaces' "s1" are two conversations, so two Langfuse sessions; a namespace
-            # name holds no "/" (check_name), so the pair reads back one way only.
-            session = p.session_id and (p.session_id if p.namespace is None else
-                                        f"{p.namespace}/{p.session_id}")
-            meta = {"name": p.name, "invocable": p.invocable, "session.id": session,
+            meta = {"name": p.name, "invocable": p.invocable,
+                    "session.id": _session(p.session_id, p.namespace),
                     "kit.namespace": p.namespace, "kit.parent_run_id": p.parent_run_id}
             parent = self._runs.get(p.parent_run_id or "")
             if parent is not None and not p.session_id:  # a child run (a workflow played as a
                 # tool) claims no session, but is its parent's turn's: the session lists it
                 meta["session.id"] = parent.meta.get("session.id")
-        else:  # resumed, or first seen mid-run: what parking remembered, else what the event
-            # tells (a run parked by another process, or before a restart); its session stays
-            # unknown, and so does its kind until a step tells (_kind): a resume or a cancel
-            # may be an agent's or a workflow's
-            meta = self._parked.pop(ev.run_id, None) or {"name": _run_name(ev),
-                                                          "invocable": _invocable(p)}
+        else:  # resumed, or first seen mid-run: what parking remembered, else the run's index
+            # row (run_info: a run parked by another process, or before a restart), else what
+            # the event tells; then its session stays unknown, and so does its kind until a
+            # step tells (_kind): a resume or a cancel may be an agent's or a workflow's
+            meta = (self._parked.pop(ev.run_id, None) or self._row(ev.run_id)
+                    or {"name": _run_name(ev), "invocable": _invocable(p)})
+            self._told.pop(ev.run_id, None)
         name = meta["name"]
         attrs: dict[str, Any] = {"kit.run_id": ev.run_id, "kit.name": name,
                                  "langfuse.trace.name": name, "langfuse.observation.type": "span",
@@ -558,6 +571,18 @@ class TracingObserver:
         while len(self._runs) > MAX_OPEN_RUNS:
             self._end(self._runs.popitem(last=False)[1], at, unfinished=True)
         return seg
+
+    def _row(self, run_id: str) -> dict[str, Any] | None:
+        """A segment's metadata from the run's index row (``run_info``), if it was told; a
+        child run claims no session, but is its parent's turn's (as ``_open`` says)."""
+        info = self._told.get(run_id)
+        if info is None:
+            return None
+        parent = self._told.get(info.parent_run_id or "")
+        session = _session(info.session_id, info.namespace) or (
+            parent and _session(parent.session_id, parent.namespace))
+        return {"name": info.name, "invocable": info.invocable, "session.id": session,
+                "kit.namespace": info.namespace, "kit.parent_run_id": info.parent_run_id}
 
     @staticmethod
     def _kind(seg: _Segment, invocable: str) -> None:
@@ -674,6 +699,12 @@ def _invocable(p: Any) -> str | None:
     if isinstance(p, (ModelCompleted, ToolStarted, ToolCompleted, SkillLoaded)):
         return "agent"
     return None
+
+
+def _session(session_id: str | None, namespace: str | None) -> str | None:
+    """A run's ``session.id``: two namespaces' "s1" are two conversations, so two Langfuse
+    sessions; a namespace name holds no "/" (check_name), so the pair reads back one way only."""
+    return session_id and (session_id if namespace is None else f"{namespace}/{session_id}")
 
 
 def _root_name(name: str, invocable: str | None) -> str:

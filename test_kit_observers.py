@@ -101,7 +101,12 @@ def test_check_observers_names_the_bad_entry():
         async def emit(self, event):
             pass
 
+    class AsyncRunInfo(Recorder):
+        async def run_info(self, info):
+            pass
+
     for bad, message in [([Recorder(), 42], r"observers\[1\] \(42\) is not an observer"),
+                         ([AsyncRunInfo()], r"async run_info"),
                          ([TracingObserver], r"is a class; pass an instance: TracingObserver"),
                          ([AsyncEmit()], r"async emit"),
                          (Recorder(), r"wrap it: observers=\[rec\]"),
@@ -302,3 +307,43 @@ async def test_a_real_deck_run_flows_through_the_hub_in_log_order():
     assert [e.kind for e in rec.seen][:1] == ["run.started"] and rec.seen[-1].kind == "run.completed"
     assert {"model.completed", "tool.started", "tool.completed"} <= {e.kind for e in rec.seen}
     assert isinstance(rec.seen[-1].payload, kit.RunCompleted)
+
+
+class Told(Recorder):
+    """An observer that takes runs' index rows: what it was given, rows and events, in order."""
+
+    def run_info(self, info) -> None:
+        self.seen.append(info)
+
+
+async def test_an_observer_is_told_the_index_row_of_a_run_another_process_played_before(tmp_path):
+    """A run parked by one deck (a process) and answered by another: the second deck's
+    observers saw its resume and end only, with nothing saying the run's name, kind, session,
+    namespace or parent. One that has ``run_info`` is told the run's index row (``RunInfo``)
+    first, then gets the events; one without it gets the events as before."""
+    from langgraph.graph import END, START, StateGraph
+    from kit import Workflow
+    from kit_store import SQLiteStore
+    from test_kit_tracing import Release, approve
+
+    def release() -> Workflow:
+        graph = StateGraph(Release).add_node("approve", approve)
+        return Workflow("release", graph.add_edge(START, "approve").add_edge("approve", END),
+                        durable=True)
+
+    parked, told, plain = [], Told(), Recorder()
+    with anyio.fail_after(30):
+        for observers in ([], [told, plain]):  # a deck per process
+            async with SQLiteStore(str(tmp_path / "kit.db")) as store:
+                async with Deck(workflows=[release()], store=store, observers=observers) as deck:
+                    if parked:
+                        await deck.answer(parked[0].run_id, "yes")
+                    else:
+                        parked.append(await deck.run("release", {"log": []}, session_id="t1",
+                                                     namespace="ns"))
+                        await deck.run("release", {"log": []}, session_id="t2")  # parks too
+    [info] = [i for i in told.seen if isinstance(i, kit.RunInfo)]
+    assert told.seen[0] is info and told.seen[1:] == plain.seen
+    assert (info.run_id, info.name, info.invocable, info.session_id, info.namespace) == (
+        parked[0].run_id, "release", "workflow", "t1", "ns")
+    assert [e.kind for e in plain.seen][-1] == "run.completed"

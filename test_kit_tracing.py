@@ -388,7 +388,9 @@ async def approve(state: Release) -> dict:
 
 async def test_a_workflow_answered_after_a_restart_stays_a_workflow_in_its_trace(receiver, tmp_path):
     """A durable workflow parked by one process (here a deck before a restart) and answered by
-    another: its resumed segment was rendered as an agent's, ``invoke_agent release``."""
+    another: its resumed segment was rendered as an agent's, ``invoke_agent release``; and it
+    had no session (nor namespace): the log's resume does not say them, so the session's traces
+    in Langfuse left the segment out. The tracer is told the run's index row (RunInfo)."""
     def release() -> Workflow:
         graph = StateGraph(Release).add_node("approve", approve)
         return Workflow("release", graph.add_edge(START, "approve").add_edge("approve", END),
@@ -403,19 +405,24 @@ async def test_a_workflow_answered_after_a_restart_stays_a_workflow_in_its_trace
                     if answer:
                         assert await deck.answer(parked[0].run_id, "yes") == {"log": ["approved: yes"]}
                     else:
-                        parked.append(await deck.run("release", {"log": []}, session_id="rel-42"))
+                        parked.append(await deck.run("release", {"log": []}, session_id="rel-42",
+                                                     namespace="tenant-a"))
     [spans] = receiver.traces().values()
     roots = sorted((s for s in spans if not s.parent_span_id), key=lambda s: s.start_time_unix_nano)
     assert [(r.name, attrs(r)["langfuse.observation.type"], attrs(r)["kit.status"]) for r in roots] == [
         ("invoke_workflow release", "chain", "WAITING_HUMAN"),
         ("invoke_workflow release", "chain", "COMPLETED")]
     assert attrs(roots[1])["kit.resumed_by"] == "answer"
+    for root in roots:
+        assert attrs(root)["session.id"] == attrs(root)["gen_ai.conversation.id"] == "tenant-a/rel-42"
+        assert attrs(root)["kit.namespace"] == "tenant-a"
 
 
 async def test_a_child_workflow_answered_by_another_process_keeps_its_name(receiver, tmp_path):
     """A workflow played as a tool parks; another process answers it. Its resumed segment was
     named after the parent agent, ``invoke_workflow boss`` (its origin is ``boss/release``), and
-    its langfuse.trace.name renamed the child's trace to the parent's."""
+    its langfuse.trace.name renamed the child's trace to the parent's; and it had neither its
+    parent (``kit.parent_run_id``) nor its parent's session."""
     def catalog() -> tuple[list[Agent], list[Workflow]]:
         graph = StateGraph(Release).add_node("approve", approve)
         model = ScriptedModel([{"tool": "release", "args": {}}, "asked"], name="gpt-4o")
@@ -439,6 +446,9 @@ async def test_a_child_workflow_answered_by_another_process_keeps_its_name(recei
             for r in roots] == [("invoke_workflow release", "release", "release", "WAITING_HUMAN"),
                                 ("invoke_workflow release", "release", "release", "COMPLETED")]
     assert attrs(roots[1])["gen_ai.workflow.name"] == "release"
+    for root in roots:
+        assert attrs(root)["session.id"] == "s-42"
+        assert attrs(root)["kit.parent_run_id"] == attrs(roots[0])["kit.parent_run_id"] != ""
 
 
 async def test_a_paused_workflow_resumed_by_another_process_stays_a_workflow(receiver):
