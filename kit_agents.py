@@ -250,7 +250,8 @@ class _TapModel(sdk.Model):
                 # get their turn every YIELD_EVERY events, and the run waits while the log is
                 # behind (it never runs far ahead of what is committed).
                 await run.pace()
-            if kind == "response.output_text.delta":
+            if kind == "response.output_text.delta" and ev.delta:  # (an empty chunk is no
+                # text: Chat Completions streams open with one, which the SDK passes on)
                 mid = ids.get(ev.output_index)
                 if mid is None:
                     mid = ids[ev.output_index] = run.message_id()

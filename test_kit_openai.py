@@ -256,6 +256,22 @@ async def test_stream_text_deltas_and_usage(stub, store, model_cls):
     assert kinds(await store.read(events[0].run_id)) == kinds(events)
 
 
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_an_empty_chunk_is_no_text_delta(stub, store, model_cls):
+    """OpenAI's Chat Completions stream opens with a chunk of empty content (``{"role":
+    "assistant", "content": ""}``), which the SDK passes on as a text delta: every streamed
+    reply's log began with a ``text.delta`` of no text (and SSE with ``data: {"delta":""}``)."""
+    stub.script.append(text("", "Hel", "", "lo", usage=(17, 4)))
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store) as deck:
+            events = [e async for e in deck.stream("bot", "Say hello")]
+    assert [e.payload.text for e in events if e.kind == "text.delta"] == ["Hel", "lo"]
+    [done] = [e for e in events if e.kind == "message.completed"]
+    assert done.payload.text == "Hello"
+    assert {e.message_id for e in events if e.kind in ("text.delta", "message.completed")} == {
+        done.message_id}
+
+
 def shout(word: str) -> str:
     """Shout a word."""
     return word.upper()
