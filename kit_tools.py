@@ -3,11 +3,11 @@
 Owns: a plain function compiled into an SDK ``FunctionTool`` (``compile_tool``: its schema the
 SDK's own, its ``Context[...]`` parameters hidden from the model and injected), an SDK tool the
 caller built, watched so its failures and refusals reach the log as a plain function's do and
-its ``ctx.context`` (in its calls, guardrails and ``is_enabled``) is the caller's object, as the
-SDK gives it (``watched``), the skills'
-catalog and the generated ``load_skill`` tool (``skill_catalog``, ``skill_tool``), an MCP tool
-call's error for the model (``mcp_tool_error``) and a tool call's origin in the log
-(``tool_origin``). kit_agents compiles the agent around them.
+its ``ctx.context`` (in its calls, guardrails and ``is_enabled``; an SDK agent's, played as a
+tool) is the caller's object, as the SDK gives it (``watched``), the skills' catalog and the
+generated ``load_skill`` tool (``skill_catalog``, ``skill_tool``), an MCP tool call's error for
+the model (``mcp_tool_error``) and a tool call's origin in the log (``tool_origin``). kit_agents
+compiles the agent around them.
 
 Must never: reach the event store or the Runtime (a call is recorded through the ``RunHandle``
 it carries as the SDK's run context), import kit_agents or anything above it, or write the
