@@ -144,13 +144,11 @@ def _message_text(item: Any) -> str:
 
 
 def _reply(item: Any) -> bool:
-    """Whether an output item is a reply: a message, unless it is a refusal (its parts refuse,
-    none is text), which is no completed message: the SDK fails the run with
-    ``ModelRefusalError``, whose ``run.failed`` says what the model refused with."""
-    if getattr(item, "type", None) != "message":
-        return False
-    parts = [getattr(p, "type", None) for p in getattr(item, "content", ()) or ()]
-    return "output_text" in parts or "refusal" not in parts
+    """Whether an output item is a reply: a message, unless a refusal (parts that refuse, none
+    text), no completed message: the SDK fails the run (``ModelRefusalError``, which quotes it)."""
+    parts = [getattr(p, "type", None) for p in getattr(item, "content", None) or ()]
+    return getattr(item, "type", None) == "message" and ("refusal" not in parts
+                                                          or "output_text" in parts)
 
 
 #: Set on an exception of a model call whose streamed text reached the log before it failed.
@@ -606,9 +604,7 @@ class AgentEngine:
             if session is not None and not isinstance(session, OpenAIConversationsSession):
                 session = _FencedSession(session, run)  # (the SDK treats that one by its type)
             config = self.limited(run_config, session)
-            if config.group_id is not None and run.namespace is not None:
-                # The session as kit's own trace names it (kit_tracing): two tenants' "s1" are
-                # two sessions in the SDK's trace too
+            if config.group_id is not None and run.namespace is not None:  # as kit's trace says
                 config = dataclasses.replace(config, group_id=f"{run.namespace}/{config.group_id}")
             result = await sdk.Runner.run(self.sdk_agent, items, context=run, hooks=_HOOKS,
                                           run_config=config, session=session, **self.turns)
