@@ -85,8 +85,9 @@ class ScriptedModel(_sdk.Model):
     token, a word with its leading space, per delta); ``{"tool": name, "args": {...}}`` (or a list
     of them) calls tools; ``{"json": obj}`` replies with structured output; ``{"refusal": text}``
     refuses (a message whose one part is a refusal, streamed as refusal deltas, as OpenAI's
-    models refuse); an exception instance is raised. With ``cycle=True`` the script repeats forever. Usage counts are real: input tokens
-    are the tokens of the instructions and input it was sent, output tokens those it produced.
+    models refuse); an exception instance is raised. With ``cycle=True`` the script repeats
+    forever. Usage counts are real: input tokens are the tokens of the instructions and input it
+    was sent, output tokens those it produced.
     ``name`` is the model name reported (and priced). ``calls`` keeps the last 64 requests.
 
     Raises ``ConfigError`` for a malformed script (checked here, not at the call that reaches

@@ -414,8 +414,9 @@ async def test_a_workflow_answered_after_a_restart_stays_a_workflow_in_its_trace
         ("invoke_workflow release", "chain", "COMPLETED")]
     assert attrs(roots[1])["kit.resumed_by"] == "answer"
     for root in roots:
-        assert attrs(root)["session.id"] == attrs(root)["gen_ai.conversation.id"] == "tenant-a/rel-42"
-        assert attrs(root)["kit.namespace"] == "tenant-a"
+        a = attrs(root)
+        assert a["session.id"] == a["gen_ai.conversation.id"] == "tenant-a/rel-42"
+        assert a["kit.namespace"] == "tenant-a"
 
 
 async def test_a_child_workflow_answered_by_another_process_keeps_its_name(receiver, tmp_path):
