@@ -1490,8 +1490,15 @@ async def test_a_caller_cancelled_before_its_run_reaches_the_engine_ends_it_at_o
     """Under trio, a run whose caller was cancelled before its engine task started (a task
     group cancelled right after ``start_soon``) had its asyncio task cancelled unstarted: the
     engine recorded no end (the run stayed RUNNING until its lease lapsed) and the caller
-    waited out the bridge's CANCEL_TIMEOUT (10 s)."""
-    async with Deck([Agent("a", model=ScriptedModel(["x"], cycle=True))], store=store) as deck:
+    waited out the bridge's CANCEL_TIMEOUT (10 s). The run's tool never returns: under trio the
+    engine plays on another thread, where a run that could finish might beat the cancel."""
+    async def wait() -> str:
+        await anyio.sleep_forever()
+        return "never"
+
+    model = ScriptedModel([{"tool": "wait"}, "x"])
+    async with Deck([Agent("a", tools=[wait], model=model),
+                     Agent("b", model=ScriptedModel(["x"]))], store=store) as deck:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(deck.run, "a", "go")
@@ -1499,7 +1506,7 @@ async def test_a_caller_cancelled_before_its_run_reaches_the_engine_ends_it_at_o
             [info] = await store.runs()
             assert (await store.read(info.run_id))[-1].payload == kit.RunCancelled(
                 "the caller was cancelled")
-            assert (await deck.run("a", "next")).output == "x"
+            assert (await deck.run("b", "next")).output == "x"
 
 
 async def test_a_reused_run_id_is_refused(store):
