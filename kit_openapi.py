@@ -238,6 +238,11 @@ def _op(op_id: str, summary: str, responses: dict[str, Any], errors: Iterable[st
     return op
 
 
+#: POST /mcp's body (its own 400 is JSON-RPC's parse error, so not ``_op``'s ``body``).
+_MCP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "description": "one JSON-RPC 2.0 message: a request, notification or "
+    "response"}}}}}
+
 #: Every route kit_http can serve, by ``(method, path)`` exactly as its route table spells them.
 OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/"): _op("playground", "The playground page (off with kit-serve --no-playground)",
@@ -335,7 +340,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         {"200": {"description": "A model object", "content": {
             "application/json": {"schema": {"type": "object"}}}}},
         ("404",), params=[_param("model")], error_schema="OpenAIError"),
-    **{(method, "/mcp"): _op(
+    **{(method, "/mcp"): {**_op(
         f"mcp{method.title()}", "The MCP server, streamable HTTP transport (KIT_SURFACES=mcp)",
         {"200": {"description": "JSON-RPC, as MCP's streamable HTTP transport specifies",
                  "content": {"application/json": {"schema": {"type": "object"}},
@@ -348,7 +353,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                  "text/event-stream"},
          **{code: _RESPONSES[code] for code in ("408", "413", "415") if method == "POST"}},
         description="Stateless: no MCP session lives between requests, so DELETE (ending one) "
-                    "is a 405.")
+                    "is a 405."), **(_MCP_BODY if method == "POST" else {})}
        for method in ("POST", "GET")},
 }
 

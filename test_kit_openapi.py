@@ -53,6 +53,9 @@ def test_every_route_that_reads_a_body_documents_how_a_body_is_refused():
     (413), not JSON (415); the document says so with the limits kit_request enforces."""
     doc = document(list(OPERATIONS))
     for (method, path), op in OPERATIONS.items():
+        # Every POST reads a body, so documents it (POST /mcp did not: a client built from the
+        # document sent none, and got the JSON-RPC parse error).
+        assert ("requestBody" in op) is (method == "POST"), (method, path)
         if "requestBody" in op:
             assert {"400", "408", "413", "415"} <= set(op["responses"]), (method, path)
     described = {code: r["description"] for code, r in doc["components"]["responses"].items()}
