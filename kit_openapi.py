@@ -367,7 +367,8 @@ def _head(get: dict[str, Any]) -> dict[str, Any]:
             response = _RESPONSES[response["$ref"].rpartition("/")[2]]
         responses[code] = {k: v for k, v in response.items() if k != "content"}
     return {**get, "operationId": get["operationId"] + "Head",
-            "summary": f"{get['summary']} (HEAD: the GET's headers, no body)", "responses": responses}
+            "summary": f"{get['summary']} (HEAD: the GET's headers, no body)",
+            "responses": responses}
 
 
 def document(routes: Iterable[tuple[str, str]], *, agents: Iterable[str] = (),
@@ -381,7 +382,8 @@ def document(routes: Iterable[tuple[str, str]], *, agents: Iterable[str] = (),
              "/v2/": sorted({*agents, *workflows})}
     paths: dict[str, dict[str, Any]] = {}
     for method, path in routes:
-        op = _head(OPERATIONS[("GET", path)]) if method == "HEAD" else dict(OPERATIONS[(method, path)])
+        op = (_head(OPERATIONS[("GET", path)]) if method == "HEAD"
+              else dict(OPERATIONS[(method, path)]))
         known = next((v for k, v in names.items() if path.startswith(k)), [])
         if known and "{name}" in path:
             op["parameters"] = [_param("name", schema={"enum": known}) if p["name"] == "name"
