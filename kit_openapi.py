@@ -309,7 +309,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
             _RUN_ID_PARAM,
             _param("after", "query", _SEQ, description="Resume after this seq"),
             _param("Last-Event-ID", "header", _SEQ,
-                   description="Resume after this seq (EventSource sends it); wins over after")],
+                   description="Resume after this seq (EventSource sends it); wins over after "
+                               "unless empty (no id seen yet)")],
         description=("Frames `id: <seq>`, `event: <kind>`, `data: <Event>` (the envelope, one "
                      "line of JSON), replayed from the log after the given seq, then live until "
                      "the run ends or parks (a run still parked stops at its parking event; ask "
