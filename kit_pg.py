@@ -38,8 +38,9 @@ even when its earlier attempt ended the run.
 
 The listener connection LISTENs on ``kit:<schema>`` and wakes this process's followers of the
 run named, or its control-request watchers (``StoreBase._woken``). It pings the server every
-``LISTEN_CHECK`` idle seconds; a lost connection is reopened with backoff (``RECONNECT_MAX``) and
-then every follower re-reads, so a notification lost while it was down costs nothing.
+``LISTEN_CHECK`` idle seconds; a lost connection (or one whose ping goes unanswered that long) is
+reopened with backoff (``RECONNECT_MAX``) and then every follower re-reads, so a notification
+lost while it was down costs nothing.
 
 psycopg's async API is asyncio-only. Under asyncio the store runs on the caller's loop; under
 trio it starts its own ``kit_bridge.Bridge`` (the store is opened before any Runtime, and users
@@ -93,8 +94,8 @@ POOL_TIMEOUT = 10.0
 #: psycopg's own 130 s, a server that accepts and never answers would hold a command or a
 #: starting replica that long.
 CONNECT_TIMEOUT = 5
-#: An idle listener pings the server this often (seconds), so a silently dead connection is
-#: noticed and reopened (followers re-read then).
+#: An idle listener pings the server this often (seconds), and a ping unanswered this long is a
+#: dead connection, reopened (followers re-read then).
 LISTEN_CHECK = 5.0
 #: Reconnection backoff of the listener: doubles from 0.1 s up to this (seconds).
 RECONNECT_MAX = 5.0
@@ -588,12 +589,18 @@ class PostgresStore(StoreBase):
         async with await psycopg.AsyncConnection.connect(
                 self._conninfo, autocommit=True, **_bounded(self._conninfo),
                 application_name=f"kit-listen:{self.schema}"[:63]) as conn:
-            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            with anyio.fail_after(LISTEN_CHECK):  # (a silent server: reconnected, below)
+                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             ready()
             while True:
                 async for note in conn.notifies(timeout=LISTEN_CHECK):
                     self._to_kit(self._heard(note.payload))
-                await conn.execute("SELECT 1")  # idle: is the connection still there?
+                # Idle: is the connection still there? An answer that does not come in time is
+                # a connection gone silent (a NAT or a firewall that forgot it, a peer gone
+                # without a reset): TCP would take ~15 min to say so, every other replica's
+                # commit unheard meanwhile.
+                with anyio.fail_after(LISTEN_CHECK):
+                    await conn.execute("SELECT 1")
 
     def _heard(self, payload: str) -> Callable[[], None]:
         """What a notification wakes: ``e <seq> <run_id>`` that run's followers, ``c <id>`` the

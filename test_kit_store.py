@@ -1009,6 +1009,65 @@ async def test_a_lost_listener_reconnects_and_its_followers_miss_nothing(postgre
     assert [e.seq for e in got] == [0, 1, 2]
 
 
+class Deafening:
+    """A TCP proxy in front of Postgres that, once ``deaf`` is set, stops passing bytes either
+    way on the listeners' connections open then (``kit-listen`` in their startup), without
+    closing them: connections a NAT or a firewall forgot, whose peer never answers again."""
+
+    def __init__(self) -> None:
+        self.deaf = anyio.Event()
+
+    async def serve(self, listener: anyio.abc.Listener, upstream_port: int) -> None:
+        async def handle(client: anyio.abc.ByteStream) -> None:
+            async with client, await anyio.connect_tcp("127.0.0.1", upstream_port) as server:
+                listening, old = False, not self.deaf.is_set()
+
+                async def pipe(a: anyio.abc.ByteStream, b: anyio.abc.ByteStream, up: bool) -> None:
+                    nonlocal listening
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        async for chunk in a:
+                            listening = listening or (up and b"kit-listen" in chunk)
+                            if listening and old and self.deaf.is_set():
+                                await anyio.sleep_forever()  # held: never passed, never closed
+                            await b.send(chunk)
+                    tg.cancel_scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(pipe, client, server, True)
+                    tg.start_soon(pipe, server, client, False)
+
+        await listener.serve(handle)
+
+
+async def test_a_listener_whose_connection_stops_answering_is_replaced(postgres_url, monkeypatch):
+    """A listener whose connection went silent (a NAT or a firewall that forgot it, a peer gone
+    without a reset) waited on its ping for as long as TCP took to give up (~15 min): every
+    commit of another replica went unheard meanwhile (its followers' streams stalled, a cancel
+    sent there for a run played here never reached it)."""
+    monkeypatch.setattr(kit_pg, "LISTEN_CHECK", 0.2)
+    proxy = Deafening()
+    got: list[Event] = []
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            anyio.create_task_group() as outer:
+        outer.start_soon(proxy.serve, listener, 5432)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with store_from_url(postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")) \
+                as reader, store_from_url(postgres_url) as writer:
+            async def collect() -> None:
+                async for e in reader.follow("r1"):
+                    got.append(e)
+
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(collect)
+                    await anyio.sleep(0.05)
+                    proxy.deaf.set()
+                    await anyio.sleep(0.5)  # its ping is held now
+                    await writer.append([started("r1"), ev("r1", 1, kit.RunCompleted("a"))])
+        outer.cancel_scope.cancel()
+    assert [e.seq for e in got] == [0, 1]
+
+
 async def test_postgres_a_retried_batch_that_committed_is_not_written_twice(postgres_url):
     """The writer retries a batch whose commit it could not confirm (the connection died after
     COMMIT was sent): the identical events found in the log are that commit, not a conflict."""
@@ -1437,3 +1496,4 @@ async def test_all_names_the_public_surface():
     assert set(kit_store.__all__) == public
     assert isinstance(MemoryStore(), kit.EventStorePort)
     assert isinstance(SQLiteStore(os.devnull), kit.EventStorePort)
+# appended to test_kit_store.py for probing
