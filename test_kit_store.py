@@ -1166,6 +1166,49 @@ async def test_postgres_schema_is_versioned_and_a_newer_one_refused(postgres_url
             pass
 
 
+async def test_a_replica_opening_while_another_commits_takes_no_lock_of_its_tables(postgres_url):
+    """Every open ran CREATE INDEX IF NOT EXISTS on the log's tables, which locks a table
+    against writers (SHARE) until the open commits even when the index is there: a replica
+    starting while others committed waited for their commits and held their next ones, and
+    one whose locks crossed a commit's (a run's end locks runs, then leases) deadlocked with it;
+    Postgres failed the open (DeadlockDetected), and the replica did not start."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1")], claims=[Claim("r1", "me", 30)])
+    other = psycopg.connect(conninfo, autocommit=True)  # another replica's commit, held half-way
+    look = psycopg.connect(conninfo, autocommit=True)
+    opened: list[BaseException | None] = []
+
+    async def open_one() -> None:
+        try:
+            async with store_from_url(postgres_url):
+                opened.append(None)
+        except Exception as exc:
+            opened.append(exc)
+
+    def waiting() -> bool:  # the opening store waits for a lock
+        return look.execute("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                            "WHERE NOT l.granted AND a.application_name = %s",
+                            (f"kit:{schema}",)).fetchone()[0] > 0
+    try:
+        other.execute(f'SET search_path TO "{schema}"')
+        other.execute("SET deadlock_timeout = '60s'")  # (the open, waiting first, finds it)
+        other.execute("BEGIN")
+        other.execute("UPDATE runs SET status = 'COMPLETED' WHERE run_id = 'r1'")  # as kit_append
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(open_one)
+                while not opened and not await anyio.to_thread.run_sync(waiting):
+                    await anyio.sleep(0.02)
+                await anyio.to_thread.run_sync(other.execute, "DELETE FROM leases WHERE run_id = 'r1'")
+                await anyio.to_thread.run_sync(other.execute, "COMMIT")
+    finally:
+        other.close()
+        look.close()
+    assert opened == [None]
+
+
 async def test_postgres_a_version_1_schema_is_upgraded_once_at_open(postgres_url):
     import psycopg
     async with store_from_url(postgres_url) as store:
