@@ -42,6 +42,11 @@ run named, or its control-request watchers (``StoreBase._woken``). It pings the 
 reopened with backoff (``RECONNECT_MAX``) and then every follower re-reads, so a notification
 lost while it was down costs nothing.
 
+Leases are on the server's clock, not each replica's: a store measures how far its own is off at
+open and at every renewal (``_skew``, a round trip's precision) and shifts the times it writes
+and compares, so a replica whose clock runs behind another's is not reaped by it as dead, nor
+one ahead the reaper of everyone else's live runs.
+
 psycopg's async API is asyncio-only. Under asyncio the store runs on the caller's loop; under
 trio it starts its own ``kit_bridge.Bridge`` (the store is opened before any Runtime, and users
 open it themselves) and every call crosses to it (one thread crossing per call, not per event:
@@ -54,6 +59,7 @@ import functools
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
@@ -443,6 +449,7 @@ class PostgresStore(StoreBase):
         self._pool: Any = None
         self._bridge: Bridge | None = None
         self._stop_listening: Callable[[], Any] | None = None
+        self._skew = 0.0  # the server's clock less this process's (seconds): ``_clock``
 
     def __repr__(self) -> str:
         return f"PostgresStore({masked(self.url)!r}{', read_only=True' * self.read_only})"
@@ -502,6 +509,8 @@ class PostgresStore(StoreBase):
     async def _connect(self) -> Any:
         pool = await open_pool(self._conninfo, self.schema, create=not self.read_only)
         try:
+            async with pool.connection() as conn:
+                await self._clock(conn, "")
             if self.read_only:  # an older schema reads as it is: its upgrades only add indexes
                 async with pool.connection() as conn:
                     if await self._version(conn) is None:
@@ -537,6 +546,14 @@ class PostgresStore(StoreBase):
             await pool.close()
             raise
         return pool
+
+    async def _clock(self, conn: Any, statement: str, args: Sequence[Any] = ()) -> None:
+        """Run ``statement`` (a CTE, or nothing) on ``conn`` and measure ``_skew`` by the same
+        round trip: the server's clock less this process's, at the middle of the trip."""
+        before = time.time()
+        row = await (await conn.execute(
+            statement + "SELECT extract(epoch FROM clock_timestamp())::float8", args)).fetchone()
+        self._skew = row[0] - (before + time.time()) / 2
 
     async def _refuse_foreign(self, conn: Any) -> None:
         """Raise ``ConfigError`` when the schema has a table of one of kit's tables' names with
@@ -624,6 +641,7 @@ class PostgresStore(StoreBase):
     # --------------------------------------------------------------------------- hooks --
     async def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:
         psycopg = _psycopg()
+        now += self._skew  # (the server's clock: leases compare across replicas)
         args = _append_args(events, claims, now, self.channel)
         for attempt in range(_TAKEOVERS + 1):
             try:
@@ -719,17 +737,22 @@ class PostgresStore(StoreBase):
     async def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None:
         # On a live connection: a pool whose connections were dropped (a failover, an idle
         # timeout) must not cost a renewal, or another replica reaps this one's live runs.
-        sql = "UPDATE leases SET lease_until = %s WHERE owner = %s AND lease_until IS NOT NULL"
+        # The same round trip measures the clock again (``_clock``).
+        sql = ("WITH renewed AS (UPDATE leases SET lease_until = %s WHERE owner = %s "
+               "AND lease_until IS NOT NULL{}) ")
 
         async def renew(conn: Any) -> None:
             if run_ids is None:
-                await conn.execute(sql, (until, owner))
+                await self._clock(conn, sql.format(""), (until + self._skew, owner))
             else:
-                await conn.execute(sql + " AND run_id = ANY(%s::text[])", (until, owner, run_ids))
+                await self._clock(conn, sql.format(" AND run_id = ANY(%s::text[])"),
+                                  (until + self._skew, owner, run_ids))
         await self._on_live(renew)
 
     async def _reap(self, now: float) -> list[str]:
         # Locked and skipped: two reapers (two replicas) never abandon the same run twice.
+        now += self._skew
+
         async def reap(conn: Any) -> list[str]:
             async with conn.transaction():
                 lapsed = [r for (r,) in await (await conn.execute(
@@ -747,7 +770,7 @@ class PostgresStore(StoreBase):
 
     async def _lease_until(self, run_id: str) -> float | None:
         rows = await self._fetch("SELECT lease_until FROM leases WHERE run_id = %s", (run_id,))
-        return rows[0][0] if rows else None
+        return rows[0][0] - self._skew if rows and rows[0][0] is not None else None
 
     async def _request(self, run_id: str, action: str, reason: str | None, source: str | None,
                        at: float) -> int:

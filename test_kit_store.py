@@ -824,6 +824,50 @@ async def test_a_killed_process_lease_lapses_and_its_session_is_taken_over(share
         assert (await store.run_info("old")).status is RunStatus.FAILED
 
 
+CHILD_BEHIND = """
+import sys, time
+_clock = time.time
+time.time = lambda: _clock() - 60  # this machine's clock is a minute behind
+import anyio, kit, kit_pg
+async def main():
+    async with kit_pg.store_from_url(sys.argv[1]) as store:
+        await store.append([kit.Event("r1", 0, kit.RunStarted("child", "agent", "s"))],
+                           claims=[kit.Claim("r1", "child", 1.5, session_id="s")])
+        print("started", flush=True)
+        while True:  # a live run: renewed every third of its lease
+            await anyio.sleep(0.5)
+            await store.renew("child", 1.5)
+anyio.run(main)
+"""
+
+
+async def test_postgres_leases_hold_between_replicas_whose_clocks_disagree(postgres_url):
+    """Leases were written and checked on each replica's own clock: a replica whose clock ran
+    behind another's by more than a lease's remaining time had its live runs reaped as abandoned
+    by the other (their turns lost, their sessions taken), and one ahead reaped everyone else's.
+    They are on the database server's clock now."""
+    async with store_from_url(postgres_url) as store:
+        with anyio.fail_after(30):
+            async with await spawn(CHILD_BEHIND, postgres_url) as proc:
+                try:
+                    assert await readline(proc) == "started"
+                    for _ in range(10):  # three leases of reaping, while the child renews
+                        assert await store.reap() == []
+                        await anyio.sleep(0.3)
+                    with pytest.raises(kit.SessionBusyError):
+                        await store.append([started("new", session_id="s")],
+                                           claims=[Claim("new", "me", 30, session_id="s")])
+                    until = await store.lease_until("r1")
+                    assert time.time() < until <= time.time() + 1.5  # on this process's clock
+                finally:
+                    proc.kill()  # SIGKILL: it never renews again
+                    await proc.wait()
+            while not await store.reap():  # its lease lapses: reaped
+                await anyio.sleep(0.1)
+        log = await store.read("r1")
+        assert kinds(log) == ["run.started", "run.failed"] and log[-1].payload.error == "RunAbandoned"
+
+
 async def test_two_processes_append_concurrently_without_lock_errors(shared_url):
     async with store_from_url(shared_url) as store:
         with anyio.fail_after(25):
