@@ -613,21 +613,24 @@ class PostgresStore(StoreBase):
         """Asyncio side: LISTEN on the store's channel and fan each notification out."""
         psycopg = _psycopg()
         from psycopg import sql
+
+        async def answered(statement: Any) -> None:
+            # An answer that does not come in time is a connection gone silent (a NAT or a
+            # firewall that forgot it, a peer gone without a reset): TCP would take ~15 min to
+            # say so, every other replica's commit unheard meanwhile. Reconnected instead.
+            with anyio.move_on_after(LISTEN_CHECK):
+                return await conn.execute(statement)
+            raise TimeoutError(f"the server did not answer the listener within {LISTEN_CHECK:g} s")
+
         async with await psycopg.AsyncConnection.connect(
                 self._conninfo, autocommit=True, **_bounded(self._conninfo),
                 application_name=f"kit-listen:{self.schema}"[:63]) as conn:
-            with anyio.fail_after(LISTEN_CHECK):  # (a silent server: reconnected, below)
-                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            await answered(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             ready()
             while True:
                 async for note in conn.notifies(timeout=LISTEN_CHECK):
                     self._to_kit(self._heard(note.payload))
-                # Idle: is the connection still there? An answer that does not come in time is
-                # a connection gone silent (a NAT or a firewall that forgot it, a peer gone
-                # without a reset): TCP would take ~15 min to say so, every other replica's
-                # commit unheard meanwhile.
-                with anyio.fail_after(LISTEN_CHECK):
-                    await conn.execute("SELECT 1")
+                await answered("SELECT 1")  # idle: is the connection still there?
 
     def _heard(self, payload: str) -> Callable[[], None]:
         """What a notification wakes: ``e <seq> <run_id>`` that run's followers, ``c <id>`` the
