@@ -70,9 +70,9 @@ import sniffio
 from kit_bridge import Bridge, spawn
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunInfo,
                       RunStarted, RunStatus, SessionBusyError, fold_status)
-from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, RUN_COLUMNS, RUN_INDEXES, MemoryStore,
-                       SQLiteStore, abandoned, by_run, event_of, event_row, foreign_table, run_row,
-                       runs_query)
+from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, LAST_EVENTS, RUN_COLUMNS, RUN_INDEXES,
+                       MemoryStore, SQLiteStore, abandoned, by_run, event_of, event_row,
+                       foreign_table, run_row, runs_query)
 from kit_storebase import StoreBase, masked
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "open_pool", "setup_lock",
@@ -798,6 +798,10 @@ class PostgresStore(StoreBase):
 
     async def _last_request(self) -> int:
         return (await self._fetch("SELECT coalesce(max(id), 0) FROM controls"))[0][0]
+
+    async def _last_events(self, run_ids: list[str]) -> dict[str, Event]:
+        rows = await self._fetch(LAST_EVENTS + " = ANY(%s::text[])", (run_ids,))
+        return {(event := event_of(body)).run_id: event for (body,) in rows}
 
 
 # ==================================================================================== factory ====

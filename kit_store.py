@@ -51,7 +51,8 @@ from kit_storebase import NotJSONError, StoreBase
 
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
            "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS",
-           "RUN_INDEXES", "CONTROLS_INDEX", "WAL_LIMIT", "ENDED", "KIT_COLUMNS", "foreign_table")
+           "RUN_INDEXES", "CONTROLS_INDEX", "LAST_EVENTS", "WAL_LIMIT", "ENDED", "KIT_COLUMNS",
+           "foreign_table")
 
 #: WAL checkpoints run on a thread of their own, after this many commits: on the event loop, a
 #: checkpoint (page copies and an fsync) stalls every stream for milliseconds, and costs ~12 us
@@ -134,6 +135,10 @@ _SCHEMA = (
     "action TEXT NOT NULL, reason TEXT, source TEXT, at REAL NOT NULL)",
     CONTROLS_INDEX,
 )
+#: The last events of chosen runs (``last_events``): the run index's ``last_seq`` of each is its
+#: event's key (the caller adds which runs: ``IN (...)`` or ``= ANY(...)``).
+LAST_EVENTS = ("SELECT e.body FROM runs r JOIN events e ON e.run_id = r.run_id "
+               "AND e.seq = r.last_seq WHERE r.run_id")
 RUN_COLUMNS = ("run_id, name, invocable, session_id, namespace, status, started_at, parent_run_id, "
                "last_seq")
 #: The columns of kit's tables, as ``_SCHEMA`` (and ``kit_pg``'s tables) make them. A database
@@ -574,6 +579,16 @@ class SQLiteStore(StoreBase):
     def _last_request(self) -> int:
         return self._con.execute("SELECT coalesce(max(id), 0) FROM controls").fetchone()[0]
 
+    def _last_events(self, run_ids: list[str]) -> dict[str, Event]:
+        out: dict[str, Event] = {}
+        for i in range(0, len(run_ids), 500):  # a few hundred ids a query, as in _requests
+            chunk = run_ids[i:i + 500]
+            for (body,) in self._con.execute(f"{LAST_EVENTS} IN ({','.join('?' * len(chunk))})",
+                                             chunk).fetchall():
+                event = event_of(body)
+                out[event.run_id] = event
+        return out
+
 
 # ===================================================================================== memory ====
 
@@ -724,6 +739,9 @@ class MemoryStore(StoreBase):
 
     def _last_request(self) -> int:
         return len(self._controls)
+
+    def _last_events(self, run_ids: list[str]) -> dict[str, Event]:
+        return {run_id: self._logs[run_id][-1] for run_id in run_ids if self._logs.get(run_id)}
 
     def _holder(self, session_id: str, namespace: str) -> str | None:
         return next((r for r, lease in self._leases.items()

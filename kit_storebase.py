@@ -383,6 +383,12 @@ class StoreBase:
         when given (a read of an index, not of every request)."""
         return await self._call(self._requests, after, None if run_ids is None else list(run_ids))
 
+    async def last_events(self, run_ids: Sequence[str]) -> dict[str, Event]:
+        """The last event of each run of ``run_ids`` in the log, by run id, in one read (a run
+        the log does not have is left out): the ends of many runs, where ``read(run_id,
+        after=info.last_seq - 1)`` is a read each (a round trip each, on Postgres)."""
+        return await self._call(self._last_events, list(run_ids))
+
     async def last_request_id(self) -> int:
         """The id of the newest control request (0: none yet)."""
         return await self._call(self._last_request)
@@ -415,4 +421,5 @@ class StoreBase:
     def _lease_until(self, run_id: str) -> float | None: ...
     def _request(self, run_id: str, action: str, reason: str | None, source: str | None, at: float) -> int: ...
     def _requests(self, after: int, run_ids: list[str] | None) -> list[ControlRequest]: ...
+    def _last_events(self, run_ids: list[str]) -> dict[str, Event]: ...
     def _last_request(self) -> int: ...

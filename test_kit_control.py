@@ -16,6 +16,7 @@ from langgraph.graph import END, START, StateGraph
 import kit
 from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
 import kit_sessions
+from kit_pg import PostgresStore
 from kit_store import SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -442,3 +443,28 @@ async def test_a_pause_after_a_cancel_does_not_undo_it(store):
         assert [e.payload for e in log[-2:]] == [
             kit.ControlRequested("cancel", "stop it", "api"), kit.RunCancelled("stop it")]
         assert (await deck.run("worker", "again", session_id="s1")).output  # the session is free
+
+
+
+async def test_pending_reads_the_waiting_runs_questions_in_one_read_not_one_each(postgres_url):
+    """deck.pending() (GET /workflows/pending) read each waiting run's question with a read
+    of its own: a round trip per run on Postgres (5,000 waiting runs: 0.5-3.4 s a listing,
+    measured, against ~25 ms for one read of them all)."""
+    graph = StateGraph(State).add_node("ask", ask_with_context)
+    graph.add_edge(START, "ask").add_edge("ask", END)
+    reads: list[str] = []
+
+    class Reads(PostgresStore):  # which runs' logs are read
+        async def read(self, run_id, after=-1):
+            reads.append(run_id)
+            return await super().read(run_id, after)
+
+    async with Reads(postgres_url) as store, \
+            Deck(workflows=[Workflow("asks", graph)], store=store) as deck:
+        parked = [await deck.run("asks", {"log": []}, context={"who": "ann"}) for _ in range(3)]
+        await deck.answer(parked[1].run_id, "yes", {"who": "bob"})  # no longer waiting
+        reads.clear()
+        pending = await deck.pending()
+    assert [(p.run_id, p.payload) for p in pending] == [
+        (parked[0].run_id, {"question": "ok?"}), (parked[2].run_id, {"question": "ok?"})]
+    assert reads == []

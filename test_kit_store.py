@@ -201,6 +201,14 @@ async def test_lease_until_says_when_a_live_runs_claim_lapses_and_none_once_it_p
     assert await store.lease_until("done") is None and await store.lease_until("nope") is None
 
 
+async def test_last_events_reads_the_end_of_many_runs_at_once(store):
+    await store.append([started("a"), ev("a", 1, kit.TextDelta("x")), started("b"), started("c")])
+    await store.append([ev("a", 2, kit.RunCompleted("x")), ev("c", 1, kit.RunPaused("wait"))])
+    last = await store.last_events(["c", "a", "b", "unknown"])
+    assert last == {"a": (await store.read("a"))[-1], "b": (await store.read("b"))[-1],
+                    "c": (await store.read("c"))[-1]}
+    assert [last[r].seq for r in "abc"] == [2, 0, 1] and await store.last_events([]) == {}
+
 async def test_runs_listing_filters_and_status_folding(store):
     ends = {"done": kit.RunCompleted("ok"), "asked": kit.RunInterrupted("i1", {"q": 1}, "t1"),
             "asleep": kit.RunSleeping("2030-01-01T00:00:00+00:00"), "held": kit.RunPaused("safe"),
