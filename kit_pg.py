@@ -18,8 +18,10 @@ right above ``kit_store``: under trio it plays its I/O on a ``Bridge``.
 
 Theory of operation
 -------------------
-One ``PostgresStore`` holds a psycopg pool (``POOL_MAX`` connections, autocommit, its schema as
-``search_path``) and one listening connection. Every call is one round trip where it matters:
+One ``PostgresStore`` holds two psycopg pools (autocommit, its schema as ``search_path``): one for
+reads (``POOL_MAX`` connections), one for writes (``WRITE_POOL``: commits, lease renewals and
+reaping, control requests), so however many readers wait, a commit or a renewal never queues
+behind them; and one listening connection. Every call is one round trip where it matters:
 ``append`` is one call of the ``kit_append`` function, created with the schema, which takes the
 claims, inserts the events, indexes the runs, frees or parks leases and sends one ``NOTIFY`` per
 run, in the single transaction of that statement (a round trip costs ~100-170 us here, a
@@ -76,7 +78,8 @@ from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, LAST_EVENTS, RUN_COLUMNS, RU
 from kit_storebase import StoreBase, masked
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "open_pool", "setup_lock",
-           "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT", "CONNECT_TIMEOUT",
+           "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "WRITE_POOL", "POOL_TIMEOUT",
+           "CONNECT_TIMEOUT",
            "LISTEN_CHECK", "RECONNECT_MAX")
 
 #: The version of the tables this module creates (row ``schema_version`` of ``kit_meta``). A
@@ -88,10 +91,15 @@ __all__ = ("PostgresStore", "store_from_url", "pg_url", "open_pool", "setup_lock
 SCHEMA_VERSION = 3
 #: The schema a ``postgresql://`` URL without ``?schema=`` uses.
 DEFAULT_SCHEMA = "kit"
-#: Connections per store: the writer's one batch at a time, plus readers (HTTP replays, status,
-#: pending). Three replicas of kit-serve with their checkpointers stay far below Postgres's
-#: default ``max_connections`` of 100.
+#: Connections per store for reads (HTTP replays, status, pending). Three replicas of kit-serve
+#: with their checkpointers stay far below Postgres's default ``max_connections`` of 100.
 POOL_MAX = 8
+#: Connections per store for writes, apart from the readers': the writer's one batch at a time,
+#: a lease renewal or a reap, a control request. With one pool, first come first served, 40
+#: replays of a 50,000-event run at once held a renewal 10.3 s (measured) and 100 past
+#: ``POOL_TIMEOUT``: the renewal failed (another replica then reaps the live runs it did not
+#: renew), and the writer's commits queued behind the same readers.
+WRITE_POOL = 2
 #: How long a call waits for a pooled connection (seconds): past it, the database is down for
 #: this call (the writer retries its batch; a reader gets the error).
 POOL_TIMEOUT = 10.0
@@ -169,8 +177,8 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, cre
                     name: str = "kit", check: bool = False, **kwargs: Any) -> Any:
     """On asyncio: an open ``psycopg_pool.AsyncConnectionPool`` of autocommit connections whose
     ``search_path`` is ``schema`` (created if missing, unless ``create`` is false), named
-    ``<name>:<schema>`` in ``pg_stat_activity`` (the log's pool is ``kit:<schema>``, the
-    listener ``kit-listen:<schema>``).
+    ``<name>:<schema>`` in ``pg_stat_activity`` (the log's pools are ``kit:<schema>`` and
+    ``kit-write:<schema>``, the listener ``kit-listen:<schema>``).
     ``kwargs`` go to each connection; a connect is bounded (``CONNECT_TIMEOUT``) unless
     ``conninfo`` sets a bound. With ``check``, a connection is tested when taken (a round trip
     each time): one the server dropped while it sat idle (a restart, a failover, an idle timeout)
@@ -446,7 +454,8 @@ class PostgresStore(StoreBase):
         self._conninfo, self.schema = pg_url(url)
         self.url, self.read_only = url, bool(read_only)
         self.channel = f"kit:{self.schema}"
-        self._pool: Any = None
+        self._pool: Any = None  # the readers'
+        self._writes: Any = None  # the writers' (``WRITE_POOL``)
         self._bridge: Bridge | None = None
         self._stop_listening: Callable[[], Any] | None = None
         self._skew = 0.0  # the server's clock less this process's (seconds): ``_clock``
@@ -482,9 +491,10 @@ class PostgresStore(StoreBase):
             if self._stop_listening is not None:
                 stop, self._stop_listening = self._stop_listening, None
                 await stop()
-            if self._pool is not None:
-                pool, self._pool = self._pool, None
-                await self._io(pool.close)
+            for name in ("_writes", "_pool"):
+                if (pool := getattr(self, name)) is not None:
+                    setattr(self, name, None)
+                    await self._io(pool.close)
             if self._bridge is not None:
                 bridge, self._bridge = self._bridge, None
                 await bridge.stop()
@@ -542,6 +552,8 @@ class PostgresStore(StoreBase):
                     await conn.execute("INSERT INTO kit_meta VALUES ('schema_version', %s) "
                                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                                        (str(SCHEMA_VERSION),))
+            self._writes = await open_pool(self._conninfo, self.schema, max_size=WRITE_POOL,
+                                           create=False, name="kit-write")
         except BaseException:
             await pool.close()
             raise
@@ -648,7 +660,7 @@ class PostgresStore(StoreBase):
         args = _append_args(events, claims, now, self.channel)
         for attempt in range(_TAKEOVERS + 1):
             try:
-                async with self._pool.connection() as conn:
+                async with self._writes.connection() as conn:
                     await conn.execute(_APPEND_CALL, args)
                 return
             except psycopg.Error as exc:
@@ -670,7 +682,7 @@ class PostgresStore(StoreBase):
                     # A dead connection (a restart, a failover): so is every idle one, each
                     # a retry and backoff of the writer's. Dropped now (``_on_live``), the
                     # writer's retry gets a live one.
-                    await self._pool.check()
+                    await self._writes.check()
                 raise
 
     async def _busy_session(self, claims: Sequence[Claim]) -> None:
@@ -683,7 +695,7 @@ class PostgresStore(StoreBase):
 
     async def _take_over(self, run_id: str, now: float) -> None:
         """Abandon ``run_id`` if its lease has still lapsed (another claimant may be at it)."""
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._writes.connection() as conn, conn.transaction():
             if await (await conn.execute(
                     "SELECT 1 FROM leases WHERE run_id = %s AND lease_until < %s "
                     "FOR UPDATE SKIP LOCKED", (run_id, now))).fetchone():
@@ -700,27 +712,30 @@ class PostgresStore(StoreBase):
         await conn.execute("DELETE FROM leases WHERE run_id = %s", (run_id,))
         await conn.execute("SELECT pg_notify(%s, %s)", (self.channel, f"e {event.seq} {run_id}"))
 
-    async def _fetch(self, query: str, args: Sequence[Any] = (), *,
-                     again: bool = True) -> list[tuple[Any, ...]]:
+    async def _fetch(self, query: str, args: Sequence[Any] = (), *, again: bool = True,
+                     write: bool = False) -> list[tuple[Any, ...]]:
         """Rows of ``query``; with ``again`` (a read), once more on a live connection when the
-        first turns out dead (``_on_live``)."""
+        first turns out dead (``_on_live``); ``write``: on a connection of the writers' pool."""
         async def fetch(conn: Any) -> list[tuple[Any, ...]]:
             return await (await conn.execute(query, args)).fetchall()
-        return await self._on_live(fetch, again=again)
+        return await self._on_live(fetch, again=again, write=write)
 
-    async def _on_live(self, work: Callable[[Any], Any], *, again: bool = True) -> Any:
-        """``await work(conn)`` on a pooled connection; with ``again`` (work that may run twice:
-        a read, an idempotent write, a transaction that rolls back when its connection dies),
-        once more when that connection turns out dead, after the pool has dropped every dead
-        one (after a server restart or a failover, all are)."""
+    async def _on_live(self, work: Callable[[Any], Any], *, again: bool = True,
+                       write: bool = False) -> Any:
+        """``await work(conn)`` on a pooled connection (the writers' pool with ``write``); with
+        ``again`` (work that may run twice: a read, an idempotent write, a transaction that
+        rolls back when its connection dies), once more when that connection turns out dead,
+        after the pool has dropped every dead one (after a server restart or a failover, all
+        are)."""
+        pool = self._writes if write else self._pool
         try:
-            async with self._pool.connection() as conn:
+            async with pool.connection() as conn:
                 return await work(conn)
         except _psycopg().OperationalError:
             if not again:
                 raise
-        await self._pool.check()
-        return await self._on_live(work, again=False)
+        await pool.check()
+        return await self._on_live(work, again=False, write=write)
 
     async def _read(self, run_id: str, after: int) -> list[Event]:
         rows = await self._fetch("SELECT body FROM events WHERE run_id = %s AND seq > %s "
@@ -750,7 +765,7 @@ class PostgresStore(StoreBase):
             else:
                 await self._clock(conn, sql.format(" AND run_id = ANY(%s::text[])"),
                                   (until + self._skew, owner, run_ids))
-        await self._on_live(renew)
+        await self._on_live(renew, write=True)
 
     async def _reap(self, now: float) -> list[str]:
         # Locked and skipped: two reapers (two replicas) never abandon the same run twice.
@@ -764,7 +779,7 @@ class PostgresStore(StoreBase):
                 for run_id in lapsed:
                     await self._abandon(conn, run_id)
             return lapsed
-        return await self._on_live(reap)
+        return await self._on_live(reap, write=True)
 
     async def _holder(self, session_id: str, namespace: str) -> str | None:
         rows = await self._fetch("SELECT run_id FROM leases WHERE namespace = %s AND "
@@ -787,7 +802,7 @@ class PostgresStore(StoreBase):
             "SELECT %s, %s, %s, %s, %s FROM l RETURNING id) "
             "SELECT id, pg_notify(%s, 'c ' || id) FROM r",
             (f"kit:controls:{self.schema}", run_id, action, reason, source, at, self.channel),
-            again=False)  # not twice
+            again=False, write=True)  # not twice
         return rows[0][0]
 
     async def _requests(self, after: int, run_ids: list[str] | None) -> list[ControlRequest]:

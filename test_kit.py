@@ -1332,8 +1332,9 @@ async def test_a_run_outlives_postgres_dropping_its_connections(postgres_url, an
             kills = 0
             with anyio.fail_after(60):
                 async for event in deck.stream("a", "go", committed=True):
-                    if event.kind == "text.delta" and event.seq % 50 == 0:
-                        kills += await anyio.to_thread.run_sync(kill_connections, postgres_url, "kit")
+                    if event.kind == "text.delta" and event.seq % 50 == 0:  # the writers' pool
+                        kills += await anyio.to_thread.run_sync(kill_connections, postgres_url,
+                                                                "kit-write")
             log = await store.read(event.run_id)
     assert kills and event.kind == "run.completed"
     assert [e.seq for e in log] == list(range(len(log))) and log[-1].kind == "run.completed"
