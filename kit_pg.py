@@ -78,7 +78,7 @@ from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, LAST_EVENTS, RUN_COLUMNS, RU
 from kit_storebase import StoreBase, masked
 
 __all__ = ("PostgresStore", "store_from_url", "pg_url", "open_pool", "setup_lock",
-           "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "WRITE_POOL", "POOL_TIMEOUT",
+           "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "WRITE_POOL", "WRITE_TIMEOUT", "POOL_TIMEOUT",
            "CONNECT_TIMEOUT",
            "LISTEN_CHECK", "RECONNECT_MAX")
 
@@ -100,6 +100,12 @@ POOL_MAX = 8
 #: ``POOL_TIMEOUT``: the renewal failed (another replica then reaps the live runs it did not
 #: renew), and the writer's commits queued behind the same readers.
 WRITE_POOL = 2
+#: How long a write (a commit, a renewal, a reap, a control request) may wait for its answer
+#: (seconds): past it the connection is taken for one gone silent (a NAT or a firewall that
+#: forgot it, a frozen peer), which TCP would take ~15 min to call dead, every run of the
+#: replica stalled behind the writer meanwhile; the write fails (``TimeoutError``), and the
+#: writer's retry goes on another connection (a retried commit is safe: see above).
+WRITE_TIMEOUT = 10.0
 #: How long a call waits for a pooled connection (seconds): past it, the database is down for
 #: this call (the writer retries its batch; a reader gets the error).
 POOL_TIMEOUT = 10.0
@@ -434,6 +440,14 @@ def _append_args(events: list[Event], claims: Sequence[Claim], now: float,
 
 # ====================================================================================== store ====
 
+async def _answered(write: Any) -> Any:
+    """``await write``, or ``TimeoutError`` past ``WRITE_TIMEOUT`` (psycopg then closes the
+    connection, which the pool drops)."""
+    with anyio.move_on_after(WRITE_TIMEOUT):
+        return await write
+    raise TimeoutError(f"the server did not answer a write within {WRITE_TIMEOUT:g} s")
+
+
 class PostgresStore(StoreBase):
     """The log in one schema of a PostgreSQL database, shared by every replica that opens it.
 
@@ -661,7 +675,7 @@ class PostgresStore(StoreBase):
         for attempt in range(_TAKEOVERS + 1):
             try:
                 async with self._writes.connection() as conn:
-                    await conn.execute(_APPEND_CALL, args)
+                    await _answered(conn.execute(_APPEND_CALL, args))
                 return
             except psycopg.Error as exc:
                 code, diag = exc.sqlstate, exc.diag
@@ -730,7 +744,7 @@ class PostgresStore(StoreBase):
         pool = self._writes if write else self._pool
         try:
             async with pool.connection() as conn:
-                return await work(conn)
+                return await (_answered(work(conn)) if write else work(conn))
         except _psycopg().OperationalError:
             if not again:
                 raise

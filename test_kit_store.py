@@ -1105,11 +1105,12 @@ async def test_a_lost_listener_reconnects_and_its_followers_miss_nothing(postgre
 
 class Deafening:
     """A TCP proxy in front of Postgres that, once ``deaf`` is set, stops passing bytes either
-    way on the listeners' connections open then (``kit-listen`` in their startup), without
-    closing them: connections a NAT or a firewall forgot, whose peer never answers again."""
+    way on the connections named ``name`` open then (in their startup: ``kit-listen``, the
+    listeners), without closing them: connections a NAT or a firewall forgot, whose peer never
+    answers again."""
 
-    def __init__(self) -> None:
-        self.deaf = anyio.Event()
+    def __init__(self, name: bytes = b"kit-listen") -> None:
+        self.deaf, self.name = anyio.Event(), name
 
     async def serve(self, listener: anyio.abc.Listener, upstream_port: int) -> None:
         async def handle(client: anyio.abc.ByteStream) -> None:
@@ -1120,7 +1121,7 @@ class Deafening:
                     nonlocal listening
                     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                         async for chunk in a:
-                            listening = listening or (up and b"kit-listen" in chunk)
+                            listening = listening or (up and self.name in chunk)
                             if listening and old and self.deaf.is_set():
                                 await anyio.sleep_forever()  # held: never passed, never closed
                             await b.send(chunk)
@@ -1161,6 +1162,30 @@ async def test_a_listener_whose_connection_stops_answering_is_replaced(postgres_
         outer.cancel_scope.cancel()
     assert [e.seq for e in got] == [0, 1]
 
+
+
+async def test_a_commit_whose_connection_stops_answering_is_retried_on_another(postgres_url,
+                                                                                monkeypatch):
+    """A commit sent on a connection gone silent waited for as long as TCP took to give up
+    (~15 min; forever behind a frozen peer), the writer with it: every run of the replica
+    stalled, though the server took new connections. It gives up after WRITE_TIMEOUT, and
+    the writer's retry commits it on another connection, once."""
+    monkeypatch.setattr(kit_pg, "WRITE_TIMEOUT", 0.5)
+    proxy = Deafening(b"kit-write")
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            anyio.create_task_group() as outer:
+        outer.start_soon(proxy.serve, listener, 5432)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with store_from_url(postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")) \
+                as store:
+            with anyio.fail_after(20):
+                await store.append([started("r1")])
+                proxy.deaf.set()
+                with pytest.raises(TimeoutError):  # its outcome unknown: the writer retries
+                    await store.append([ev("r1", 1, kit.RunCompleted("a"))])
+                await store.append([ev("r1", 1, kit.RunCompleted("a"))])
+                assert kinds(await store.read("r1")) == ["run.started", "run.completed"]
+        outer.cancel_scope.cancel()
 
 async def test_postgres_a_retried_batch_that_committed_is_not_written_twice(postgres_url):
     """The writer retries a batch whose commit it could not confirm (the connection died after
