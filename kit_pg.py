@@ -735,21 +735,22 @@ class PostgresStore(StoreBase):
         return await self._on_live(fetch, again=again, write=write)
 
     async def _on_live(self, work: Callable[[Any], Any], *, again: bool = True,
-                       write: bool = False) -> Any:
-        """``await work(conn)`` on a pooled connection (the writers' pool with ``write``); with
-        ``again`` (work that may run twice: a read, an idempotent write, a transaction that
-        rolls back when its connection dies), once more when that connection turns out dead,
-        after the pool has dropped every dead one (after a server restart or a failover, all
-        are)."""
+                       write: bool = False, bound: bool = True) -> Any:
+        """``await work(conn)`` on a pooled connection (the writers' pool with ``write``: its
+        answer within ``WRITE_TIMEOUT`` unless ``bound`` is false, for work that bounds its own
+        steps); with ``again`` (work that may run twice: a read, an idempotent write, a
+        transaction that rolls back when its connection dies), once more when that connection
+        turns out dead, after the pool has dropped every dead one (after a server restart or a
+        failover, all are)."""
         pool = self._writes if write else self._pool
         try:
             async with pool.connection() as conn:
-                return await (_answered(work(conn)) if write else work(conn))
+                return await (_answered(work(conn)) if write and bound else work(conn))
         except _psycopg().OperationalError:
             if not again:
                 raise
         await pool.check()
-        return await self._on_live(work, again=False, write=write)
+        return await self._on_live(work, again=False, write=write, bound=bound)
 
     async def _read(self, run_id: str, after: int) -> list[Event]:
         rows = await self._fetch("SELECT body FROM events WHERE run_id = %s AND seq > %s "
@@ -787,13 +788,13 @@ class PostgresStore(StoreBase):
 
         async def reap(conn: Any) -> list[str]:
             async with conn.transaction():
-                lapsed = [r for (r,) in await (await conn.execute(
+                lapsed = [r for (r,) in await (await _answered(conn.execute(
                     "SELECT run_id FROM leases WHERE lease_until IS NOT NULL AND lease_until < %s "
-                    "ORDER BY run_id FOR UPDATE SKIP LOCKED", (now,))).fetchall()]
-                for run_id in lapsed:
-                    await self._abandon(conn, run_id)
+                    "ORDER BY run_id FOR UPDATE SKIP LOCKED", (now,)))).fetchall()]
+                for run_id in lapsed:  # each run's answer bounded, not the whole: a dead
+                    await _answered(self._abandon(conn, run_id))  # replica's thousand runs
             return lapsed
-        return await self._on_live(reap, write=True)
+        return await self._on_live(reap, write=True, bound=False)
 
     async def _holder(self, session_id: str, namespace: str) -> str | None:
         rows = await self._fetch("SELECT run_id FROM leases WHERE namespace = %s AND "
