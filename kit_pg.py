@@ -94,17 +94,13 @@ DEFAULT_SCHEMA = "kit"
 #: Connections per store for reads (HTTP replays, status, pending). Three replicas of kit-serve
 #: with their checkpointers stay far below Postgres's default ``max_connections`` of 100.
 POOL_MAX = 8
-#: Connections per store for writes, apart from the readers': the writer's one batch at a time,
-#: a lease renewal or a reap, a control request. With one pool, first come first served, 40
-#: replays of a 50,000-event run at once held a renewal 10.3 s (measured) and 100 past
-#: ``POOL_TIMEOUT``: the renewal failed (another replica then reaps the live runs it did not
-#: renew), and the writer's commits queued behind the same readers.
+#: Connections per store for writes (commits, lease renewals and reaps, control requests), apart
+#: from the readers': in one pool, 40 replays at once of a 50,000-event run held a renewal 10.3 s
+#: and 100 failed it (measured), and another replica reaps the live runs not renewed.
 WRITE_POOL = 2
-#: How long a write (a commit, a renewal, a reap, a control request) may wait for its answer
-#: (seconds): past it the connection is taken for one gone silent (a NAT or a firewall that
-#: forgot it, a frozen peer), which TCP would take ~15 min to call dead, every run of the
-#: replica stalled behind the writer meanwhile; the write fails (``TimeoutError``), and the
-#: writer's retry goes on another connection (a retried commit is safe: see above).
+#: How long a write may wait for its answer (seconds): past it, its connection is taken for one
+#: gone silent (a NAT or a firewall that forgot it: TCP says so after ~15 min), the write fails
+#: (``TimeoutError``) and the writer retries on another (a retried commit is safe: see above).
 WRITE_TIMEOUT = 10.0
 #: How long a call waits for a pooled connection (seconds): past it, the database is down for
 #: this call (the writer retries its batch; a reader gets the error).
