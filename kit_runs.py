@@ -54,6 +54,9 @@ class Run(RunHandle):
                          session_id=session_id, namespace=namespace, streaming=streaming)
         self.spec, self._read, self._writer = spec, read, writer
         self.parent: str | None = None  # a child run (workflow-as-tool) ends with its parent
+        # Its conversation, as kit_sessions gives it to a run: what the run adds is written
+        # just before its end is committed (``Runtime._to_session``), never by a run cut off.
+        self.session: Any = None
         self.live: deque[Event] | None = deque() if streaming else None
         self.committed = -1
         self.wake = anyio.Event()

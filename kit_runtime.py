@@ -23,6 +23,8 @@ An engine records a run through its handle: ``emit`` for an ordinary event, ``du
 must see committed before it goes on (``tool.started``; every end of a run). The event gets its
 ``seq`` on the engine side, in the engine's own order, and reaches the kit side directly under
 asyncio, or through the bridge's mailbox under trio (one wake-up per batch, never per event).
+A run's end waits for what the run added to its conversation, written once the log holds every
+event before the end (``_to_session``): a run cut off before its end adds nothing to it.
 On the kit side every event takes one path, ``_put``: into the writer's buffer, and into the run's
 live buffer when someone streams it. The writer group-commits: one ``store.append`` per batch
 (``FLUSH_MAX`` events, or ``FLUSH_DELAY`` after the first), never one commit per token (PERF.md
@@ -470,7 +472,10 @@ class Runtime(RunControl):
 
     async def _commit(self, run: RunHandle, event: Event | None, claim: Claim | None = None) -> None:
         """Engine side: an event (with the run's claim, for a start; None: only what the run
-        recorded before), committed before this returns."""
+        recorded before), committed before this returns; a run's end after what the run added
+        to its conversation (``_to_session``)."""
+        if event is not None and event.payload.ends and getattr(run, "session", None) is not None:
+            event = await self._to_session(run, event)  # type: ignore[arg-type]
         if self.bridge is None:
             await (self._flushed(run.run_id) if event is None
                    else self._write(run, [event], claim))  # type: ignore[arg-type]
@@ -478,6 +483,33 @@ class Runtime(RunControl):
             self.bridge.post(((run, event, claim), None))  # the engine returns next: _played
         else:
             await self.bridge.post_and_wait((run, event, claim))
+
+    async def _to_session(self, run: Run, end: Event) -> Event:
+        """Engine side: before ``end`` is committed, what ``run`` added to its conversation
+        reaches it (``Run.session``), once the log holds every event before the end: a run
+        refused there (reaped while it stalled) writes nothing, and one killed before its end
+        left nothing (kit_sessions ``_TurnSession``). A kill between this write and the end's
+        commit is the one window where the session holds a turn the log records abandoned.
+        Cancelled meanwhile, the run ends as a cancelled play does (its items dropped); a session
+        that fails the write fails the run (``run.failed`` at the end's seq, then its error),
+        unless it was failing already."""
+        session, run.session, failed = run.session, None, None
+        try:
+            await self._commit(run, None)  # raises what the store refused
+            try:
+                await session.flush()
+            except Exception as exc:
+                failed = exc
+        except anyio.get_cancelled_exc_class():
+            run.ended = False
+            self._deliver(run, Event(run.run_id, end.seq, run.ending(), end.origin))  # type: ignore[arg-type]
+            run.ended = True
+            raise
+        if failed is None or end.kind == "run.failed":
+            return end
+        run.error = failed  # a stream's consumer raises it after run.failed
+        await self._commit(run, Event(run.run_id, end.seq, run.failure(failed), end.origin))
+        raise failed
 
     async def _pace(self) -> None:
         """Engine side: let others run; wait while the writer's backlog (and, under trio, the
@@ -687,6 +719,8 @@ class Runtime(RunControl):
                                           run.thread_key, run.session_id is None)
 
     async def _play(self, run: Run, job: Callable[[], Any]) -> Event:
+        if self.sessions is not None:  # what it adds to its conversation waits for its end
+            run.session = self.sessions.turn(run.run_id)
         try:
             with run.scope:
                 return await (job() if self.bridge is None else self._played(run, job))

@@ -22,6 +22,11 @@ conversation's history that way (the log still holds every turn), so a conversat
 run of the deck, live or parked (paused), is never dropped: the Runtime says when a run takes
 one and when it ends (``hold``, ``release``; a run id is only a name here), and while every kept
 one is held the bound is exceeded rather than a history a run still needs lost.
+A run is given its conversation through a view (``peek``: ``_TurnSession``) that keeps what the
+run adds until the Runtime writes it, just before the run's end is committed: a conversation
+holds the turns whose runs recorded an end (completed, paused, failed, cancelled at a safe
+point), never a question a killed or abandoned run left unanswered. The SDK's
+``OpenAIConversationsSession`` gets a view of its own type (the SDK treats it by its type).
 The Postgres sessions' pooled connections (``kit-session:<schema>`` in ``pg_stat_activity``) are
 pinged when taken, so a turn after the server dropped them (a restart, a failover) reconnects
 instead of failing. The Redis client's connections (``kit-session`` in ``CLIENT LIST``) are
@@ -33,6 +38,7 @@ connections fails the turn after ``REDIS_TIMEOUT`` / ``PG_TIMEOUT``, which frees
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -271,6 +277,69 @@ def _made(session: Any, key: str) -> Any:
                       "session: it must return an agents.memory.Session (get_items, add_items)")
 
 
+class _TurnSession:
+    """A run's conversation as the run sees it: what the run adds waits here, and reaches the
+    session (``flush``) only once the run records its end, just before that end is committed
+    (the Runtime's write path). A run cut off before its end (its process killed, or reaped as
+    abandoned while it stalled; its caller cancelled, its deck closed, its store down too long)
+    leaves nothing of itself in the conversation: the next turn, on any replica, is sent no
+    question nobody answered and no half turn. Reads and pops see the run's own items after the
+    session's (the SDK reads the history, and pops what a retried call added). The items kept
+    are the run's alone, which the SDK holds for the run anyway."""
+
+    def __init__(self, session: Any) -> None:
+        self.session, self._added = session, []
+        self.session_settings = getattr(session, "session_settings", None)  # (a class default)
+
+    def __getattr__(self, name: str) -> Any:  # session_id, ...
+        if name == "session":
+            raise AttributeError(name)
+        return getattr(self.session, name)
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        added = copy.deepcopy(self._added)
+        if limit is not None and limit <= len(added):
+            return added[len(added) - limit:]
+        rest = None if limit is None else limit - len(added)
+        return [*await self.session.get_items(rest), *added]
+
+    async def add_items(self, items: list[Any]) -> None:
+        self._added += copy.deepcopy(items)
+
+    async def pop_item(self) -> Any:
+        return self._added.pop() if self._added else await self.session.pop_item()
+
+    async def clear_session(self) -> None:
+        self._added.clear()
+        await self.session.clear_session()
+
+    async def flush(self) -> None:
+        """Write what the run added (engine side; raises what the session raises)."""
+        items, self._added = self._added, []
+        if items:
+            await self.session.add_items(items)
+
+
+@functools.cache
+def _turn_conversation_class() -> type:
+    """``_TurnSession`` for the SDK's ``OpenAIConversationsSession``, of its type: the SDK tells
+    that one by its type (it strips the ids the Conversations API gave the items)."""
+    from agents.memory import OpenAIConversationsSession
+
+    class TurnConversation(_TurnSession, OpenAIConversationsSession):
+        __init__ = _TurnSession.__init__
+        session_id = property(lambda self: self.session.session_id)  # type: ignore[assignment]
+
+    return TurnConversation
+
+
+def _turn(session: Any) -> _TurnSession:
+    from agents.memory import OpenAIConversationsSession
+    if isinstance(session, OpenAIConversationsSession):
+        return _turn_conversation_class()(session)  # type: ignore[no-any-return]
+    return _TurnSession(session)
+
+
 def _key(session_id: str, namespace: str | None) -> str:
     return session_id if namespace is None else f"{namespace}{NAMESPACE_SEP}{session_id}"
 
@@ -309,6 +378,7 @@ class Sessions:
         self._sessions: OrderedDict[str, Any] = OrderedDict()  # unheld, least recently used first
         self._held: dict[str, tuple[str, Any]] = {}  # key -> (run id, session): never evicted
         self._holders: dict[str, str] = {}  # run id -> the key it holds
+        self._turns: dict[str, _TurnSession] = {}  # run id -> its view, until it plays (turn)
         self._claiming: dict[str, int] = {}  # key -> turns peeked, not held or refused yet
         self._redis: Any = None
         self._sqlite: str | None = None
@@ -412,7 +482,7 @@ class Sessions:
         if session is None:
             session = self._make(key)
         self._claiming[key] = self._claiming.get(key, 0) + 1
-        return session
+        return _turn(session)
 
     def unpeek(self, session_id: str, namespace: str | None = None) -> None:
         """The turn ``peek`` was for was refused at its claim, or never reached it."""
@@ -428,6 +498,8 @@ class Sessions:
         key = _key(session_id, namespace)
         if session is not None:
             self._unclaim(key)
+        if isinstance(session, _TurnSession):  # the run's view: the Runtime takes it (``turn``)
+            self._turns[run_id], session = session, session.session
         held = self._held.get(key)
         if held is not None:  # the claim just written says the run before it is over
             self._holders.pop(held[0], None)  # (resumed in another process: never seen ending)
@@ -444,10 +516,17 @@ class Sessions:
     def release(self, run_id: str) -> None:
         """Run ``run_id`` ended (terminally, not parked): its conversation may be evicted again,
         the most recently used. Does nothing for a run that holds none."""
+        self._turns.pop(run_id, None)
         key = self._holders.pop(run_id, None)
         if key is not None:
             self._sessions[key] = self._held.pop(key)[1]
             self._evict()
+
+    def turn(self, run_id: str) -> Any:
+        """The view ``peek`` gave run ``run_id`` (held since): what the run adds to its
+        conversation waits there until the run records its end (``_TurnSession.flush``).
+        Taken once; None for a run that holds no conversation."""
+        return self._turns.pop(run_id, None)
 
     def _unclaim(self, key: str) -> None:
         n = self._claiming.pop(key)

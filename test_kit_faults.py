@@ -21,6 +21,7 @@ import anyio
 import anyio.lowlevel
 import httpx
 import pytest
+from agents.memory import OpenAIConversationsSession
 from langgraph.graph import END, START, StateGraph
 
 import kit
@@ -30,7 +31,7 @@ import kit_writer
 from kit import Agent, Deck, Event, RunStatus, ScriptedModel, StoreUnavailableError, TextDelta, Workflow
 from kit_pg import store_from_url
 from kit_store import SQLiteStore
-from test_kit import CountingStore, kinds
+from test_kit import CountingStore, kinds, said
 from test_kit_control import Gate, multi_turn_agent, start_in_background
 from test_kit_http import served
 from test_kit_observers import Recorder
@@ -160,12 +161,12 @@ async def test_a_store_down_past_the_bound_fails_the_run_visibly_and_frees_its_s
                 assert info.value.outcome == "ended" and "do not play it again" in str(info.value)
                 assert await deck.status(run_id) is RunStatus.COMPLETED
             else:
-                # Its tool step waited for the log before reaching the session, so it stopped
-                # there: the session holds no more of the turn than the log does.
+                # Its tool step waited for the log, so it stopped there, cut off before an end
+                # of its own: nothing of the turn reaches the session (its input, saved as it
+                # started, stayed: a question the log says nobody answered).
                 assert info.value.outcome == "stopped"
                 assert await deck.status(run_id) is RunStatus.FAILED
-                items = await deck.session_for(session).get_items()
-                assert [i.get("content") for i in items] == ["hi"]
+                assert await deck.session_for(session).get_items() == []
             log = await store.read(run_id)
             assert seqs(log) == list(range(len(log))) and log[-1].payload.ends == "terminal"
             assert [e.to_json() for e in got] == [e.to_json() for e in log[:len(got)]]
@@ -664,19 +665,47 @@ async def test_a_renewal_that_fails_is_tried_again_within_the_lease(tmp_path, mo
             assert results[0].output == "all done", results
 
 
+class Conversation(OpenAIConversationsSession):
+    """The SDK's OpenAI Conversations session, its conversation kept here instead of on OpenAI's
+    servers (the API's edge, as the OpenAI stub is the model's): items lose their ids, as there."""
+
+    conversations: dict[str, list] = {}
+
+    def __init__(self, key: str) -> None:
+        super().__init__(conversation_id=key, openai_client=object())
+
+    async def get_items(self, limit=None):
+        items = self.conversations.setdefault(self.session_id, [])
+        return [dict(i) for i in (items if limit is None else items[-limit:] if limit else [])]
+
+    async def add_items(self, items):
+        self.conversations.setdefault(self.session_id, []).extend(
+            {k: v for k, v in i.items() if k != "id"} for i in items)
+
+    async def pop_item(self):
+        items = self.conversations.setdefault(self.session_id, [])
+        return items.pop() if items else None
+
+    async def clear_session(self):
+        self.conversations.pop(self.session_id, None)
+
+
+@pytest.mark.parametrize("conversations", [False, True])
 async def test_a_run_reaped_while_its_process_stalled_writes_nothing_to_its_session(
-        tmp_path, monkeypatch, anyio_backend):
+        tmp_path, monkeypatch, anyio_backend, conversations):
     """A process that stalled past its lease (a GC pause, a frozen VM, a partition from the
     store) had its live run reaped by another process, whose next turn took the session; woken,
     the run wrote its tool step into that conversation after the other turn, though its log
-    refused it (kit-serve replicas: the next turn's model saw a call no turn of its had made)."""
+    refused it (kit-serve replicas: the next turn's model saw a call no turn of its had made).
+    The SDK's OpenAIConversationsSession was not fenced at all: it took the woken run's step."""
     monkeypatch.setenv("KIT_LEASE_SECONDS", "0.3")
     gate = Gate()
     worker = Agent("worker", tools=[gate.wait_tool()],
                    model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "too late"]))
     talk = Agent("talk", model=ScriptedModel(["hello"]))
+    factory = (lambda key: Conversation(f"{tmp_path}/{key}")) if conversations else None
     async with FaultyStore(tmp_path / "kit.db") as store, SQLiteStore(tmp_path / "kit.db") as other:
-        async with Deck([worker, talk], store=store) as deck:
+        async with Deck([worker, talk], store=store, session_factory=factory) as deck:
             results: list = []
             with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:
@@ -692,9 +721,10 @@ async def test_a_run_reaped_while_its_process_stalled_writes_nothing_to_its_sess
             log = await store.read(reaped[0])
     assert isinstance(results[0], kit.LogConflictError), results
     assert log[-1].kind == "run.failed" and log[-1].payload.error == "RunAbandoned"
-    # The stalled turn's input (saved as it started), then the other turn: nothing after it.
+    # The other turn alone: nothing of the stalled one (its input, saved as it started,
+    # stayed there too: a question the log says nobody answered).
     assert [(i.get("role"), i.get("content") if isinstance(i.get("content"), str) else None)
-            for i in items] == [("user", "go"), ("user", "hi"), ("assistant", None)]
+            for i in items] == [("user", "hi"), ("assistant", None)]
 
 
 async def test_a_workflow_run_reaped_while_its_process_stalled_writes_no_checkpoint(
@@ -735,6 +765,57 @@ async def test_a_workflow_run_reaped_while_its_process_stalled_writes_no_checkpo
     # started from where the second ended.
     assert second["log"] == ["one", "slow", "answer=yes"]
     assert third["log"] == second["log"] + ["three", "slow", "answer=again"]
+
+
+KILLED = """
+import sys, time, anyio, kit
+
+def wait(step: int) -> str:
+    \"\"\"Wait for the kill.\"\"\"
+    print("entered", flush=True)
+    time.sleep(60)
+    return "never"
+
+async def main():  # a turn killed -9 while its tool runs
+    agent = kit.Agent("worker", tools=[wait], model=kit.ScriptedModel(
+        ["noted", {"tool": "wait", "args": {"step": 1}}]))
+    async with kit.Deck([agent]) as deck:
+        await deck.run("worker", "remember 7", session_id="s")
+        await deck.run("worker", "go", session_id="s")
+
+anyio.run(main)
+"""
+
+
+async def test_a_turn_killed_mid_run_leaves_nothing_of_itself_in_its_session(tmp_path, monkeypatch):
+    """kill -9 while a turn's tool ran (KIT_SESSION on a file, as a replica's would be on
+    Redis): once the next process recorded the run abandoned, the session still held the
+    killed turn's input, so the next turn's model was sent a question nobody had answered.
+    The session holds the turns the log says ended, and nothing of the killed one."""
+    monkeypatch.setenv("KIT_STORE", f"sqlite:///{tmp_path / 'kit.db'}")
+    monkeypatch.setenv("KIT_SESSION", f"sqlite:///{tmp_path / 'sessions.db'}")
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.5")
+    child = subprocess.Popen([sys.executable, "-c", KILLED], cwd=HERE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(HERE)})
+    try:
+        line = await anyio.to_thread.run_sync(child.stdout.readline)
+        assert line.strip() == "entered"
+    finally:
+        child.kill()  # SIGKILL
+        child.wait()
+        child.stdout.close()
+    model = ScriptedModel(["hello"])
+    async with Deck([Agent("worker", model=model)]) as deck:
+        killed = [i for i in await deck._runtime.store.runs(session_id="s")
+                  if i.status is not RunStatus.COMPLETED]
+        assert len(killed) == 1
+        with anyio.fail_after(20):  # recorded abandoned once the dead process's lease lapsed
+            while await deck.status(killed[0].run_id) is RunStatus.RUNNING:
+                await anyio.sleep(0.05)
+        log = await deck._runtime.store.read(killed[0].run_id)
+        assert log[-1].payload.error == "RunAbandoned"
+        assert (await deck.run("worker", "hi", session_id="s")).output == "hello"
+    assert said(model) == ["remember 7", "noted", "hi"]
 
 
 class HeldReads(SQLiteStore):

@@ -1,12 +1,13 @@
 """Tests of the in-process sessions' bound (``KIT_SESSION_MAX``): evicting a conversation forgets
 it, so one a live or parked run still needs is never evicted, and a turn refused at its claim
-evicts none."""
+evicts none; and of what a turn leaves in its session (its items, written with its end)."""
 from __future__ import annotations
 
 import functools
 
 import anyio
 import pytest
+from agents.memory import SessionABC
 
 import kit
 from kit import Agent, Deck, RunStatus, ScriptedModel
@@ -189,3 +190,54 @@ async def test_the_bound_on_in_process_conversations_holds_across_decks(monkeypa
     async with Deck([Agent("worker", model=model)], store=store) as deck:
         await deck.run("worker", "c", session_id="c")
         assert kept(deck) == {"b", "c"} and len(deck._runtime.sessions) == 2
+
+
+class Backend(SessionABC):
+    """A session store of the application's (``Deck(session_factory=)``) that can go away."""
+
+    items: dict[str, list] = {}
+    down = False
+
+    def __init__(self, key: str) -> None:
+        self.session_id, self.session_settings = key, None
+
+    async def get_items(self, limit=None):
+        items = self.items.get(self.session_id, [])
+        return list(items if limit is None else items[-limit:])
+
+    async def add_items(self, items):
+        if self.down:
+            raise ConnectionError("the session store is gone")
+        self.items.setdefault(self.session_id, []).extend(items)
+
+    async def pop_item(self):
+        return self.items.get(self.session_id, [None]).pop()
+
+    async def clear_session(self):
+        self.items.pop(self.session_id, None)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_turn_whose_session_fails_its_write_fails_with_nothing_of_it_kept(
+        monkeypatch, store, streamed):
+    """A turn's items reach its session just before its end is committed: a session that
+    fails that write fails the turn (run.failed, its error to the caller), never a
+    run.completed the conversation lacks; the next turn is sent none of it."""
+    monkeypatch.setattr(Backend, "items", {})
+    model = ScriptedModel(["lost", "hello"])
+    async with Deck([Agent("a", model=model)], store=store, session_factory=Backend) as deck:
+        Backend.down = True
+        try:
+            with pytest.raises(ConnectionError):
+                if streamed:
+                    async for _ in deck.stream("a", "first", session_id="s"):
+                        pass
+                else:
+                    await deck.run("a", "first", session_id="s")
+        finally:
+            Backend.down = False
+        [info] = await store.runs(session_id="s")
+        log = await store.read(info.run_id)
+        assert (log[-1].kind, log[-1].payload.error) == ("run.failed", "ConnectionError")
+        assert (await deck.run("a", "again", session_id="s")).output == "hello"
+        assert said(model) == ["again"]
