@@ -362,7 +362,8 @@ class Runtime(RunControl):
 
     async def _keep_leases(self) -> None:
         """Renew the leases of the runs still played here (or with events still to commit),
-        and only those; reap runs whose owner stopped renewing."""
+        and only those; reap runs whose owner stopped renewing; let go of conversations held
+        for runs paused here that went on elsewhere (``_let_go``)."""
         started = anyio.current_time()
         if started - self._renewed > self.lease:  # stalled past it: reaped elsewhere? (_flushed)
             self._doubted = set(self.active)
@@ -370,6 +371,24 @@ class Runtime(RunControl):
         await self.store.renew(self.owner, self.lease, sorted(live))
         self._renewed = started
         await self._reap()
+        await self._let_go()
+
+    async def _let_go(self) -> None:
+        """Let go of the conversations held for runs this deck paused that the store shows
+        have moved on (resumed or cancelled by another process: this one never sees their
+        end), so they count toward ``KIT_SESSION_MAX`` again; they were held until the next
+        turn on the conversation here. One lookup of the run index per paused run held here,
+        each renewal; a store that fails is asked again at the next."""
+        for run_id in self.sessions.holding() if self.sessions is not None else ():
+            if run_id in self.active or run_id in self._fenced:
+                continue
+            try:
+                info = await self.store.run_info(run_id)
+            except Exception:
+                return
+            if (info is None or info.status is not RunStatus.PAUSED) and not (
+                    run_id in self.active or run_id in self._fenced):  # (taken here meanwhile)
+                self.sessions.release(run_id)  # type: ignore[union-attr]
 
     async def _reap(self) -> None:
         """Record the runs whose owner stopped renewing as abandoned (the store writes their

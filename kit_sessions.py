@@ -522,6 +522,10 @@ class Sessions:
             self._sessions[key] = self._held.pop(key)[1]
             self._evict()
 
+    def holding(self) -> list[str]:
+        """The run ids that hold a conversation (``hold``), oldest first."""
+        return list(self._holders)
+
     def turn(self, run_id: str) -> Any:
         """The view ``peek`` gave run ``run_id`` (held since): what the run adds to its
         conversation waits there until the run records its end (``_TurnSession.flush``).

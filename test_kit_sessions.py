@@ -4,6 +4,9 @@ evicts none; and of what a turn leaves in its session (its items, written with i
 from __future__ import annotations
 
 import functools
+import os
+import sys
+from pathlib import Path
 
 import anyio
 import pytest
@@ -16,6 +19,7 @@ from test_kit import said
 from test_kit_control import Gate, running_run_id, start_in_background
 
 pytestmark = pytest.mark.anyio
+HERE = Path(__file__).parent
 
 
 def kept(deck) -> set[str]:
@@ -241,3 +245,41 @@ async def test_a_turn_whose_session_fails_its_write_fails_with_nothing_of_it_kep
         assert (log[-1].kind, log[-1].payload.error) == ("run.failed", "ConnectionError")
         assert (await deck.run("a", "again", session_id="s")).output == "hello"
         assert said(model) == ["again"]
+
+
+REPLICA = """
+import sys, anyio, kit
+from kit_store import SQLiteStore
+
+async def main():  # another replica resumes the paused run to its end
+    agent = kit.Agent("worker", model=kit.ScriptedModel(["all done"]))
+    async with SQLiteStore(sys.argv[1]) as store, kit.Deck([agent], store=store) as deck:
+        print((await deck.resume(sys.argv[2]))[-1].payload.output, flush=True)
+
+anyio.run(main)
+"""
+
+
+async def test_a_paused_run_resumed_by_another_replica_lets_its_conversation_go(
+        monkeypatch, tmp_path, store):
+    """KIT_SESSION_MAX=2: a run paused by this deck and resumed to its end by another replica
+    (through the store) no longer keeps its conversation here once the store shows it moved
+    on: turns on d and e push it out. It was held until the next turn on it here (never, for
+    a conversation done with), taking one of the kept places for good."""
+    monkeypatch.setenv("KIT_SESSION_MAX", "2")
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.3")
+    gate = Gate()
+    model = ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "ok"], cycle=True)
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store) as deck:
+        run_id = await pause_on(deck, store, gate, "a")
+        sessions = deck._runtime.sessions
+        with anyio.fail_after(20):
+            out = await anyio.run_process(
+                [sys.executable, "-c", REPLICA, str(tmp_path / "kit.db"), run_id],
+                cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)})
+            assert out.stdout.decode().strip() == "all done"
+            while sessions.holding():  # within a lease renewal (a third of KIT_LEASE_SECONDS)
+                await anyio.sleep(0.02)
+        for name in ("d", "e"):
+            await deck.run("worker", name, session_id=name)
+        assert kept(deck) == {"d", "e"} and len(sessions) == 2
