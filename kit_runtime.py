@@ -110,6 +110,24 @@ class _OnEngine:
         return on_engine
 
 
+class _Cancel:
+    """A parked run's cancel being written by this deck (``Runtime._fence``): a second cancel
+    meanwhile (the store down, the first retrying) waits for its outcome and has it, where it
+    returned at once and its caller believed the run cancelled while the first was still
+    trying (and told its own caller the store was down)."""
+
+    def __init__(self) -> None:
+        self.started, self.done = False, anyio.Event()
+        self.error: BaseException | None = None
+
+    async def outcome(self) -> None:
+        await self.done.wait()
+        if isinstance(self.error, Exception):
+            raise self.error
+        if self.error is not None:  # the first was cancelled: the deck is closing
+            raise DeckStateError("CLOSED", "cancel the run")
+
+
 def _check_ids(session_id: Any, run_id: Any) -> None:
     """A new run's ids, as its caller gave them (``check_id``): refused before anything is
     written."""
@@ -168,6 +186,7 @@ class Runtime(RunControl):
         # Run ids a fenced write is in flight for (``_fence``) -> the run it starts or takes
         # over (None for a parked run's cancel): a request meanwhile is that run's.
         self._fenced: dict[str, Run | None] = {}
+        self._cancels: dict[str, _Cancel] = {}  # parked runs whose cancel is written here
         self._closing = False
         self._streams: dict[str, Run] = {}  # streamed runs: their commits wake their readers
         self._tg: Any = None
@@ -410,9 +429,22 @@ class Runtime(RunControl):
         """Kit side: ``_put`` the events (the claim with the first), then commit now. Raises what
         the store refused for this run (``SessionBusyError``, ``LogConflictError``): then none of
         its buffered events is in the log."""
-        for i, event in enumerate(events):
-            self._put(run, event, claim if i == 0 else None)
-        await self._flushed(events[0].run_id)
+        cancel = self._cancels.get(events[0].run_id) if run is None else None
+        if cancel is not None:  # a parked run's cancel (``_fence``)
+            if cancel.started:  # a second one while the first is written: the first's outcome
+                return await cancel.outcome()
+            cancel.started = True
+        try:
+            for i, event in enumerate(events):
+                self._put(run, event, claim if i == 0 else None)
+            await self._flushed(events[0].run_id)
+        except BaseException as exc:
+            if cancel is not None:
+                cancel.error = exc
+            raise
+        finally:
+            if cancel is not None:
+                cancel.done.set()
 
     async def _flushed(self, run_id: str) -> None:
         held = self.writer.holds(run_id)
@@ -600,14 +632,22 @@ class Runtime(RunControl):
         per run id at a time in this deck, and none for a run played here. A second caller
         racing for the id is refused (``LogConflictError``) before it writes anything, as the
         store refuses one from another process: in one group commit the store would refuse
-        both writes, and the first caller would play on without its first event."""
+        both writes, and the first caller would play on without its first event. A parked
+        run's second cancel while the first is written here (``run`` None) is let in: its
+        ``_write`` writes nothing and has the first one's outcome (``_Cancel``)."""
+        if run is None and run_id in self._cancels:
+            yield
+            return
         if run_id in self._fenced or run_id in self.active:
             raise LogConflictError(run_id, seq)
         self._fenced[run_id] = run
+        if run is None:
+            self._cancels[run_id] = _Cancel()
         try:
             yield
         finally:
             del self._fenced[run_id]
+            self._cancels.pop(run_id, None)
 
     # --------------------------------------------------------------------------- turns --
     async def _begin(self, spec: InvocableSpec, input: Any, context: Any, session_id: str | None,

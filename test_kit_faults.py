@@ -584,7 +584,8 @@ async def test_a_parked_runs_cancel_while_the_store_takes_no_writes_is_told_so_w
         tmp_path, monkeypatch):
     """A cancel of a parked run waited for its write for as long as the store took no writes
     (an HTTP cancel hung until the store came back); it is told after KIT_STORE_DOWN_SECONDS, and
-    the cancel is written once, with the run's thread let go, when the store is back."""
+    the cancel is written once, with the run's thread let go, when the store is back. A second
+    cancel meanwhile is told the same (it returned at once, as if the run were cancelled)."""
     monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
     async with FaultyStore(tmp_path / "kit.db") as store:
         async with Deck(workflows=[Workflow("approve", graph(plan, ask))], store=store) as deck:
@@ -593,8 +594,9 @@ async def test_a_parked_runs_cancel_while_the_store_takes_no_writes_is_told_so_w
             with anyio.fail_after(10):
                 with pytest.raises(StoreUnavailableError) as told:
                     await deck.cancel(parked.run_id)
-                await deck.cancel(parked.run_id)  # again meanwhile: the first is written, once
-            assert told.value.run_id == parked.run_id
+                with pytest.raises(StoreUnavailableError) as again:  # the first is written, once
+                    await deck.cancel(parked.run_id)
+            assert told.value.run_id == again.value.run_id == parked.run_id
             store.down = False
             runtime = deck._runtime
 
@@ -608,6 +610,37 @@ async def test_a_parked_runs_cancel_while_the_store_takes_no_writes_is_told_so_w
                 "run.interrupted", "control.requested", "run.cancelled"]
             with pytest.raises(kit.RunNotWaitingError):
                 await deck.answer(parked.run_id, "yes")
+
+
+async def test_two_cancels_of_a_parked_run_during_a_blip_both_return_once_it_is_written(
+        tmp_path, monkeypatch):
+    """Two cancels of a parked run while the store takes no writes for a moment: both return
+    once the one cancel is written (the second waits for the first's write, and has its
+    outcome), and the log has it once."""
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "30")
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        async with Deck(workflows=[Workflow("approve", graph(plan, ask))], store=store) as deck:
+            parked = await deck.run("approve", {"log": []})
+            store.down = True
+            done: list[str] = []
+
+            async def cancel(name: str) -> None:
+                await deck.cancel(parked.run_id)
+                done.append(name)
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel, "first")
+                    while not store.failures:  # the first's write waits for the store
+                        await anyio.sleep(0.01)
+                    tg.start_soon(cancel, "second")
+                    while len(await store.requests(run_ids=[parked.run_id])) < 2:
+                        await anyio.sleep(0.01)
+                    assert "first" not in done
+                    store.down = False
+            assert sorted(done) == ["first", "second"]
+            assert await deck.status(parked.run_id) is RunStatus.CANCELLED
+            assert kinds(await store.read(parked.run_id))[-3:] == [
+                "run.interrupted", "control.requested", "run.cancelled"]
 
 
 async def test_a_runs_status_asked_while_the_store_takes_no_writes_comes_within_the_bound(
