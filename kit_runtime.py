@@ -543,7 +543,7 @@ class Runtime(RunControl):
         commit is the one window where the session holds a turn the log records abandoned.
         Cancelled meanwhile, the run ends as a cancelled play does (its items dropped); a session
         that fails the write fails the run (``run.failed`` at the end's seq, then its error),
-        unless it was failing already."""
+        unless it was failing or cancelled already (its items dropped)."""
         session, run.session, failed = run.session, None, None
         try:
             await self._commit(run, None)  # raises what the store refused
@@ -556,7 +556,7 @@ class Runtime(RunControl):
             self._deliver(run, Event(run.run_id, end.seq, run.ending(), end.origin))  # type: ignore[arg-type]
             run.ended = True
             raise
-        if failed is None or end.kind == "run.failed":
+        if failed is None or end.kind in ("run.failed", "run.cancelled"):
             return end
         run.error = failed  # a stream's consumer raises it after run.failed
         await self._commit(run, Event(run.run_id, end.seq, run.failure(failed), end.origin))

@@ -247,6 +247,31 @@ async def test_a_turn_whose_session_fails_its_write_fails_with_nothing_of_it_kep
         assert said(model) == ["again"]
 
 
+async def test_a_turn_cancelled_at_its_safe_point_stays_cancelled_when_its_session_fails(
+        monkeypatch, store):
+    """A cancel that stops a turn at its safe point while the session store is gone: the turn
+    is cancelled, as asked (its items dropped), not failed by a write nobody needs."""
+    monkeypatch.setattr(Backend, "items", {})
+    gate = Gate()
+    model = ScriptedModel([{"tool": "wait", "args": {"step": 1}}, "unused", "hello"])
+    async with Deck([Agent("worker", tools=[gate.wait_tool()], model=model)], store=store,
+                    session_factory=Backend) as deck:
+        results: list = []
+        try:
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    await start_in_background(tg, deck, results, "worker", "go", session_id="s")
+                    await gate.until_entered()
+                    await deck.cancel(await running_run_id(store))
+                    Backend.down = True
+                    gate.release.set()
+        finally:
+            Backend.down = False
+        assert isinstance(results[0], kit.RunStoppedError), results
+        assert results[0].status is RunStatus.CANCELLED
+        assert Backend.items == {}
+
+
 REPLICA = """
 import sys, anyio, kit
 from kit_store import SQLiteStore
