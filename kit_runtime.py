@@ -187,6 +187,7 @@ class Runtime(RunControl):
         # over (None for a parked run's cancel): a request meanwhile is that run's.
         self._fenced: dict[str, Run | None] = {}
         self._cancels: dict[str, _Cancel] = {}  # parked runs whose cancel is written here
+        self._reaped: set[str] = set()  # reaped runs whose end the observers are still owed
         self._closing = False
         self._streams: dict[str, Run] = {}  # streamed runs: their commits wake their readers
         self._tg: Any = None
@@ -411,9 +412,15 @@ class Runtime(RunControl):
 
     async def _reap(self) -> None:
         """Record the runs whose owner stopped renewing as abandoned (the store writes their
-        ``run.failed`` in the transaction that frees their claims); the observers get it too."""
-        for run_id in await self.store.reap():
-            self._committed((await self.store.read(run_id))[-1:])
+        ``run.failed`` in the transaction that frees their claims); the observers get it too,
+        read back at the next round when the store fails that read (no reap returns the run
+        again: the observers never saw its end, and its trace stayed open)."""
+        self._reaped.update(await self.store.reap())
+        for run_id in sorted(self._reaped):
+            info = await self.store.run_info(run_id)
+            end = [] if info is None else [await self._last_event(info)]
+            self._reaped.discard(run_id)
+            self._committed(end)
 
     # ------------------------------------------------------------------ the write path --
     def _put(self, run: Run | None, event: Event, claim: Claim | None = None) -> None:

@@ -675,6 +675,36 @@ async def test_a_runs_status_asked_while_the_store_takes_no_writes_comes_within_
             store.down = False
 
 
+class FailingLogReads(FaultyStore):
+    """``FaultyStore`` whose reads of a run's log raise ``fail_log_reads`` times."""
+
+    fail_log_reads = 0
+
+    async def read(self, run_id, after=-1):
+        self._fault("fail_log_reads")
+        return await super().read(run_id, after)
+
+
+async def test_a_run_reaped_while_the_store_fails_a_read_still_reaches_the_observers(
+        tmp_path, monkeypatch):
+    """The reaper records a dead process's run abandoned, then reads its run.failed to give
+    the observers: a store that failed that read (a blip) had them never see it (the next reap
+    does not return the run again), so its trace stayed open until the deck closed."""
+    monkeypatch.setenv("KIT_LEASE_SECONDS", "0.3")
+    recorder, dead = Recorder(), kit.new_run_id()
+    async with FailingLogReads(tmp_path / "kit.db") as store:
+        async with Deck([Agent("a", model=ScriptedModel(["ok"]))], store=store,
+                        observers=[recorder]) as deck:
+            store.fail_log_reads = 1
+            await store.append([Event(dead, 0, kit.RunStarted("a", "agent"), "a")],
+                               claims=[kit.Claim(dead, "gone", 0.05)])
+            with anyio.fail_after(10):
+                while not any(e.run_id == dead and e.kind == "run.failed" for e in recorder.seen):
+                    await anyio.sleep(0.02)
+            assert store.failures == 1 and await deck.status(dead) is RunStatus.FAILED
+            assert [e.kind for e in recorder.seen if e.run_id == dead] == ["run.failed"]
+
+
 async def test_a_renewal_that_fails_is_tried_again_within_the_lease(tmp_path, monkeypatch):
     """A renewal failed twice (a dropped connection, a locked file) backed off past the lease:
     the renewals came 1 s, then 2 s apart, and another process reaped the live run as abandoned
