@@ -476,7 +476,8 @@ class Sessions:
         """``get`` for a turn whose claim is not written yet: a new session is made but not
         kept, so a turn refused at its claim (a busy session, a taken run id) evicts nothing,
         and a kept one is not evicted while the claim is written. ``hold`` (the claim written)
-        or ``unpeek`` (refused) follows. Raises as ``get`` does."""
+        or ``unpeek`` (refused) follows. Returns the turn's view of the session
+        (``_TurnSession``: what the run adds waits for its end). Raises as ``get`` does."""
         key = _key(session_id, namespace)
         session = self._kept(key)
         if session is None:
