@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from pathlib import Path
 
 import anyio
@@ -15,7 +16,7 @@ from agents.memory import SessionABC
 import kit
 from kit import Agent, Deck, RunStatus, ScriptedModel
 from kit_store import SQLiteStore
-from test_kit import said
+from test_kit import kinds, said
 from test_kit_control import Gate, running_run_id, start_in_background
 
 pytestmark = pytest.mark.anyio
@@ -209,9 +210,14 @@ class Backend(SessionABC):
         items = self.items.get(self.session_id, [])
         return list(items if limit is None else items[-limit:])
 
+    slow: threading.Event | None = None  # set: a write waits (and says so by setting it)
+
     async def add_items(self, items):
         if self.down:
             raise ConnectionError("the session store is gone")
+        if self.slow is not None:
+            self.slow.set()
+            await anyio.sleep(30)
         self.items.setdefault(self.session_id, []).extend(items)
 
     async def pop_item(self):
@@ -270,6 +276,30 @@ async def test_a_turn_cancelled_at_its_safe_point_stays_cancelled_when_its_sessi
         assert isinstance(results[0], kit.RunStoppedError), results
         assert results[0].status is RunStatus.CANCELLED
         assert Backend.items == {}
+
+
+async def test_a_caller_cancelled_while_its_turns_items_are_written_ends_it_cancelled(
+        monkeypatch, store):
+    """A caller cancelled while its turn's items are being written, just before the turn's
+    end: the run ends run.cancelled (durable before the caller goes on), the conversation
+    holds nothing of it, and the session takes the next turn."""
+    monkeypatch.setattr(Backend, "items", {})
+    monkeypatch.setattr(Backend, "slow", threading.Event())
+    model = ScriptedModel(["lost", "hello"])
+    async with Deck([Agent("a", model=model)], store=store, session_factory=Backend) as deck:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(deck.run, "a", "first", session_id="s"))
+                assert await anyio.to_thread.run_sync(Backend.slow.wait, 10)
+                tg.cancel_scope.cancel()
+        Backend.slow = None
+        [info] = await store.runs(session_id="s")
+        log = await store.read(info.run_id)
+        assert kinds(log)[-1] == "run.cancelled" and "run.completed" not in kinds(log)
+        assert [e.seq for e in log] == list(range(len(log)))
+        assert Backend.items == {}
+        assert (await deck.run("a", "again", session_id="s")).output == "hello"
+        assert said(model) == ["again"]
 
 
 REPLICA = """
