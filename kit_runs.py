@@ -2,8 +2,9 @@
 
 Owns: ``Run`` (the engine's ``RunHandle`` for one run, plus what the kit side keeps of it: its
 spec, its cancel scope and end, the parent it ends with, the view of its conversation whose
-items wait for its end, and the live buffer a stream of it reads), the live reader (``Run.events``), ``LIVE_MAX`` (how far behind a reader may fall) and
-``result_of`` (what a run returns to its caller, from its last event).
+items wait for its end, and the live buffer a stream of it reads), the live reader
+(``Run.events``), ``LIVE_MAX`` (how far behind a reader may fall) and ``result_of`` (what a
+run returns to its caller, from its last event).
 
 Must never: write an event or a claim (every event reaches the log through the Runtime's one
 write path, ``kit_runtime``), reach the store but through the ``read`` it is given, or know

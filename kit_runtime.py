@@ -20,11 +20,10 @@ loop under asyncio; under trio, the trio run's asyncio loop in a daemon thread (
 openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9).
 
 An engine records a run through its handle: ``emit`` for an ordinary event, ``durable`` for one it
-must see committed before it goes on (``tool.started``; every end of a run). The event gets its
-``seq`` on the engine side, in the engine's own order, and reaches the kit side directly under
-asyncio, or through the bridge's mailbox under trio (one wake-up per batch, never per event).
-A run's end waits for what the run added to its conversation, written once the log holds every
-event before the end (``_to_session``): a run cut off before its end adds nothing to it.
+must see committed before it goes on (``tool.started``; every end of a run, after what the run
+added to its conversation: ``_to_session``, so a run cut off before its end adds nothing to it).
+The event gets its ``seq`` on the engine side, in the engine's own order, and reaches the kit
+side directly under asyncio, or through the bridge's mailbox under trio (one wake-up per batch).
 On the kit side every event takes one path, ``_put``: into the writer's buffer, and into the run's
 live buffer when someone streams it. The writer group-commits: one ``store.append`` per batch
 (``FLUSH_MAX`` events, or ``FLUSH_DELAY`` after the first), never one commit per token (PERF.md
@@ -112,9 +111,7 @@ class _OnEngine:
 
 class _Cancel:
     """A parked run's cancel being written by this deck (``Runtime._fence``): a second cancel
-    meanwhile (the store down, the first retrying) waits for its outcome and has it, where it
-    returned at once and its caller believed the run cancelled while the first was still
-    trying (and told its own caller the store was down)."""
+    meanwhile (the store down, the first retrying) waits for the first's outcome and has it."""
 
     def __init__(self) -> None:
         self.started, self.done = False, anyio.Event()
@@ -122,10 +119,9 @@ class _Cancel:
 
     async def outcome(self) -> None:
         await self.done.wait()
-        if isinstance(self.error, Exception):
-            raise self.error
-        if self.error is not None:  # the first was cancelled: the deck is closing
-            raise DeckStateError("CLOSED", "cancel the run")
+        if self.error is not None:  # (a first one cancelled: the deck is closing)
+            raise self.error if isinstance(self.error, Exception) else DeckStateError(
+                "CLOSED", "cancel the run")
 
 
 def _check_ids(session_id: Any, run_id: Any) -> None:
@@ -394,27 +390,21 @@ class Runtime(RunControl):
         await self._let_go()
 
     async def _let_go(self) -> None:
-        """Let go of the conversations held for runs this deck paused that the store shows
-        have moved on (resumed or cancelled by another process: this one never sees their
-        end), so they count toward ``KIT_SESSION_MAX`` again; they were held until the next
-        turn on the conversation here. One lookup of the run index per paused run held here,
-        each renewal; a store that fails is asked again at the next."""
+        """Let go of the conversations held for runs paused here that the store shows moved
+        on (resumed or cancelled elsewhere: their end is never seen here), so they count toward
+        ``KIT_SESSION_MAX`` again: one run-index lookup each, a failing store asked next time."""
         for run_id in self.sessions.holding() if self.sessions is not None else ():
-            if run_id in self.active or run_id in self._fenced:
-                continue
-            try:
-                info = await self.store.run_info(run_id)
-            except Exception:
-                return
-            if (info is None or info.status is not RunStatus.PAUSED) and not (
-                    run_id in self.active or run_id in self._fenced):  # (taken here meanwhile)
-                self.sessions.release(run_id)  # type: ignore[union-attr]
+            if not self._playing(run_id):
+                with contextlib.suppress(Exception):
+                    info = await self.store.run_info(run_id)
+                    if (info is None or info.status is not RunStatus.PAUSED) and not (
+                            self._playing(run_id)):  # (taken over here meanwhile)
+                        self.sessions.release(run_id)  # type: ignore[union-attr]
 
     async def _reap(self) -> None:
         """Record the runs whose owner stopped renewing as abandoned (the store writes their
         ``run.failed`` in the transaction that frees their claims); the observers get it too,
-        read back at the next round when the store fails that read (no reap returns the run
-        again: the observers never saw its end, and its trace stayed open)."""
+        at the next round if the store fails its read (no later reap returns the run)."""
         self._reaped.update(await self.store.reap())
         for run_id in sorted(self._reaped):
             info = await self.store.run_info(run_id)
@@ -543,14 +533,12 @@ class Runtime(RunControl):
             await self.bridge.post_and_wait((run, event, claim))
 
     async def _to_session(self, run: Run, end: Event) -> Event:
-        """Engine side: before ``end`` is committed, what ``run`` added to its conversation
-        reaches it (``Run.session``), once the log holds every event before the end: a run
-        refused there (reaped while it stalled) writes nothing, and one killed before its end
-        left nothing (kit_sessions ``_TurnSession``). A kill between this write and the end's
-        commit is the one window where the session holds a turn the log records abandoned.
-        Cancelled meanwhile, the run ends as a cancelled play does (its items dropped); a session
-        that fails the write fails the run (``run.failed`` at the end's seq, then its error),
-        unless it was failing or cancelled already (its items dropped)."""
+        """Engine side: what ``run`` added to its conversation (``Run.session``) reaches it
+        before ``end`` commits, once the log holds all before the end (a run reaped while it
+        stalled is refused there). A kill between the two leaves the turn in the session and the
+        run recorded abandoned. Cancelled meanwhile, the run ends as a cancelled play does; a
+        failed write fails it (``run.failed`` at the end's seq) unless it failed or was
+        cancelled already. Either way its items are dropped."""
         session, run.session, failed = run.session, None, None
         try:
             await self._commit(run, None)  # raises what the store refused
