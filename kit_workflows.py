@@ -17,11 +17,12 @@ Theory of operation
 -------------------
 A run streams the graph with ``stream_mode=["updates", "values"]``: each node's update becomes
 ``node.updated``; an ``__interrupt__`` update parks the run (``run.interrupted``, or
-``run.sleeping`` for ``sleep_until``); the last values are the output of ``run.completed``. The
-caller's context travels in LangGraph's run context (``context=``), never in state or config, so it
-never reaches a checkpoint (notes/ENGINES.md 12). Pause and cancel drain the graph at its next
-superstep boundary (``RunControl.request_drain``); the checkpoint is saved, so a paused run resumes
-where it stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before the next
+``run.sleeping`` for ``sleep_until``; of parallel nodes' interrupts, ``_waits_on``'s); the last
+values are the output of ``run.completed``. The caller's context travels in LangGraph's run
+context (``context=``), never in state or config, so it never reaches a checkpoint
+(notes/ENGINES.md 12). Pause and cancel drain the graph at its next superstep boundary
+(``RunControl.request_drain``); the checkpoint is saved, so a paused run resumes where it
+stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before the next
 superstep starts, and is written only once the run's log holds what came before it
 (``kit_threads.PLAYING``), so a run reaped while its process stalled writes none. A non-durable
 run's thread lives only while the run does: when the run ends (completed, failed, cancelled) its
@@ -317,7 +318,7 @@ class WorkflowEngine:
                       seen: list[str]) -> tuple[Any, Any]:
         """``_stream``'s stream of the graph (its first chunk's mode noted in ``seen``): the
         last state and the interrupts."""
-        interrupts: Any = ()
+        interrupts: dict[str, Any] = {}  # by id, every task's: parallel ones each have a chunk
         final: Any = None
         # A node's empty update waits for the stream's next chunk: LangGraph also reports one
         # for a resumed node that then fails (its resume write hides its error write), and
@@ -346,7 +347,7 @@ class WorkflowEngine:
                             f"workflow {self.name!r} stopped at a breakpoint (a subgraph's "
                             "interrupt_before or interrupt_after), which no answer can reach: "
                             "ask with kit.interrupt() in the node instead")
-                    interrupts = update
+                    interrupts.update((i.id, i) for i in update if i.id not in interrupts)
                 elif update is None:
                     empty.append(node)
                 else:
@@ -356,7 +357,7 @@ class WorkflowEngine:
         keys = graph.output_channels  # what LangGraph's invoke returns: the output schema's keys
         if isinstance(final, dict) and not isinstance(keys, str):  # (astream's values hold all)
             final = {k: final[k] for k in keys if k in final}
-        return final, interrupts
+        return final, list(interrupts.values())
 
     @staticmethod
     def _updated(run: RunHandle, nodes: list[str]) -> None:
@@ -379,10 +380,30 @@ def resume_command(interrupt_id: str, value: Any) -> Any:
 
 
 def _parked(run: RunHandle, interrupts: Sequence[Any]) -> Any:
-    intr = interrupts[0]
+    intr = _waits_on(interrupts)
     if _sleeps_until(intr.value) is not None:
         return RunSleeping(intr.value["until"], run.thread_id, intr.id)
     return RunInterrupted(intr.id, jsonable(intr.value), run.thread_id)
+
+
+def _waits_on(interrupts: Sequence[Any]) -> Any:
+    """The one of a step's ``interrupts`` (parallel nodes each stop on their own) that its run
+    parks on, and that an answer or a tick takes: the first question, else the earliest sleep.
+
+    A question first, so a human is asked at once, whatever the other nodes sleep: the step
+    ends only once each of its tasks has, so the run waits for both anyway. The sleeping node
+    runs again once the question is answered, and sleeps again until its time (the time is in
+    its state), so an answer before then keeps it asleep; the orphan scan passes over a thread
+    a question waits on (``sleeping_threads``). The earliest sleep, so no tick wakes a later
+    one early: each runs again, and the others sleep on (``_earliest_sleep``)."""
+    questions = [i for i in interrupts if _sleeps_until(i.value) is None]
+    return questions[0] if questions else _earliest_sleep(interrupts)
+
+
+def _earliest_sleep(interrupts: Sequence[Any]) -> Any:
+    """The sleep of ``interrupts`` due first (None when none sleeps)."""
+    return min((i for i in interrupts if _sleeps_until(i.value) is not None),
+               key=lambda i: _sleeps_until(i.value), default=None)
 
 
 def _sleeps_until(value: Any) -> datetime | None:
@@ -545,17 +566,20 @@ async def _asked(graph: Any, config: dict[str, Any], interrupt_ids: typing.Itera
 
 async def sleeping_until(graph: Any, key: str) -> tuple[datetime, str] | None:
     """Engine side: when thread ``key`` of ``graph`` sleeps until, and the interrupt that wakes
-    it, read off its latest checkpoint; None when it does not sleep."""
+    it (its earliest sleep: ``_waits_on``), read off its latest checkpoint; None when it does
+    not sleep. A question waiting beside the sleep does not count here: a run parks on the
+    question then (and is not ``SLEEPING``), but a run a kit before this parked ``SLEEPING``
+    beside one is woken, then asks it."""
     ct = await graph.checkpointer.aget_tuple(thread_config(key))
-    for intr in _pending_interrupts(ct) if ct is not None else ():
-        if (until := _sleeps_until(intr.value)) is not None:
-            return until, intr.id
-    return None
+    intr = _earliest_sleep(_pending_interrupts(ct) if ct is not None else ())
+    until = None if intr is None else _sleeps_until(intr.value)
+    return None if until is None else (until, intr.id)
 
 
 async def sleeping_threads(graphs: dict[str, Any]) -> list[tuple[str, str]]:
     """Engine side: every thread of the graphs' checkpointers whose latest root checkpoint
-    sleeps, as ``(thread key, workflow)``: a scan of every checkpoint they hold."""
+    sleeps and no question waits on (a run of it parks on the question: ``_waits_on``), as
+    ``(thread key, workflow)``: a scan of every checkpoint they hold."""
     savers = {id(g.checkpointer): g.checkpointer for g in graphs.values()}
     out = []
     for saver in savers.values():
@@ -567,8 +591,8 @@ async def sleeping_threads(graphs: dict[str, Any]) -> list[tuple[str, str]]:
                 continue
             seen.add(key)
             name = key.split(":", 1)[0]
-            if name in graphs and any(_sleeps_until(i.value) is not None
-                                      for i in _pending_interrupts(ct)):
+            waiting = _pending_interrupts(ct)
+            if name in graphs and waiting and _sleeps_until(_waits_on(waiting).value) is not None:
                 out.append((key, name))
     return out
 
@@ -598,15 +622,16 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
         if resume is _NO_VALUE:
             inp: Any = dict(input)
         else:
-            # The question its InterruptResult showed (the first), by id: with several waiting
-            # (parallel nodes) LangGraph refuses an answer that names none.
+            # The question its InterruptResult showed, by id: with several waiting (parallel
+            # nodes) LangGraph refuses an answer that names none.
             state = await graph.aget_state(thread_config(thread))
             if not state.interrupts:
                 raise RunNotWaitingError(thread, "unknown" if state.created_at is None else
                                          RunStatus.COMPLETED if not state.next else
                                          RunStatus.FAILED, RunStatus.WAITING_HUMAN.value)
-            inp = resume_command(state.interrupts[0].id, resume)
-            held = await _asked(graph, thread_config(thread), [state.interrupts[0].id])
+            asked = _waits_on(state.interrupts).id
+            inp = resume_command(asked, resume)
+            held = await _asked(graph, thread_config(thread), [asked])
         try:
             out = await graph.ainvoke(inp, thread_config(thread))
         except BaseException as exc:
@@ -615,11 +640,14 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
             elif held and isinstance(exc, Exception):  # the question waits for another answer
                 await _unanswer(graph, thread_config(thread), held)
             raise
-        found = out.get("__interrupt__") if isinstance(out, dict) else None
-        if found:
+        if isinstance(out, dict) and out.get("__interrupt__"):
             if ours:
                 own.add(thread)
-            return InterruptResult(found[0].value, thread)
+            # What ``resume`` answers, read as it does: ``out`` lists the step's interrupts in
+            # another order than the thread's state (a parallel node's question was shown,
+            # and the answer went to another node's).
+            found = (await graph.aget_state(thread_config(thread))).interrupts
+            return InterruptResult(_waits_on(found).value, thread)
         if ours:
             own.discard(thread)
             await graph.checkpointer.adelete_thread(thread)

@@ -473,6 +473,63 @@ async def test_tick_reads_the_sleeping_runs_threads_not_every_checkpoint(store, 
     assert scans == [None]
 
 
+def parallel(*nodes, state: type = State) -> StateGraph:
+    """A graph of the given node functions all in one step, then ``done``."""
+    g = StateGraph(state).add_node("done", done)
+    for n in nodes:
+        g.add_node(n.__name__, n).add_edge(START, n.__name__)
+    return g.add_edge([n.__name__ for n in nodes], "done").add_edge("done", END)
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
+async def test_a_question_beside_a_sleep_is_asked_at_once_and_the_sleep_kept(store, durable):
+    """A node asking and one sleeping in the same step: the run parked on whichever interrupt
+    LangGraph streamed last (the sleep, here), so the human was asked only once the sleep
+    ended; or, parked on the question, the sleep sat in the checkpoint where the orphan scan
+    listed it as due (``due_resumes``) under no run, and no tick could wake it."""
+    wake_at = NOW + timedelta(minutes=30)
+    workflow = Workflow("w", parallel(ask, nap), durable=durable)
+    async with Deck(workflows=[workflow], store=store) as deck:
+        parked = await deck.run("w", {"log": [], "wake_at": wake_at.isoformat()}, session_id="t")
+        assert parked.payload == {"question": "approve?"}
+        assert [p.run_id for p in await deck.pending()] == [parked.run_id]
+        assert await deck.due_resumes(NOW + timedelta(hours=1)) == []  # it waits for a human
+        asleep = await deck.answer(parked.run_id, "yes")  # before the sleep is due: it sleeps on
+        assert asleep.payload == {"kind": "sleep", "until": wake_at.isoformat()}
+        assert await deck.status(parked.run_id) is RunStatus.SLEEPING
+        assert await deck.tick(NOW) == []
+        [ticked] = await deck.tick(NOW + timedelta(hours=1))
+        assert ticked.result["log"] == ["answer=yes", f"woke at {(NOW + timedelta(hours=1)).isoformat()}",
+                                        "done"]
+        assert kinds(await store.read(parked.run_id)) == [
+            "run.started", "run.interrupted", "run.resumed", "node.updated", "run.sleeping",
+            "run.resumed", "node.updated", "node.updated", "run.completed"]
+
+
+@pytest.mark.parametrize("minutes", [(5, 60), (60, 5)], ids=["early-first", "late-first"])
+async def test_parallel_sleeps_wake_each_at_its_own_time(store, minutes):
+    """The run parked on the sleep LangGraph streamed last while ``tick`` read the thread's due
+    time off the first: a node sleeping an hour was woken at the other's five minutes."""
+    def sleeper(name: str, after: int):
+        async def node(state: State) -> dict:
+            woke = kit.sleep_until(NOW + timedelta(minutes=after))
+            return {"log": [f"{name} woke at {woke['woke_at']}"]}
+        node.__name__ = name
+        return node
+    workflow = Workflow("w", parallel(sleeper("a", minutes[0]), sleeper("b", minutes[1])),
+                        durable=True)
+    async with Deck(workflows=[workflow], store=store) as deck:
+        parked = await deck.run("w", {"log": []}, session_id="t")
+        assert parked.payload["until"] == (NOW + timedelta(minutes=5)).isoformat()
+        [first] = await deck.tick(NOW + timedelta(minutes=10))
+        assert first.result.payload["until"] == (NOW + timedelta(minutes=60)).isoformat()
+        [second] = await deck.tick(NOW + timedelta(minutes=70))
+        early, late = ("a", "b") if minutes[0] < minutes[1] else ("b", "a")
+        assert sorted(second.result["log"]) == sorted([
+            f"{early} woke at {(NOW + timedelta(minutes=10)).isoformat()}",
+            f"{late} woke at {(NOW + timedelta(minutes=70)).isoformat()}", "done"])
+
+
 async def test_two_concurrent_tickers_resume_a_thread_once(store):
     async with Deck(workflows=[durable_sleeper()], store=store) as deck:
         for i in range(3):
@@ -783,17 +840,21 @@ async def test_headless_run_resume_and_as_tool_write_no_log(store):
     assert await store.runs() == []
 
 
-async def test_headless_resume_answers_parallel_questions_one_at_a_time():
+@pytest.mark.parametrize("names", [("first", "second"), ("nap", "first"), ("mm", "aa")])
+async def test_headless_resume_answers_parallel_questions_one_at_a_time(names):
     """Two nodes asking at once: ``resume`` raised LangGraph's "When there are multiple pending
-    interrupts, you must specify the interrupt id", so such a thread could never go on."""
-    def first(state: State) -> dict:
-        return {"log": [f"first={kit.interrupt('first?')}"]}
+    interrupts, you must specify the interrupt id", so such a thread could never go on. Then
+    it answered the question first in the thread's state, which, for half the node names, was
+    not the one the ``InterruptResult`` showed: the answer went to the other node."""
+    def asking(name: str):
+        def node(state: State) -> dict:
+            return {"log": [f"{name}={kit.interrupt(name + '?')}"]}
+        return node
 
-    def second(state: State) -> dict:
-        return {"log": [f"second={kit.interrupt('second?')}"]}
-
-    g = StateGraph(State).add_node("first", first).add_node("second", second)
-    g.add_edge(START, "first").add_edge(START, "second").add_edge(["first", "second"], END)
+    g = StateGraph(State)
+    for name in names:
+        g.add_node(name, asking(name)).add_edge(START, name)
+    g.add_edge(list(names), END)
     w = Workflow("w", g)
     asked = await w.run({"log": []}, thread_id="t")
     answers = {asked.payload: "yes"}
