@@ -4,9 +4,10 @@ Owns: the checkpointers a deck's workflows are compiled with (``open_graphs``: d
 on a SQLite file beside the log, ``checkpoint_path``, or in the Postgres schema of the log, the
 others in memory, ``memory_saver``, where deleting a thread costs only its own entries), the fence
 that holds a durable checkpoint write until the playing run's log holds what came before it
-(``PLAYING``), the serializer every saver stores with (``checkpoint_serde``), whether a
-checkpointer has a thread (``holds_thread``, ``thread_config``) and the locks that keep two
-tickers off one thread (``ThreadLocks``, ``PgThreadLocks``).
+(``PLAYING``), the serializer every saver stores with (``checkpoint_serde``) and the user's
+classes it rebuilds (``allow_types``), whether a checkpointer has a thread (``holds_thread``,
+``thread_config``) and the locks that keep two tickers off one thread (``ThreadLocks``,
+``PgThreadLocks``).
 
 Must never: play a graph or read what its checkpoints mean (interrupts, sleeps: kit_workflows,
 above, does), reach the event store or the Runtime, import a sibling but kit_core (its values)
@@ -32,15 +33,17 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from kit_core import InvocableSpec, RunHandle
 from kit_pg import open_pool, pg_url, setup_lock
 
-__all__ = ("open_graphs", "checkpoint_path", "memory_saver", "checkpoint_serde", "PLAYING",
-           "thread_config", "holds_thread", "ThreadLocks", "PgThreadLocks", "CHECKPOINT_POOL")
+__all__ = ("open_graphs", "checkpoint_path", "memory_saver", "checkpoint_serde", "allow_types",
+           "PLAYING", "thread_config", "holds_thread", "ThreadLocks", "PgThreadLocks",
+           "CHECKPOINT_POOL")
 
 #: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
 #: share them, and a ticker holds one per thread it is resuming.
@@ -49,12 +52,55 @@ CHECKPOINT_POOL = 4
 
 # ================================================================================== savers ====
 
+#: The classes besides LangGraph's own safe ones that a checkpoint rebuilds without a word, as
+#: ``(module, name)``: the user's own, named by a workflow or handed to one (``allow_types``).
+_USER_TYPES: set[tuple[str, ...]] = set()
+_WARNED: set[tuple[str, str]] = set()  # the other classes met, each warned of once (at most 1000)
+_log = logging.getLogger("kit.workflows")
+
+
+def allow_types(classes: Iterable[type | tuple[str, ...]]) -> None:
+    """Let checkpoints rebuild ``classes`` (the user's dataclasses, pydantic models, enums; or
+    their ``(module, name)``) as LangGraph's allow-list (``allowed_msgpack_modules``) does: no
+    warning, and not refused when LangGraph refuses every class it is not told of
+    (``LANGGRAPH_STRICT_MSGPACK=true``, and its default to come). Named by the code only: no
+    name read from a checkpoint is let in for being there."""
+    _USER_TYPES.update(c if isinstance(c, tuple) else (c.__module__, c.__name__) for c in classes)
+
+
+class _Allowed(set):  # type: ignore[type-arg]
+    """The allow-list ``checkpoint_serde`` rebuilds by: ``_USER_TYPES``, else LangGraph's own
+    rule for a class it was not told of, which it applies only to an allow-list of ``True``:
+    rebuilt with a warning (and its serde event), or refused under its strict mode."""
+
+    def __contains__(self, key: object) -> bool:
+        if key in _USER_TYPES:
+            return True
+        from langgraph.checkpoint.serde import _msgpack
+        from langgraph.checkpoint.serde.event_hooks import emit_serde_event
+        if _msgpack.STRICT_MSGPACK_ENABLED or not isinstance(key, tuple) or len(key) != 2:
+            return False  # LangGraph says it refused it
+        emit_serde_event({"kind": "msgpack_unregistered_allowed", "module": key[0],
+                          "name": key[1]})
+        if key not in _WARNED and len(_WARNED) < 1000:
+            _WARNED.add(key)
+            _log.warning("a workflow checkpoint holds a %s.%s, a class no workflow names nor any "
+                         "answer was: LangGraph rebuilds it now, and will refuse to "
+                         "(LANGGRAPH_STRICT_MSGPACK=true refuses now); name it in the module of "
+                         "a node that uses it, or in the state schema", *key)
+        return True
+
+
 @functools.cache
 def checkpoint_serde() -> Any:
-    """LangGraph's default checkpoint serializer: the one every checkpointer ``open_graphs``
-    makes uses (none is given a ``serde``). Made on first use: kit imports LangGraph late."""
-    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
-    return JsonPlusSerializer()
+    """The serializer every checkpointer ``open_graphs`` makes stores with: LangGraph's own,
+    whose allow-list of the classes it rebuilds holds the user's (``allow_types``). Made on
+    first use: kit imports LangGraph late."""
+    from langgraph.checkpoint.serde import jsonplus
+    hook = getattr(jsonplus, "_create_msgpack_ext_hook", None)
+    if hook is None:  # a LangGraph without it: its own allow-list, and its warnings
+        return jsonplus.JsonPlusSerializer()
+    return jsonplus.JsonPlusSerializer(__unpack_ext_hook__=hook(_Allowed()))
 
 
 #: The run whose graph plays here (set by ``WorkflowEngine.play``; LangGraph's tasks inherit it):
@@ -107,7 +153,7 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
             db = await aiosqlite.connect(checkpoint_path(store_url[len("sqlite:///"):]))
             await db.execute("PRAGMA busy_timeout=5000")
             await db.execute("PRAGMA synchronous=NORMAL")
-            durable, close = AsyncSqliteSaver(db), db.close
+            durable, close = AsyncSqliteSaver(db, serde=checkpoint_serde()), db.close
             await durable.setup()
         elif store_url.startswith(("postgresql://", "postgres://")):
             from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
@@ -122,7 +168,8 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
                                    name="kit-checkpoints", check=True, prepare_threshold=0,
                                    row_factory=dict_row)
             try:
-                durable, close, locks = AsyncPostgresSaver(pool), pool.close, PgThreadLocks(pool)
+                durable, close = AsyncPostgresSaver(pool, serde=checkpoint_serde()), pool.close
+                locks = PgThreadLocks(pool)
                 async with setup_lock(pool, f"kit:checkpoints:{schema}"):
                     await durable.setup()
             except BaseException:
@@ -140,7 +187,7 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
 
 def memory_saver() -> Any:
     """An in-memory checkpointer whose ``delete_thread`` costs the thread's own entries."""
-    return _run_saver_class()()
+    return _run_saver_class()(serde=checkpoint_serde())
 
 
 @functools.cache
@@ -157,8 +204,8 @@ def _run_saver_class() -> type:
     from langgraph.checkpoint.memory import InMemorySaver
 
     class RunSaver(InMemorySaver):
-        def __init__(self) -> None:
-            super().__init__()
+        def __init__(self, serde: Any = None) -> None:
+            super().__init__(serde=serde)
             self._entries: dict[str, set[tuple[Any, ...]]] = {}  # thread -> its blob/write keys
 
         def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:

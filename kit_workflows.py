@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import inspect
 import json
 import logging
+import sys
 import typing
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
@@ -62,7 +64,7 @@ from kit_core import (
     InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
     RunNotWaitingError, RunPaused, RunSleeping, RunStatus, Usage, jsonable, new_run_id,
 )
-from kit_threads import PLAYING, checkpoint_serde, thread_config
+from kit_threads import PLAYING, allow_types, checkpoint_serde, thread_config
 
 if TYPE_CHECKING:
     from kit_catalog import Workflow
@@ -169,6 +171,7 @@ class WorkflowEngine:
         except TypeError as exc:  # ormsgpack's error, which wraps what an object's encoding raised
             raise ContentError(f"{what} cannot be stored in LangGraph's checkpoints ({exc}); "
                                "send JSON data") from None
+        allow_types(_classes_in(value))  # the node that takes it gets it back as it was sent
 
     def key(self, namespace: str | None, thread_id: str) -> str:
         return f"{self.name}:{namespace or ''}:{thread_id}"
@@ -462,7 +465,73 @@ def compile_workflow(workflow: Workflow) -> InvocableSpec:
         deck_graph.compile()  # a graph that cannot compile is a configuration error now
     except Exception as exc:
         raise ConfigError(f"workflow {name!r} does not compile: {exc}") from None
+    allow_types(_named_classes(workflow.graph, set()))
     return InvocableSpec(name, "workflow", workflow, WorkflowEngine(name, deck_graph, workflow.durable))
+
+
+def _stored_by_name(cls: Any) -> bool:
+    """Whether LangGraph's checkpoints store instances of ``cls`` by its module and name, to
+    rebuild them from (a dataclass, a pydantic model, an enum, a named tuple), and can."""
+    return (isinstance(cls, type) and getattr(sys.modules.get(cls.__module__), cls.__name__,
+                                              None) is cls
+            and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)
+                 or callable(getattr(cls, "model_dump", None))  # pydantic, as LangGraph tells it
+                 or callable(getattr(cls, "dict", None)) and hasattr(cls, "__fields__")
+                 or issubclass(cls, tuple) and hasattr(cls, "_asdict")))
+
+
+def _named_classes(graph: Any, seen: set[int]) -> set[Any]:
+    """The user's own classes a checkpoint of ``graph`` may hold (``kit_threads.allow_types``):
+    what LangGraph's strict mode allows it (the classes its schemas and channels name), and the
+    classes stored by name (``_stored_by_name``) that the modules of its nodes and schemas name,
+    so a process that was never handed one (it restarted) rebuilds a thread's; a compiled
+    subgraph's too."""
+    from langgraph._internal._serde import collect_allowlist_from_schemas
+    from langgraph.graph.state import CompiledStateGraph
+    if id(graph) in seen:
+        return set()
+    seen.add(id(graph))
+    schemas = [graph.state_schema, graph.input_schema, graph.output_schema,
+               *(node.input_schema for node in graph.nodes.values())]
+    try:  # (it reads type hints: one that cannot be read names nothing, and fails no build)
+        out: set[Any] = set(collect_allowlist_from_schemas(schemas=[s for s in schemas if s],
+                                                           channels=graph.channels))
+    except Exception:
+        out = set()
+    modules = {getattr(s, "__module__", None) for s in schemas}
+    for node in graph.nodes.values():
+        if isinstance(sub := node.runnable, CompiledStateGraph):
+            out |= _named_classes(sub.builder, seen)
+        modules.add(getattr(node_function(node), "__module__", None))
+    for module in filter(None, map(sys.modules.get, filter(None, modules))):
+        out.update(v for v in list(vars(module).values()) if _stored_by_name(v))
+    return out
+
+
+_PLAIN = {str, bytes, int, float, bool, type(None)}
+
+
+def _classes_in(value: Any) -> set[type]:
+    """The classes stored by name (``_stored_by_name``) of the objects ``value`` holds, at any
+    depth (in containers, and in one another's fields)."""
+    out: set[type] = set()
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if type(v) in _PLAIN or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if _stored_by_name(type(v)):  # (an IntEnum's member is an int too)
+            out.add(type(v))
+            if dataclasses.is_dataclass(v):
+                stack += [getattr(v, f.name, None) for f in dataclasses.fields(v)]
+            elif not isinstance(v, enum.Enum):  # a named tuple's items, a pydantic model's fields
+                stack += v if isinstance(v, tuple) else list(getattr(v, "__dict__", {}).values())
+        elif isinstance(v, typing.Mapping):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack += v
+    return out
 
 
 def _copy_graph(graph: Any) -> Any:

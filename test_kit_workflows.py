@@ -4,6 +4,7 @@ trio)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 import operator
@@ -12,9 +13,11 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import types
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Annotated, TypedDict
+from typing import Annotated, Any, TypedDict
 
 import agents
 import anyio
@@ -401,6 +404,77 @@ async def test_answers_a_checkpoint_can_store_are_taken(store, durable):
             parked = await deck.run("w", {"log": []}, session_id=name)
             await deck.answer(parked.run_id, value)
             assert await deck.status(parked.run_id) is RunStatus.COMPLETED, name
+
+
+@dataclasses.dataclass
+class Approval:
+    ok: bool
+    by: str
+
+
+class Note(pydantic.BaseModel):
+    text: str
+
+
+class Shade(enum.Enum):
+    DARK = "dark"
+
+
+def elsewhere(name: str) -> type:
+    """A dataclass ``name`` of a module of the application's that no workflow names."""
+    module = types.ModuleType(f"elsewhere_{uuid.uuid4().hex}")
+    cls = dataclasses.make_dataclass(name, [("n", int)], namespace={"__module__": module.__name__})
+    setattr(module, name, cls)
+    sys.modules[module.__name__] = module
+    return cls
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["langgraph-default", "langgraph-strict"])
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
+async def test_nodes_get_the_users_own_classes_back_from_a_checkpoint(
+        store, monkeypatch, caplog, durable, strict):
+    """A dataclass, pydantic or enum answer or state value read back from a checkpoint made
+    LangGraph warn "Deserializing unregistered type ... will be blocked in a future version";
+    under its strict mode (``LANGGRAPH_STRICT_MSGPACK=true``, that future) the node was given
+    a dict instead. The classes the workflow's modules name and those of its answers come back
+    in silence now; any other class still gets LangGraph's treatment (kit warns of it)."""
+    from langgraph._internal import _serde
+    from langgraph.checkpoint.serde import _msgpack
+    from langgraph.checkpoint.serde.event_hooks import register_serde_event_listener
+    monkeypatch.setattr(_msgpack, "STRICT_MSGPACK_ENABLED", strict)
+    monkeypatch.setattr(_serde, "STRICT_MSGPACK_ENABLED", strict)
+    receipt, stranger = elsewhere("Receipt"), elsewhere("Stranger")
+
+    class Kept(TypedDict, total=False):
+        kept: list[Any]
+
+    async def keep(state: Kept) -> dict:
+        return {"kept": [Approval(True, "me"), Note(text="hi"), Shade.DARK, stranger(1)]}
+
+    seen: list[Any] = []  # what the node was given (the run's output is JSON: all dicts)
+
+    async def ask_and_show(state: Kept) -> dict:  # both read back from the parked checkpoint
+        seen[:] = [kit.interrupt("which?"), *state["kept"]]
+        return {}
+
+    events: list[dict] = []
+    stop = register_serde_event_listener(events.append)
+    try:
+        workflow = Workflow("w", graph(keep, ask_and_show, state=Kept), durable=durable)
+        async with Deck(workflows=[workflow], store=store) as deck:
+            parked = await deck.run("w", {}, session_id="t")
+            await deck.answer(parked.run_id, receipt(2))
+    finally:
+        stop()
+    assert seen[:4] == [receipt(2), Approval(True, "me"), Note(text="hi"), Shade.DARK]
+    if strict:  # a class nobody named is refused, as LangGraph refuses it
+        assert seen[4] == {"n": 1}
+        assert {(e["kind"], e["name"]) for e in events} == {("msgpack_blocked", "Stranger")}
+    else:
+        assert seen[4] == stranger(1)
+        assert {(e["kind"], e["name"]) for e in events} == {
+            ("msgpack_unregistered_allowed", "Stranger")}
+        assert any("Stranger, a class no workflow names" in r.getMessage() for r in caplog.records)
 
 
 # --------------------------------------------------------------------------------- sleep ----
