@@ -271,8 +271,10 @@ class WorkflowEngine:
                 head = await graph.checkpointer.aget_tuple(config)
         elif isinstance(inp, dict) and await graph.checkpointer.aget_tuple(config) is not None:
             await self.forget(graph, run.thread_key)  # a new run starts afresh, whatever was left
-        elif self.durable and isinstance(getattr(inp, "resume", None), dict):  # by interrupt id
-            await _keep_answer(graph, config, inp.resume)
+        elif isinstance(getattr(inp, "resume", None), dict):  # by interrupt id
+            inp = await _woken(graph, config, inp)
+            if self.durable:
+                await _keep_answer(graph, config, inp.resume)
         seen: list[str] = []  # the first chunk's mode, once the graph streamed one
         try:
             return await self._chunks(run, graph, inp, config, control, seen)
@@ -591,6 +593,30 @@ def _pending_interrupts(ct: Any) -> list[Any]:
         elif channel not in _CONTROL_WRITES:
             finished.add(task_id)
     return [i for t, found in asked.items() if t not in finished for i in found]
+
+
+async def _woken(graph: Any, config: dict[str, Any], command: Any) -> Any:
+    """``command``, and when it is a tick's wake (``{"woke_at": <iso time>}`` to a sleep of the
+    thread), one that wakes every sleep of the thread due by then: parallel nodes asleep to one
+    time (a fan-out's) woke one a tick, the run parked again on the next, so the last of ten woke
+    nine ticks late."""
+    from langgraph.types import Command
+    (woken, value), = command.resume.items() if len(command.resume) == 1 else ((None, None),)
+    if not (isinstance(value, dict) and value.keys() == {"woke_at"}
+            and isinstance(value["woke_at"], str)):
+        return command
+    try:
+        now = datetime.fromisoformat(value["woke_at"])
+        ct = await graph.checkpointer.aget_tuple(config)
+    except Exception:  # not a tick's; or the thread cannot be read, and the run will say so
+        return command
+    sleeps = {i.id: _sleeps_until(i.value) for i in (_pending_interrupts(ct) if ct else ())}
+    if sleeps.get(woken) is None or now.utcoffset() is None:
+        return command
+    # Only those due: the one the log names is (a run an older kit parked on the later of two
+    # sleeps named that one, woken then at the other's time).
+    due = {i: value for i, until in sleeps.items() if until is not None and until <= now}
+    return Command(resume=due) if due else command
 
 
 async def _keep_answer(graph: Any, config: dict[str, Any], resume: dict[str, Any]) -> None:

@@ -604,6 +604,35 @@ async def test_parallel_sleeps_wake_each_at_its_own_time(store, minutes):
             f"{late} woke at {(NOW + timedelta(minutes=70)).isoformat()}", "done"])
 
 
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
+async def test_one_tick_wakes_every_sleep_of_a_thread_that_is_due(store, durable):
+    """A fan-out whose tasks all sleep to one time woke one task a tick: the run parked again
+    on the next, so the last of three woke two ticks late (ten: nine)."""
+    from langgraph.types import Send
+
+    class Item(TypedDict, total=False):
+        log: Annotated[list[str], operator.add]
+        item: str
+
+    async def nap_one(state: Item) -> dict:
+        woke = kit.sleep_until(NOW)
+        return {"log": [f"{state['item']} woke at {woke['woke_at']}"]}
+
+    g = StateGraph(Item).add_node("plan", plan).add_node("nap_one", nap_one)
+    g.add_edge(START, "plan").add_edge("nap_one", END)
+    g.add_conditional_edges("plan", lambda s: [Send("nap_one", {"item": i}) for i in "abc"],
+                            ["nap_one"])
+    async with Deck(workflows=[Workflow("w", g, durable=durable)], store=store) as deck:
+        parked = await deck.run("w", {"log": []}, session_id="t")
+        [ticked] = await deck.tick(NOW + timedelta(minutes=1))
+        woke = (NOW + timedelta(minutes=1)).isoformat()
+        assert sorted(ticked.result["log"]) == ["a woke at " + woke, "b woke at " + woke,
+                                                "c woke at " + woke, "plan"]
+        assert kinds(await store.read(parked.run_id)) == [
+            "run.started", "node.updated", "run.sleeping", "run.resumed", "node.updated",
+            "node.updated", "node.updated", "run.completed"]
+
+
 async def test_two_concurrent_tickers_resume_a_thread_once(store):
     async with Deck(workflows=[durable_sleeper()], store=store) as deck:
         for i in range(3):
