@@ -50,6 +50,7 @@ import json
 import logging
 import sys
 import typing
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,7 @@ _log = logging.getLogger("kit.workflows")
 _CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"
 _NO_VALUE = object()
+_NAMED: weakref.WeakSet[Any] = weakref.WeakSet()  # the graphs whose classes are allowed
 #: What LangGraph injects into a node by parameter name, read off its ``Runtime`` instead.
 _FROM_RUNTIME = {"runtime": lambda r: r, "writer": lambda r: r.stream_writer,
                  "store": lambda r: r.store, "previous": lambda r: r.previous}
@@ -467,7 +469,7 @@ def compile_workflow(workflow: Workflow) -> InvocableSpec:
         deck_graph.compile()  # a graph that cannot compile is a configuration error now
     except Exception as exc:
         raise ConfigError(f"workflow {name!r} does not compile: {exc}") from None
-    allow_types(_named_classes(workflow.graph, set()))
+    _allow_named(workflow.graph)
     return InvocableSpec(name, "workflow", workflow, WorkflowEngine(name, deck_graph, workflow.durable))
 
 
@@ -480,6 +482,13 @@ def _stored_by_name(cls: Any) -> bool:
                  or callable(getattr(cls, "model_dump", None))  # pydantic, as LangGraph tells it
                  or callable(getattr(cls, "dict", None)) and hasattr(cls, "__fields__")
                  or issubclass(cls, tuple) and hasattr(cls, "_asdict")))
+
+
+def _allow_named(graph: Any) -> None:
+    """Let checkpoints rebuild the classes ``StateGraph`` ``graph`` names (once a graph)."""
+    if graph not in _NAMED:
+        _NAMED.add(graph)
+        allow_types(_named_classes(graph, set()))
 
 
 def _named_classes(graph: Any, seen: set[int]) -> set[Any]:
@@ -711,6 +720,9 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
         raise ContentError(f"workflow {name!r} takes a mapping as input, "
                            f"got {type(input).__name__}")
     ours = thread_id is None or thread_id in own
+    # What a checkpoint may give back to its nodes, as a deck's (headless input need not be JSON).
+    _allow_named(graph.builder)
+    allow_types(_classes_in(input if resume is _NO_VALUE else resume))
 
     async def play() -> Any:
         held: list[Any] = []  # (resume) the answers the tasks that asked held

@@ -429,6 +429,10 @@ def elsewhere(name: str) -> type:
     return cls
 
 
+class Kept(TypedDict, total=False):
+    kept: list[Any]
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["langgraph-default", "langgraph-strict"])
 @pytest.mark.parametrize("durable", [True, False], ids=["durable", "in-memory"])
 async def test_nodes_get_the_users_own_classes_back_from_a_checkpoint(
@@ -444,9 +448,6 @@ async def test_nodes_get_the_users_own_classes_back_from_a_checkpoint(
     monkeypatch.setattr(_msgpack, "STRICT_MSGPACK_ENABLED", strict)
     monkeypatch.setattr(_serde, "STRICT_MSGPACK_ENABLED", strict)
     receipt, stranger = elsewhere("Receipt"), elsewhere("Stranger")
-
-    class Kept(TypedDict, total=False):
-        kept: list[Any]
 
     async def keep(state: Kept) -> dict:
         return {"kept": [Approval(True, "me"), Note(text="hi"), Shade.DARK, stranger(1)]}
@@ -475,6 +476,33 @@ async def test_nodes_get_the_users_own_classes_back_from_a_checkpoint(
         assert {(e["kind"], e["name"]) for e in events} == {
             ("msgpack_unregistered_allowed", "Stranger")}
         assert any("Stranger, a class no workflow names" in r.getMessage() for r in caplog.records)
+
+
+async def test_headless_runs_give_nodes_the_users_own_classes_back():
+    """As a deck's: the classes of a headless run's input, of its answers and those its
+    workflow's modules name come back from its checkpoint with no word (the deck's allow-list
+    knew them only once a deck had compiled the workflow, and never an input's)."""
+    from langgraph.checkpoint.serde.event_hooks import register_serde_event_listener
+    ticket = elsewhere("Ticket")
+    seen: list[Any] = []
+
+    async def keep(state: Kept) -> dict:
+        return {"kept": [*state["kept"], Approval(True, "me"), Shade.DARK]}
+
+    async def ask_and_show(state: Kept) -> dict:
+        seen[:] = [kit.interrupt("which?"), *state["kept"]]
+        return {}
+
+    events: list[dict] = []
+    stop = register_serde_event_listener(events.append)
+    try:
+        w = Workflow("w", graph(keep, ask_and_show, state=Kept))
+        parked = await w.run({"kept": [ticket(1)]})
+        await w.resume(parked.thread_id, Note(text="this one"))
+    finally:
+        stop()
+    assert seen == [Note(text="this one"), ticket(1), Approval(True, "me"), Shade.DARK]
+    assert events == []
 
 
 # --------------------------------------------------------------------------------- sleep ----
