@@ -94,7 +94,8 @@ import kit
 import kit_http
 import kit_sse
 import kit_writer
-from kit_pg import pg_url, store_from_url
+from kit_pg import store_from_url
+from kit_pgpool import pg_url
 from kit_store import SQLiteStore
 from kit_storebase import masked
 

@@ -1,10 +1,8 @@
 """kit_pg: the log on PostgreSQL, shared by every replica (DESIGN 4.4, 4.5, 12); the store factory.
 
 Owns: ``PostgresStore`` (the log, run index, claims and control requests in one schema of one
-database, with LISTEN/NOTIFY wake-ups), the Postgres plumbing the upper floors share (``pg_url``
-to split a kit URL, ``open_pool`` for a named pool on one schema, its connections tested when
-taken if asked, ``setup_lock`` to create tables once when replicas start together) and
-``store_from_url``, the one factory of every store.
+database, with LISTEN/NOTIFY wake-ups) and ``store_from_url``, the one factory of every store.
+Its connections come from ``kit_pgpool`` (URLs, pools, setup locks), below it.
 
 Must never: import psycopg at import (``import kit`` stays light; the ``postgres`` extra is
 optional), put a password in an error, a log line or a ``repr`` (``kit_storebase.masked``), run
@@ -18,10 +16,10 @@ right above ``kit_store``: under trio it plays its I/O on a ``Bridge``.
 
 Theory of operation
 -------------------
-One ``PostgresStore`` holds two psycopg pools (autocommit, its schema as ``search_path``): one for
-reads (``POOL_MAX`` connections), one for writes (``WRITE_POOL``: commits, lease renewals and
-reaping, control requests), so however many readers wait, a commit or a renewal never queues
-behind them; and one listening connection. Every call is one round trip where it matters:
+One ``PostgresStore`` holds two psycopg pools (autocommit, its schema as ``search_path``): one
+for reads (``kit_pgpool.POOL_MAX`` connections), one for writes (``WRITE_POOL``: commits, lease
+renewals and reaping, control requests), so however many readers wait, a commit or a renewal
+never queues behind them; and one listening connection. Every call is one round trip where it matters:
 ``append`` is one call of the ``kit_append`` function, created with the schema, which takes the
 claims, inserts the events, indexes the runs, frees or parks leases and sends one ``NOTIFY`` per
 run, in the single transaction of that statement (a round trip costs ~100-170 us here, a
@@ -56,15 +54,12 @@ appends are group-committed). The listener's wake-ups cross back with ``Bridge.t
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import anyio
 import sniffio
@@ -75,11 +70,10 @@ from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictErro
 from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, LAST_EVENTS, RUN_COLUMNS, RUN_INDEXES,
                        MemoryStore, SQLiteStore, abandoned, by_run, event_of, event_row,
                        foreign_table, run_row, runs_query)
+from kit_pgpool import bounded, open_pool, pg_url, psycopg_module, setup_lock
 from kit_storebase import StoreBase, masked
 
-__all__ = ("PostgresStore", "store_from_url", "pg_url", "open_pool", "setup_lock",
-           "SCHEMA_VERSION", "DEFAULT_SCHEMA", "POOL_MAX", "WRITE_POOL", "WRITE_TIMEOUT", "POOL_TIMEOUT",
-           "CONNECT_TIMEOUT",
+__all__ = ("PostgresStore", "store_from_url", "SCHEMA_VERSION", "WRITE_POOL", "WRITE_TIMEOUT",
            "LISTEN_CHECK", "RECONNECT_MAX")
 
 #: The version of the tables this module creates (row ``schema_version`` of ``kit_meta``). A
@@ -89,11 +83,6 @@ __all__ = ("PostgresStore", "store_from_url", "pg_url", "open_pool", "setup_lock
 #: a schema at 2 gets the new one when first opened; the version keeps an older kit, whose open
 #: would put back a function without that fence, from opening the schema at all.
 SCHEMA_VERSION = 3
-#: The schema a ``postgresql://`` URL without ``?schema=`` uses.
-DEFAULT_SCHEMA = "kit"
-#: Connections per store for reads (HTTP replays, status, pending). Three replicas of kit-serve
-#: with their checkpointers stay far below Postgres's default ``max_connections`` of 100.
-POOL_MAX = 8
 #: Connections per store for writes (commits, lease renewals and reaps, control requests), apart
 #: from the readers': in one pool, 40 replays at once of a 50,000-event run held a renewal 10.3 s
 #: and 100 failed it (measured), and another replica reaps the live runs not renewed.
@@ -102,162 +91,15 @@ WRITE_POOL = 2
 #: gone silent (a NAT or a firewall that forgot it: TCP says so after ~15 min), the write fails
 #: (``TimeoutError``) and the writer retries on another (a retried commit is safe: see above).
 WRITE_TIMEOUT = 10.0
-#: How long a call waits for a pooled connection (seconds): past it, the database is down for
-#: this call (the writer retries its batch; a reader gets the error).
-POOL_TIMEOUT = 10.0
-#: How long opening one connection may take (seconds; libpq's ``connect_timeout``, whole
-#: seconds, at least 2) unless the URL's ``connect_timeout`` or ``PGCONNECT_TIMEOUT`` says: past
-#: psycopg's own 130 s, a server that accepts and never answers would hold a command or a
-#: starting replica that long.
-CONNECT_TIMEOUT = 5
 #: An idle listener pings the server this often (seconds), and a ping unanswered this long is a
 #: dead connection, reopened (followers re-read then).
 LISTEN_CHECK = 5.0
 #: Reconnection backoff of the listener: doubles from 0.1 s up to this (seconds).
 RECONNECT_MAX = 5.0
-#: Setup locks are retried every _LOCK_RETRY s for up to _LOCK_PATIENCE s (another replica
-#: creating the tables takes well under a second).
-_LOCK_RETRY = 0.05
-_LOCK_PATIENCE = 60.0
 #: Takeovers of lapsed sessions one append tries before calling the session busy.
 _TAKEOVERS = 3
-_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,58}\Z")
 _CREATES = re.compile(r"IF NOT EXISTS (\w+)")  # what a statement of _TABLES makes
 _log = logging.getLogger("kit.pg")
-
-
-# ======================================================================================= urls ====
-
-def pg_url(url: str) -> tuple[str, str]:
-    """Split a kit ``postgresql://`` URL into ``(libpq URL, schema)``: kit's own ``schema``
-    query parameter (default ``DEFAULT_SCHEMA``) is removed, the rest goes to libpq as is.
-    Raises ``ConfigError`` (the URL masked) for a URL ``urlsplit`` refuses (an unclosed ``[``),
-    another scheme, user info that is ambiguous (an unencoded ``/``, ``?``, ``#`` or ``@`` in the
-    password: ``urlsplit``, libpq and ``masked`` would each cut it elsewhere, and libpq's errors
-    would show a piece of it as the host), or a schema name that is not lower-case letters,
-    digits and ``_`` (at most 59: it also names the NOTIFY channel)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:  # "Invalid IPv6 URL"
-        raise ConfigError(f"{masked(url)!r} is not a valid URL: {exc}") from None
-    if parts.scheme not in ("postgresql", "postgres"):
-        raise ConfigError(f"not a postgresql:// URL: {masked(url)!r}")
-    userinfo = url.partition("://")[2].rpartition("@")[0]
-    if userinfo != parts.netloc.rpartition("@")[0] or "@" in userinfo:
-        raise ConfigError(f"ambiguous user info in {masked(url)!r}: percent-encode the "
-                          "password's '/', '?', '#' and '@' (%2F, %3F, %23, %40), and any '@' "
-                          "after the host (%40)")
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    schema = next((v for k, v in query if k == "schema"), DEFAULT_SCHEMA)
-    if not _SCHEMA_NAME.match(schema):
-        raise ConfigError(f"schema must be 1-59 lower-case letters, digits or '_', starting with a "
-                          f"letter or '_', got {schema!r} in {masked(url)!r}")
-    rest = urlencode([(k, v) for k, v in query if k != "schema"], quote_via=quote)  # libpq: %20
-    return urlunsplit(parts._replace(query=rest)), schema
-
-
-def _psycopg() -> Any:
-    try:
-        import psycopg
-        import psycopg_pool  # noqa: F401 - checked here, used by open_pool
-    except ImportError:
-        raise ConfigError("a postgresql:// URL needs the postgres extra: "
-                          "pip install 'kit[postgres]'") from None
-    return psycopg
-
-
-def _bounded(conninfo: str) -> dict[str, Any]:
-    """The connection arguments that bound a connect to ``CONNECT_TIMEOUT`` seconds, or none
-    when ``conninfo`` (or libpq's ``PGCONNECT_TIMEOUT``) sets its own bound."""
-    from psycopg.conninfo import conninfo_to_dict
-    if "connect_timeout" in conninfo_to_dict(conninfo) or os.environ.get("PGCONNECT_TIMEOUT"):
-        return {}
-    return {"connect_timeout": CONNECT_TIMEOUT}
-
-
-async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, create: bool = True,
-                    name: str = "kit", check: bool = False, **kwargs: Any) -> Any:
-    """On asyncio: an open ``psycopg_pool.AsyncConnectionPool`` of autocommit connections whose
-    ``search_path`` is ``schema`` (created if missing, unless ``create`` is false), named
-    ``<name>:<schema>`` in ``pg_stat_activity`` (the log's pools are ``kit:<schema>`` and
-    ``kit-write:<schema>``, the listener ``kit-listen:<schema>``).
-    ``kwargs`` go to each connection; a connect is bounded (``CONNECT_TIMEOUT``) unless
-    ``conninfo`` sets a bound. With ``check``, a connection is tested when taken (a round trip
-    each time): one the server dropped while it sat idle (a restart, a failover, an idle timeout)
-    is replaced, with every other dead one, instead of failing its caller. For callers with no
-    retry of their own; the log's reads and writes retry instead, so they pay nothing until a
-    connection fails.
-    Raises ``ConfigError`` without the postgres extra; psycopg's ``OperationalError`` when the
-    server cannot be reached (libpq's messages name the host, never the password), its
-    ``ConnectionTimeout`` naming ``conninfo`` (masked) when the server does not answer in time."""
-    psycopg = _psycopg()
-    from psycopg import sql
-    from psycopg_pool import AsyncConnectionPool
-    path = sql.SQL("SET search_path TO {}").format(sql.Identifier(schema))
-    bound = _bounded(conninfo)
-
-    async def configure(conn: Any) -> None:
-        await conn.execute(path)
-
-    try:
-        first = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, **bound)
-    except psycopg.errors.ConnectionTimeout as exc:  # libpq's other errors name the host
-        raise type(exc)(f"cannot connect to {masked(conninfo)!r}: {exc}") from None
-    async with first as conn:
-        if create:
-            async with conn.transaction():  # locked: concurrent CREATE SCHEMA IF NOT EXISTS collide
-                await _try_lock(conn, f"kit:schema:{schema}", "xact_")
-                await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                    sql.Identifier(schema)))
-
-    async def checked(conn: Any) -> None:
-        try:
-            await AsyncConnectionPool.check_connection(conn)  # an empty query
-        except psycopg.OperationalError:
-            # After a restart every idle connection is dead, and the pool tries the next one
-            # at once, then only after 1 s, 2 s, 4 s (measured: two dead held a step 1 s; four
-            # would hold it about 7 s). Dropped all now, its next try is a new connection.
-            await pool.check()
-            raise
-
-    pool = AsyncConnectionPool(conninfo, min_size=1, max_size=max_size, open=False,
-                               configure=configure, timeout=POOL_TIMEOUT,
-                               check=checked if check else None,
-                               kwargs={"autocommit": True, **bound, **kwargs,
-                                       "application_name": f"{name}:{schema}"[:63]})
-    await pool.open(wait=True, timeout=POOL_TIMEOUT)
-    return pool
-
-
-async def _try_lock(conn: Any, what: str, xact: str = "") -> None:
-    """Take advisory lock ``what`` (``xact="xact_"``: until the transaction ends) on ``conn``,
-    trying again every ``_LOCK_RETRY`` s for up to ``_LOCK_PATIENCE`` s.
-
-    Tried, never waited for: a statement blocked on a lock holds a snapshot, and langgraph's
-    setup builds an index CONCURRENTLY, which waits for every such snapshot: the holder would
-    wait for the waiter (seen with three replicas starting at once)."""
-    from psycopg.rows import tuple_row
-    cur = conn.cursor(row_factory=tuple_row)  # whatever rows the pool's connections make
-    for _ in range(int(_LOCK_PATIENCE / _LOCK_RETRY)):
-        await cur.execute(f"SELECT pg_try_advisory_{xact}lock(hashtextextended(%s, 0))", (what,))
-        if (await cur.fetchone())[0]:
-            return
-        await anyio.sleep(_LOCK_RETRY)
-    raise TimeoutError(f"advisory lock {what!r} was held by another process for {_LOCK_PATIENCE:g} s")
-
-
-@contextlib.asynccontextmanager
-async def setup_lock(pool: Any, what: str) -> AsyncIterator[Any]:
-    """``async with setup_lock(pool, what) as conn:`` (on asyncio): hold a Postgres advisory
-    lock named ``what`` on a connection of ``pool``, so replicas starting at once create their
-    tables one after the other (``CREATE ... IF NOT EXISTS`` is not safe against a concurrent
-    twin). The lock is the session's: a process that dies frees it at once (CONVENTIONS A5)."""
-    async with pool.connection() as conn:
-        await _try_lock(conn, what)
-        try:
-            yield conn
-        finally:
-            await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (what,))
 
 
 # ===================================================================================== schema ====
@@ -456,7 +298,7 @@ class PostgresStore(StoreBase):
     this one's followers through LISTEN/NOTIFY, never a poll. Raises ``ConfigError`` for a
     malformed URL, or on open without the postgres extra or for a newer schema; opening raises
     psycopg's errors when the server cannot be reached, its ``ConnectionTimeout`` naming the URL
-    (masked) when it does not answer (``CONNECT_TIMEOUT``).
+    (masked) when it does not answer (``kit_pgpool.CONNECT_TIMEOUT``).
     """
 
     def __init__(self, url: str, *, read_only: bool = False) -> None:
@@ -475,7 +317,7 @@ class PostgresStore(StoreBase):
 
     # ---------------------------------------------------------------------- lifecycle --
     async def _opening(self) -> None:
-        _psycopg()
+        psycopg_module()
         if sniffio.current_async_library() == "trio":
             self._bridge = Bridge()
             self._bridge.start()
@@ -522,7 +364,7 @@ class PostgresStore(StoreBase):
     def _unstorable(self, exc: Exception) -> bool:
         """Text that is not UTF-8, a NUL or another value out of a type's range (class 22), or
         one too big to index (past ~2.7 kB: "index row size exceeds btree maximum")."""
-        errors = _psycopg().errors
+        errors = psycopg_module().errors
         return super()._unstorable(exc) or isinstance(exc, (errors.DataError,
                                                             errors.ProgramLimitExceeded))
 
@@ -633,7 +475,7 @@ class PostgresStore(StoreBase):
 
     async def _listen(self, ready: Callable[[], None]) -> None:
         """Asyncio side: LISTEN on the store's channel and fan each notification out."""
-        psycopg = _psycopg()
+        psycopg = psycopg_module()
         from psycopg import sql
 
         async def answered(statement: Any) -> None:
@@ -645,7 +487,7 @@ class PostgresStore(StoreBase):
             raise TimeoutError(f"the server did not answer the listener within {LISTEN_CHECK:g} s")
 
         async with await psycopg.AsyncConnection.connect(
-                self._conninfo, autocommit=True, **_bounded(self._conninfo),
+                self._conninfo, autocommit=True, **bounded(self._conninfo),
                 application_name=f"kit-listen:{self.schema}"[:63]) as conn:
             await answered(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             ready()
@@ -665,7 +507,7 @@ class PostgresStore(StoreBase):
 
     # --------------------------------------------------------------------------- hooks --
     async def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:
-        psycopg = _psycopg()
+        psycopg = psycopg_module()
         now += self._skew  # (the server's clock: leases compare across replicas)
         args = _append_args(events, claims, now, self.channel)
         for attempt in range(_TAKEOVERS + 1):
@@ -742,7 +584,7 @@ class PostgresStore(StoreBase):
         try:
             async with pool.connection() as conn:
                 return await (_answered(work(conn)) if write and bound else work(conn))
-        except _psycopg().OperationalError:
+        except psycopg_module().OperationalError:
             if not again:
                 raise
         await pool.check()

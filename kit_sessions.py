@@ -54,7 +54,7 @@ import anyio
 from agents.memory import SessionABC
 
 from kit_core import ConfigError
-from kit_pg import open_pool, pg_url, setup_lock
+from kit_pgpool import open_pool, pg_url, setup_lock
 from kit_storebase import masked
 
 __all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "NAMESPACE_SEP", "REDIS_CHECK",

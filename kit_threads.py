@@ -11,7 +11,7 @@ classes it rebuilds (``allow_types``), whether a checkpointer has a thread (``ho
 
 Must never: play a graph or read what its checkpoints mean (interrupts, sleeps: kit_workflows,
 above, does), reach the event store or the Runtime, import a sibling but kit_core (its values)
-and kit_pg (its pool plumbing), or import LangGraph, aiosqlite or psycopg at import (``import
+and kit_pgpool (its pool plumbing), or import LangGraph, aiosqlite or psycopg at import (``import
 kit`` stays light).
 
 Theory of operation
@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from kit_core import InvocableSpec, RunHandle
-from kit_pg import open_pool, pg_url, setup_lock
+from kit_pgpool import open_pool, pg_url, setup_lock
 
 __all__ = ("open_graphs", "checkpoint_path", "memory_saver", "checkpoint_serde", "allow_types",
            "PLAYING", "thread_config", "holds_thread", "ThreadLocks", "PgThreadLocks",

@@ -28,7 +28,7 @@ from kit import (
     Agent, AudioBlock, ConfigError, ContentError, Context, DataBlock, Deck, DeckStateError, Event,
     ImageBlock, ResourceBlock, RunStatus, ScriptedModel, SessionBusyError, TextBlock,
 )
-import kit_pg
+import kit_pgpool
 from kit_bridge import on_asyncio
 from kit_pg import store_from_url
 from kit_store import MemoryStore, SQLiteStore
@@ -119,7 +119,7 @@ def test_malformed_blocks_name_what_is_wrong(make, match):
 @pytest.mark.parametrize("make", [
     lambda: Agent("calc\n"), lambda: kit.Workflow("flow\n", StateGraph(dict)),
     lambda: kit.MCP({"time\n": {"command": "x"}}),
-    lambda: kit_pg.pg_url("postgresql://h/x?schema=kit%0A"),
+    lambda: kit_pgpool.pg_url("postgresql://h/x?schema=kit%0A"),
 ])
 def test_a_name_with_a_trailing_newline_is_refused(make):
     """The name patterns ended in ``$``, which also matches before a final newline: such names

@@ -462,7 +462,7 @@ async def test_a_log_on_a_read_only_mount_is_read_closed_or_live_and_left_as_it_
 
 async def test_a_postgres_role_that_may_only_select_reads_the_log(postgres_url):
     import psycopg
-    from kit_pg import pg_url
+    from kit_pgpool import pg_url
     conninfo, schema = pg_url(postgres_url)
     async with store_from_url(postgres_url) as store:
         await store.append([kit.Event("r1", 0, kit.RunStarted("a", "agent", "s1", None, ()), "a")])
@@ -490,7 +490,7 @@ async def test_a_postgres_role_that_may_only_select_reads_the_log(postgres_url):
 
 async def test_a_postgres_schema_without_a_log_is_refused_and_not_created(postgres_url):
     import psycopg
-    from kit_pg import pg_url
+    from kit_pgpool import pg_url
     conninfo, schema = pg_url(postgres_url)
     for args in (["runs", "list"], ["runs", "events", "r1"], ["runs", "signal", "r1", "cancel"]):
         ran = await anyio.to_thread.run_sync(kit_cli, *args, "--store", postgres_url)

@@ -25,7 +25,8 @@ import redis
 from httpx_sse import aconnect_sse
 
 import kit
-from kit_pg import pg_url, store_from_url
+from kit_pg import store_from_url
+from kit_pgpool import pg_url
 from test_kit_http import free_port
 from test_kit_store import kill_connections
 

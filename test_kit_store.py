@@ -22,10 +22,12 @@ import pytest
 
 import kit
 import kit_pg
+import kit_pgpool
 import kit_store
 import kit_storebase
 from kit import Claim, Event, RunStatus
-from kit_pg import SCHEMA_VERSION, PostgresStore, pg_url, store_from_url
+from kit_pg import SCHEMA_VERSION, PostgresStore, store_from_url
+from kit_pgpool import pg_url
 from kit_store import MemoryStore, SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -1023,7 +1025,7 @@ async def test_postgres_a_renewal_never_queues_behind_readers(postgres_url, monk
     past POOL_TIMEOUT (PoolTimeout): the renewal failed, so another replica would reap this
     one's live runs as abandoned; the writer's commits queued behind the same readers."""
     import psycopg
-    monkeypatch.setattr(kit_pg, "POOL_TIMEOUT", 1.0)  # (the readers' wait: they give up)
+    monkeypatch.setattr(kit_pgpool, "POOL_TIMEOUT", 1.0)  # (the readers' wait: they give up)
     conninfo, schema = pg_url(postgres_url)
 
     def stuck() -> int:  # the store's readers waiting on the lock, each holding a connection
@@ -1043,9 +1045,9 @@ async def test_postgres_a_renewal_never_queues_behind_readers(postgres_url, monk
         try:
             with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:
-                    for _ in range(kit_pg.POOL_MAX + 4):
+                    for _ in range(kit_pgpool.POOL_MAX + 4):
                         tg.start_soon(read_quietly)
-                    while await anyio.to_thread.run_sync(stuck) < kit_pg.POOL_MAX:
+                    while await anyio.to_thread.run_sync(stuck) < kit_pgpool.POOL_MAX:
                         await anyio.sleep(0.02)
                     before = time.time()
                     await store.renew("me", 30)  # used to raise PoolTimeout
@@ -1066,7 +1068,7 @@ async def test_a_thread_lock_whose_connection_the_server_dropped_is_released_qui
 
     async def trial() -> None:
         from psycopg.rows import dict_row  # as the durable checkpointer's pool has it
-        mine, theirs = [await kit_pg.open_pool(conninfo, schema, max_size=1, name=name, check=True,
+        mine, theirs = [await kit_pgpool.open_pool(conninfo, schema, max_size=1, name=name, check=True,
                                                row_factory=dict_row)
                         for name in ("kit-locks", "kit-other")]
         try:
@@ -1416,10 +1418,10 @@ def silent_server() -> Iterator[int]:
 async def test_postgres_that_never_answers_fails_the_open_in_bounded_time_naming_it(anyio_backend):
     psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed")
     with silent_server() as port:
-        for query, bound in (("", kit_pg.CONNECT_TIMEOUT), ("&connect_timeout=2", 2)):
+        for query, bound in (("", kit_pgpool.CONNECT_TIMEOUT), ("&connect_timeout=2", 2)):
             store = store_from_url(f"postgresql://kit:s3cret@127.0.0.1:{port}/test?schema=s{query}")
             started = time.monotonic()
-            with anyio.fail_after(kit_pg.CONNECT_TIMEOUT + 5), \
+            with anyio.fail_after(kit_pgpool.CONNECT_TIMEOUT + 5), \
                     pytest.raises(psycopg.errors.ConnectionTimeout) as info:
                 async with store:
                     pass

@@ -28,7 +28,8 @@ from langgraph.graph import END, START, StateGraph
 import kit
 from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Workflow
 from kit_bridge import on_asyncio
-from kit_pg import pg_url, store_from_url
+from kit_pg import store_from_url
+from kit_pgpool import pg_url
 from kit_store import SQLiteStore
 from kit_workflows import MAX_DEPTH
 
