@@ -174,44 +174,28 @@ class ScriptedModel(_sdk.Model):
         yield ResponseCreatedEvent(type="response.created", sequence_number=next(seq),
                                    response=final.model_copy(update={"output": [], "status": "in_progress"}))
         for idx, item in enumerate(items):
-            if item.type == "message" and item.content[0].type == "refusal":
-                part, text = item.content[0], item.content[0].refusal
+            if item.type == "message":  # one part: text, or a refusal (streamed as OpenAI's)
+                part = item.content[0]
+                field, kind, extra, delta, done = (
+                    ("refusal", "refusal", {}, ResponseRefusalDeltaEvent, ResponseRefusalDoneEvent)
+                    if part.type == "refusal" else ("text", "output_text", {"logprobs": []},
+                                                    ResponseTextDeltaEvent, ResponseTextDoneEvent))
+                text = getattr(part, field)
                 yield ResponseOutputItemAddedEvent(
                     type="response.output_item.added", output_index=idx, sequence_number=next(seq),
                     item=item.model_copy(update={"content": [], "status": "in_progress"}))
                 yield ResponseContentPartAddedEvent(
                     type="response.content_part.added", item_id=item.id, output_index=idx,
                     content_index=0, sequence_number=next(seq),
-                    part=part.model_copy(update={"refusal": ""}))
+                    part=part.model_copy(update={field: ""}))
                 for tok in _tokens(text):
-                    yield ResponseRefusalDeltaEvent(
-                        type="response.refusal.delta", item_id=item.id, output_index=idx,
-                        content_index=0, delta=tok, sequence_number=next(seq))
-                yield ResponseRefusalDoneEvent(
-                    type="response.refusal.done", item_id=item.id, output_index=idx,
-                    content_index=0, refusal=text, sequence_number=next(seq))
+                    yield delta(type=f"response.{kind}.delta", item_id=item.id, output_index=idx,
+                                content_index=0, delta=tok, sequence_number=next(seq), **extra)
+                yield done(type=f"response.{kind}.done", item_id=item.id, output_index=idx,
+                           content_index=0, sequence_number=next(seq), **{field: text}, **extra)
                 yield ResponseContentPartDoneEvent(
                     type="response.content_part.done", item_id=item.id, output_index=idx,
                     content_index=0, part=part, sequence_number=next(seq))
-            elif item.type == "message":
-                text = item.content[0].text
-                yield ResponseOutputItemAddedEvent(
-                    type="response.output_item.added", output_index=idx, sequence_number=next(seq),
-                    item=item.model_copy(update={"content": [], "status": "in_progress"}))
-                yield ResponseContentPartAddedEvent(
-                    type="response.content_part.added", item_id=item.id, output_index=idx,
-                    content_index=0, sequence_number=next(seq),
-                    part=ResponseOutputText(type="output_text", text="", annotations=[]))
-                for tok in _tokens(text):
-                    yield ResponseTextDeltaEvent(
-                        type="response.output_text.delta", item_id=item.id, output_index=idx,
-                        content_index=0, delta=tok, logprobs=[], sequence_number=next(seq))
-                yield ResponseTextDoneEvent(
-                    type="response.output_text.done", item_id=item.id, output_index=idx,
-                    content_index=0, text=text, logprobs=[], sequence_number=next(seq))
-                yield ResponseContentPartDoneEvent(
-                    type="response.content_part.done", item_id=item.id, output_index=idx,
-                    content_index=0, part=item.content[0], sequence_number=next(seq))
             else:
                 yield ResponseOutputItemAddedEvent(
                     type="response.output_item.added", output_index=idx, sequence_number=next(seq),
