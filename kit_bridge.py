@@ -116,17 +116,28 @@ class Bridge:
             finally:
                 token.run_sync_soon(done.set)
 
+        # A caller cancelled already has its task's cancel sent with its start: sent after it,
+        # the cancel came once this thread had the GIL back, which the loop's thread, woken
+        # by the start, often held until ``fn`` had run to its end (a run whose caller was
+        # cancelled before it began then played to its end, its end recorded as completed).
+        cancelled = anyio.current_effective_deadline() <= anyio.current_time()
+
+        def start() -> None:
+            task.append(self.loop.create_task(play()))
+            if cancelled:
+                self.loop.call_soon(task[0].cancel)
+
         # A fresh context: the task must not inherit the trio thread's context variables
         # (sniffio's among them would make anyio believe the loop is trio).
-        self.loop.call_soon_threadsafe(lambda: task.append(self.loop.create_task(play())),
-                                       context=contextvars.Context())
+        self.loop.call_soon_threadsafe(start, context=contextvars.Context())
         try:
             await done.wait()
         except BaseException:
             # The cancel is queued behind the task's first step: a task cancelled before it
             # starts never runs its coroutine, so ``fn`` would record nothing (a run no end)
             # and ``done`` would wait out CANCEL_TIMEOUT.
-            self.loop.call_soon_threadsafe(lambda: self.loop.call_soon(task[0].cancel))
+            if not cancelled:
+                self.loop.call_soon_threadsafe(lambda: self.loop.call_soon(task[0].cancel))
             with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_TIMEOUT):
                 await done.wait()  # the engine side records how the run ended before we go on
             raise

@@ -1802,3 +1802,37 @@ async def test_a_mailbox_batch_taken_before_its_wake_up_leaves_the_next_batch_it
         await bridge.stop()
     [(item, at)] = delivered
     assert item == "b" and at - posted >= 0.15  # its own wake-up, not a's (0.1 s after posted)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_call_whose_caller_is_cancelled_already_cancels_its_task_after_its_first_step():
+    """A caller cancelled before its ``Bridge.call`` starts gets its asyncio task cancelled
+    right after the task's first step. The cancel was sent by a second crossing, once the trio
+    thread had the GIL back: the loop's thread, woken by the start, held it through the first
+    step (here 50 ms of work; an SDK turn is a few ms), and the job went on to its end: a run
+    whose caller was cancelled before it began played on and was recorded as completed."""
+    import asyncio
+    import time
+
+    import kit_bridge
+    bridge, seen = kit_bridge.Bridge(), []
+
+    async def job() -> None:
+        began = time.perf_counter()
+        while time.perf_counter() - began < 0.05:  # its first step holds the loop's thread
+            pass
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        seen.append("finished")
+
+    bridge.start()
+    try:
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await bridge.call(job)
+    finally:
+        await bridge.stop()
+    assert seen == ["cancelled"]
