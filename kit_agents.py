@@ -21,8 +21,9 @@ model's ``stream_response`` and building the same ``ModelResponse`` the runner w
 hooks (``_KitHooks``) make ``tool.started`` durable before a tool runs, record ``tool.completed``
 after it, and hold the agents' safe point: before each model call a pause or cancel request
 stops the run there with every finished turn kept in the session (notes/ENGINES.md 4); a turn's
-items reach the session only once the log holds what came before them (``_FencedSession``). The
-run handle travels as the SDK's run context (``context=run``); the caller's object is ``run.data``.
+items reach the session only once the log holds what came before them (``_FencedSession``); a
+run that fails ends its open tool calls first. The run handle travels as the SDK's run context
+(``context=run``); the caller's object is ``run.data``.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from kit_core import (
 )
 from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
 from kit_tools import (
-    call_id, compile_tool, mcp_tool_error, skill_catalog, skill_tool, tool_origin, watched,
+    OPEN_CALLS, call_id, compile_tool, mcp_tool_error, skill_catalog, skill_tool, tool_origin, watched,
 )
 
 if TYPE_CHECKING:
@@ -358,9 +359,11 @@ class _KitHooks(sdk.RunHooks):
         if isinstance(run, RunHandle):
             if getattr(tool, "_is_agent_tool", False):
                 _PLAY.get()[2] += 1
-            await run.durable(ToolStarted(call_id(context), tool.name,
+            cid, origin = call_id(context), tool_origin(run, agent, tool)
+            OPEN_CALLS.get({})[cid] = (tool.name, origin)
+            await run.durable(ToolStarted(cid, tool.name,
                                           getattr(context, "tool_arguments", "") or ""),
-                              origin=tool_origin(run, agent, tool))
+                              origin=origin)
 
     async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
         run = context.context
@@ -368,6 +371,7 @@ class _KitHooks(sdk.RunHooks):
             if getattr(tool, "_is_agent_tool", False):
                 _record_untapped(run, context, agent, tool)
             cid = call_id(context)
+            OPEN_CALLS.get({}).pop(cid, None)
             failed = cid in run.tool_errors
             run.tool_errors.discard(cid)  # a provider may use the id again (Kimi's: per turn)
             run.emit(ToolCompleted(cid, tool.name, jsonable(result), failed),
@@ -598,7 +602,7 @@ class AgentEngine:
     async def play(self, run: RunHandle, items: Any, session: Any, run_config: Any) -> Event:
         """Engine side: play one turn on ``run``, ending it with its terminal or parking event
         (durable when this returns). A run's failure is recorded, then re-raised."""
-        token = _CURRENT_RUN.set(run)
+        token, calls = _CURRENT_RUN.set(run), OPEN_CALLS.set({})
         base = _PLAY.set([run.input_tokens, run.output_tokens, 0])
         try:
             if session is not None and not isinstance(session, OpenAIConversationsSession):
@@ -624,9 +628,13 @@ class AgentEngine:
             raise
         except Exception as exc:
             run.error = exc  # a stream's consumer raises it after run.failed
+            said = f"error: {type(exc).__name__}: {exc}"  # what a plain tool's failure says
+            for cid, (name, origin) in OPEN_CALLS.get().items():  # one that failed the run
+                run.emit(ToolCompleted(cid, name, said, True), origin=origin)  # and its siblings
             await run.durable(run.failure(exc))
             raise
         finally:
+            OPEN_CALLS.reset(calls)
             _CURRENT_RUN.reset(token)
             _PLAY.reset(base)
         if result.interruptions:  # a tool approval the SDK waits for (a tool kit did not build)

@@ -16,7 +16,9 @@ tool's ``ctx.context`` while it runs).
 
 A tool's failure goes back to the model as an error string, never a failed run, and its call's
 ``tool.completed`` says ``is_error`` (``failed``: the call's id, ``call_id``, is added to
-``run.tool_errors``, which the hooks read, and clear, when they record the call).
+``run.tool_errors``, which the hooks read, and clear, when they record the call). An SDK tool
+built to fail the run instead (no failure error function, a timeout that raises) does; its call,
+left open (``OPEN_CALLS``), gets its ``tool.completed`` (``is_error``) before ``run.failed``.
 """
 from __future__ import annotations
 
@@ -47,8 +49,13 @@ if TYPE_CHECKING:
     from kit_catalog import Skill
 
 __all__ = ("compile_tool", "watched", "skill_catalog", "skill_tool", "mcp_tool_error",
-           "tool_origin", "call_id", "failed")
+           "tool_origin", "call_id", "failed", "OPEN_CALLS")
 
+#: The play's tool calls that started and did not complete, call id -> (tool, origin): set per
+#: play (kit_agents), a call added when its ``tool.started`` is recorded and taken when its
+#: ``tool.completed`` is; a run that fails ends those left, before its ``run.failed``.
+OPEN_CALLS: contextvars.ContextVar[dict[str, tuple[str, str]]] = contextvars.ContextVar(
+    "kit_open_calls")
 #: A tool name every model API takes (OpenAI's rule; Anthropic's is the same, Gemini's wider).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -304,8 +311,8 @@ def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
     """An SDK ``FunctionTool`` whose exception or timeout the SDK hands the model as an error
     string (its failure or timeout error function): a copy (the caller's object is left as
     built) whose calls that failed say ``is_error`` in their ``tool.completed``, as a plain
-    function's do. What fails the run instead (no failure error function, a timeout that
-    raises) is left as it is."""
+    function's do. One that fails the run instead (no failure error function, a timeout that
+    raises) is left as it is: kit_agents ends its call, open still, when the run fails."""
     from agents.tool import (
         default_tool_timeout_error_message, resolve_function_tool_failure_error_function,
         set_function_tool_failure_error_function,
@@ -359,6 +366,7 @@ def _log_refusals(tool: sdk.FunctionTool) -> sdk.FunctionTool:
                 else:
                     said = behavior.get("message") or f"refused by guardrail {guardrail.get_name()}"
                     run.emit(ToolCompleted(cid, tool.name, said, True), origin=origin)
+                    OPEN_CALLS.get({}).pop(cid, None)  # (an output tripwire's call had started)
             return out
         return dataclasses.replace(guardrail, guardrail_function=check, name=guardrail.get_name())
 

@@ -583,6 +583,41 @@ async def test_an_sdk_tool_that_times_out_is_logged_as_an_error(store):
     assert (done["stall"].is_error, done["stall"].output) == (True, "gave up")
 
 
+async def test_an_sdk_tool_that_fails_its_run_ends_its_call_before_the_run(store):
+    """An SDK tool whose failure fails the run (``failure_error_function=None``, a timeout set to
+    raise): the log had its ``tool.started`` and then ``run.failed``, no ``tool.completed``, so
+    SSE, the playground and traces showed the call running forever."""
+    @agents.function_tool(failure_error_function=None)
+    def boom(x: int) -> int:
+        """Explode."""
+        raise ValueError("bad x")
+
+    @agents.function_tool(timeout=0.01, timeout_behavior="raise_exception")
+    async def hang() -> str:
+        """Never answers."""
+        await anyio.sleep_forever()
+
+    model = ScriptedModel([{"tool": "boom", "args": {"x": 1}}, {"tool": "hang", "args": {}}],
+                          cycle=True)
+    async with Deck([Agent("a", tools=[boom, hang], model=model)], store=store) as deck:
+        with anyio.fail_after(10):
+            with pytest.raises(Exception) as asked:
+                await deck.run("a", "x", run_id="asked")
+            streamed: list[Event] = []
+            with pytest.raises(Exception) as timed:
+                async for e in deck.stream("a", "x", run_id="streamed"):
+                    streamed.append(e)
+        for run_id, exc in (("asked", asked.value), ("streamed", timed.value)):
+            log = await store.read(run_id)
+            assert kinds(log) == ["run.started", "model.completed", "tool.started",
+                                  "tool.completed", "run.failed"]
+            started, done, end = log[2].payload, log[3].payload, log[4].payload
+            assert (done.call_id, done.tool, done.is_error) == (started.call_id, started.tool, True)
+            assert done.output == f"error: {end.error}: {end.message}"
+            assert (end.error, end.message) == (type(exc).__name__, str(exc))
+    assert streamed == log and log[2].payload.tool == "hang"
+
+
 async def test_an_agent_played_as_a_tool_counts_in_the_runs_usage(store):
     """An SDK agent as a tool (``Agent.as_tool``) calls its own model, which kit does not wrap:
     its tokens and cost were missing from the run's usage, and no ``model.completed`` said
@@ -805,6 +840,7 @@ async def test_a_tool_output_refused_by_its_output_guardrail_is_an_error_in_the_
     started = [e.payload.call_id for e in log if e.kind == "tool.started"]
     done = {e.payload.call_id: e.payload for e in log if e.kind == "tool.completed"}
     assert len(started) == 3 and sorted(started) == sorted(done)
+    assert kinds(log).count("tool.completed") == 3  # the tripwire's call ended once, not again
     assert [(done[c].tool, done[c].output, done[c].is_error) for c in started] == [
         ("read", "output withheld", True), ("read", "contents of notes", False),
         ("launch", "refused by guardrail tripwire", True)]
