@@ -21,9 +21,9 @@ model's ``stream_response`` and building the same ``ModelResponse`` the runner w
 hooks (``_KitHooks``) make ``tool.started`` durable before a tool runs, record ``tool.completed``
 after it, and hold the agents' safe point: before each model call a pause or cancel request
 stops the run there with every finished turn kept in the session (notes/ENGINES.md 4); a turn's
-items reach the session only once the log holds what came before them (``_FencedSession``); a
-run that fails ends its open tool calls first. The run handle travels as the SDK's run context
-(``context=run``); the caller's object is ``run.data``.
+items reach the session only as the run's end commits (kit_sessions); a run that fails ends its
+open tool calls first. The run handle travels as the SDK's run context (``context=run``); the
+caller's object is ``run.data``.
 """
 from __future__ import annotations
 
@@ -170,8 +170,7 @@ class _TapModel(sdk.Model):
     """
 
     def __init__(self, agent: str, model: str | sdk.Model | None, windowed: bool = False) -> None:
-        self.agent, self.windowed = agent, windowed
-        self._model = model
+        self.agent, self.windowed, self._model = agent, windowed, model
         self._inner: sdk.Model | None = model if isinstance(model, sdk.Model) else None
 
     def inner(self) -> sdk.Model:
@@ -206,8 +205,7 @@ class _TapModel(sdk.Model):
     async def get_response(self, system_instructions, input, model_settings, tools, output_schema,
                            handoffs, tracing, *, previous_response_id=None, conversation_id=None,
                            prompt=None) -> Any:
-        run: RunHandle | None = _CURRENT_RUN.get()
-        inner = self.inner()
+        run, inner = _CURRENT_RUN.get(), self.inner()
         if self.windowed:
             input = _within_window(input)
         args = (system_instructions, input, model_settings, tools, output_schema, handoffs, tracing)
@@ -219,8 +217,7 @@ class _TapModel(sdk.Model):
         answered = None  # the model the response says answered (a streamed Responses reply's)
         if run.streaming:
             try:
-                response, answered = await self._stream(run, inner.stream_response(*args, **kw),
-                                                        ids)
+                response, answered = await self._stream(run, inner.stream_response(*args, **kw), ids)
             except Exception as exc:
                 if ids:  # this attempt's text is in the log: not to be retried (get_retry_advice)
                     with contextlib.suppress(AttributeError, TypeError):
@@ -325,10 +322,10 @@ class _Stop(sdk.AgentsException):
 
 
 class _FencedSession:
-    """A run's session as the SDK sees it: a turn's items are written only once the run's log
-    holds what came before them (``RunHandle.synced``). A run another process reaped while this
-    one stalled past its lease (a GC pause, a partition from the store) is refused there, so it
-    writes nothing into the conversation the next turn, on any replica, has taken since."""
+    """A run's session as the SDK sees it: each write waits till the log holds all before it
+    (``RunHandle.synced``), so a run stops at its next step once the store is given up on. (The
+    conversation's fence is the turn's view, kit_sessions' ``_TurnSession``, written only as the
+    run's end commits: a reaped run adds nothing to it, an OpenAI Conversations one included.)"""
 
     def __init__(self, session: Any, run: RunHandle) -> None:
         self._session, self._run = session, run
@@ -361,9 +358,8 @@ class _KitHooks(sdk.RunHooks):
                 _PLAY.get()[2] += 1
             cid, origin = call_id(context), tool_origin(run, agent, tool)
             OPEN_CALLS.get({})[cid] = (tool.name, origin)
-            await run.durable(ToolStarted(cid, tool.name,
-                                          getattr(context, "tool_arguments", "") or ""),
-                              origin=origin)
+            await run.durable(ToolStarted(cid, tool.name, getattr(context, "tool_arguments", "")
+                                          or ""), origin=origin)
 
     async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
         run = context.context
@@ -395,11 +391,8 @@ def _record_untapped(run: RunHandle, context: Any, agent: Any, tool: Any) -> Non
         return
     inner = getattr(tool, "_agent_instance", None)
     model = getattr(inner, "model", None)
-    if model is None:
-        name = get_default_model()
-    else:
-        name = model if isinstance(model, str) else str(getattr(model, "model", None)
-                                                          or type(model).__name__)
+    name = get_default_model() if model is None else model if isinstance(model, str) else str(
+        getattr(model, "model", None) or type(model).__name__)
     nested = any(getattr(t, "_is_agent_tool", False) for t in getattr(inner, "tools", ()))
     usd = _price(name, extra_in, extra_out) if alone and not nested else None
     run.add_usage(extra_in, extra_out, usd)
@@ -711,8 +704,6 @@ def use_api(api: str | None) -> None:
 #: The SDK's trace processors before a deck's tracing observer took its spans (the SDK's default
 #: exporter, one the application added), given back when the deck closes; None when not taken.
 _APP_PROCESSORS: list[Any] | None = None
-
-
 #: Ended deck-run traces ``_Routed`` still routes late spans of (the latest first kept).
 _ENDED_MAX = 10_000
 
