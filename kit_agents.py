@@ -21,8 +21,8 @@ model's ``stream_response`` and building the same ``ModelResponse`` the runner w
 hooks (``_KitHooks``) make ``tool.started`` durable before a tool runs, record ``tool.completed``
 after it, and hold the agents' safe point: before each model call a pause or cancel request
 stops the run there with every finished turn kept in the session (notes/ENGINES.md 4); a turn's
-items reach the session only as the run's end commits (kit_sessions); a run that fails ends its
-open tool calls first. The run handle travels as the SDK's run context (``context=run``); the
+items reach the session only as the run's end commits (kit_sessions); a run that fails, or is
+cut short, ends its open tool calls first. The run handle travels as the SDK's run context (``context=run``); the
 caller's object is ``run.data``.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ from kit_core import (
 )
 from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
 from kit_tools import (
-    OPEN_CALLS, call_id, compile_tool, mcp_tool_error, skill_catalog, skill_tool, tool_origin, watched,
+    OPEN_CALLS, call_id, compile_tool, end_open_calls, mcp_tool_error, skill_catalog, skill_tool,
+    tool_origin, watched,
 )
 
 if TYPE_CHECKING:
@@ -617,14 +618,11 @@ class AgentEngine:
             return await run.durable(RunPaused(stop.reason, jsonable(kept)))
         except anyio.get_cancelled_exc_class():
             if (end := run.ending()) is not None:
-                run.emit(end)
+                run.emit(end_open_calls(run, end))
             raise
         except Exception as exc:
             run.error = exc  # a stream's consumer raises it after run.failed
-            said = f"error: {type(exc).__name__}: {exc}"  # what a plain tool's failure says
-            for cid, (name, origin) in OPEN_CALLS.get().items():  # one that failed the run
-                run.emit(ToolCompleted(cid, name, said, True), origin=origin)  # and its siblings
-            await run.durable(run.failure(exc))
+            await run.durable(end_open_calls(run, run.failure(exc)))
             raise
         finally:
             OPEN_CALLS.reset(calls)

@@ -18,7 +18,8 @@ A tool's failure goes back to the model as an error string, never a failed run, 
 ``tool.completed`` says ``is_error`` (``failed``: the call's id, ``call_id``, is added to
 ``run.tool_errors``, which the hooks read, and clear, when they record the call). An SDK tool
 built to fail the run instead (no failure error function, a timeout that raises) does; its call,
-left open (``OPEN_CALLS``), gets its ``tool.completed`` (``is_error``) before ``run.failed``.
+left open (``OPEN_CALLS``), gets its ``tool.completed`` (``is_error``) before ``run.failed``
+(``end_open_calls``), as a call a cancel cuts short does before ``run.cancelled``.
 """
 from __future__ import annotations
 
@@ -42,20 +43,34 @@ from agents.function_schema import function_schema
 
 from kit_context import is_context
 from kit_core import (
-    ConfigError, Context, MCPServerError, RunHandle, SkillLoaded, ToolCompleted, ToolStarted,
+    ConfigError, Context, MCPServerError, RunFailed, RunHandle, SkillLoaded, ToolCompleted,
+    ToolStarted,
 )
 
 if TYPE_CHECKING:
     from kit_catalog import Skill
 
 __all__ = ("compile_tool", "watched", "skill_catalog", "skill_tool", "mcp_tool_error",
-           "tool_origin", "call_id", "failed", "OPEN_CALLS")
+           "tool_origin", "call_id", "failed", "OPEN_CALLS", "end_open_calls")
 
 #: The play's tool calls that started and did not complete, call id -> (tool, origin): set per
 #: play (kit_agents), a call added when its ``tool.started`` is recorded and taken when its
 #: ``tool.completed`` is; a run that fails ends those left, before its ``run.failed``.
 OPEN_CALLS: contextvars.ContextVar[dict[str, tuple[str, str]]] = contextvars.ContextVar(
     "kit_open_calls")
+
+
+def end_open_calls(run: RunHandle, end: Any) -> Any:
+    """``end`` (a run's ``run.failed`` or ``run.cancelled``), after a ``tool.completed``
+    (``is_error``, in the end's words) for each of the play's calls left open (``OPEN_CALLS``):
+    the one that failed the run, those cut short with it; a reader sees every call end."""
+    said = (f"error: {end.error}: {end.message}" if isinstance(end, RunFailed)
+            else f"error: cancelled: {getattr(end, 'reason', None)}")
+    for cid, (name, origin) in OPEN_CALLS.get({}).items():
+        run.emit(ToolCompleted(cid, name, said, True), origin=origin)
+    return end
+
+
 #: A tool name every model API takes (OpenAI's rule; Anthropic's is the same, Gemini's wider).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 

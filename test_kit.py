@@ -1523,6 +1523,33 @@ async def test_a_cancelled_caller_cancels_its_run(store):
         assert (await store.read("r-cancel"))[-1].payload == kit.RunCancelled("the caller was cancelled")
 
 
+async def test_a_run_cut_short_mid_tool_ends_its_call_before_its_own_end(store):
+    """A run whose caller was cancelled while its tool ran: the log had the call's
+    ``tool.started``, then ``run.cancelled``, and never a ``tool.completed``."""
+    entered = threading.Event()
+
+    async def slow() -> str:
+        entered.set()
+        await anyio.sleep_forever()
+        return "late"
+
+    async with Deck([Agent("a", tools=[slow], model=ScriptedModel([{"tool": "slow"}, "x"]))],
+                    store=store) as deck:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(deck.run, "a", "go", run_id="cut"))
+                assert await anyio.to_thread.run_sync(entered.wait, 10)
+                tg.cancel_scope.cancel()
+            while await deck.status("cut") is RunStatus.RUNNING:
+                await anyio.sleep(0.01)
+        log = await store.read("cut")
+    assert kinds(log) == ["run.started", "model.completed", "tool.started", "tool.completed",
+                          "run.cancelled"]
+    assert log[3].payload == kit.ToolCompleted(
+        log[2].payload.call_id, "slow", "error: cancelled: the caller was cancelled", True)
+    assert log[4].payload == kit.RunCancelled("the caller was cancelled")
+
+
 async def test_a_caller_cancelled_before_its_run_reaches_the_engine_ends_it_at_once(store):
     """Under trio, a run whose caller was cancelled before its engine task started (a task
     group cancelled right after ``start_soon``) had its asyncio task cancelled unstarted: the
