@@ -513,13 +513,16 @@ class EventStorePort(Protocol):
 
     ``append`` is atomic per batch and durable when it returns. With ``claims`` it also takes those
     runs' leases (and session claims) in the same transaction, raising ``SessionBusyError`` and
-    writing nothing when another live or parked run holds the session. A terminal event frees the
+    writing nothing when another live or parked run holds the session; a session whose holder's
+    lease lapsed is taken over, and ``append`` returns that run's ``run.failed`` (RunAbandoned)
+    for the Runtime's observers (None: a store that does not tell). A terminal event frees the
     claim; a parking event keeps it without a lease. ``follow`` replays, then yields live events,
     until the run's terminal or parking event; ``follow_requests`` does the same for control
     requests, forever (the owner of a run learns of a pause or cancel written anywhere).
     """
 
-    async def append(self, events: Sequence[Event], *, claims: Sequence[Claim] = ()) -> None: ...
+    async def append(self, events: Sequence[Event], *,
+                     claims: Sequence[Claim] = ()) -> list[Event] | None: ...
     async def read(self, run_id: str, after: int = -1) -> list[Event]: ...
     def follow(self, run_id: str, after: int = -1) -> AsyncIterator[Event]: ...
     async def runs(self, *, status: RunStatus | None = None, name: str | None = None,

@@ -546,14 +546,19 @@ class PostgresStore(StoreBase):
                     raise SessionBusyError(claim.session_id, holder, claim.namespace) from None
 
     async def _take_over(self, run_id: str, now: float) -> None:
-        """Abandon ``run_id`` if its lease has still lapsed (another claimant may be at it)."""
+        """Abandon ``run_id`` if its lease has still lapsed (another claimant may be at it): in a
+        transaction of its own, so its run.failed is reported (``_overtaken``) once committed,
+        whatever becomes of the claim."""
+        event = None
         async with self._writes.connection() as conn, conn.transaction():
             if await (await conn.execute(
                     "SELECT 1 FROM leases WHERE run_id = %s AND lease_until < %s "
                     "FOR UPDATE SKIP LOCKED", (run_id, now))).fetchone():
-                await self._abandon(conn, run_id)
+                event = await self._abandon(conn, run_id)
+        if event is not None:
+            self._overtaken.append(event)
 
-    async def _abandon(self, conn: Any, run_id: str) -> None:
+    async def _abandon(self, conn: Any, run_id: str) -> Event:
         name, last = await (await conn.execute(
             "SELECT (SELECT name FROM runs WHERE run_id = %s), "
             "(SELECT max(seq) FROM events WHERE run_id = %s)", (run_id, run_id))).fetchone()
@@ -563,6 +568,7 @@ class PostgresStore(StoreBase):
                            (RunStatus.FAILED.value, event.seq, run_id))
         await conn.execute("DELETE FROM leases WHERE run_id = %s", (run_id,))
         await conn.execute("SELECT pg_notify(%s, %s)", (self.channel, f"e {event.seq} {run_id}"))
+        return event
 
     async def _fetch(self, query: str, args: Sequence[Any] = (), *, again: bool = True,
                      write: bool = False) -> list[tuple[Any, ...]]:

@@ -436,10 +436,11 @@ class SQLiteStore(StoreBase):
 
     def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None:
         rows = [event_row(e) for e in events]  # serialised before the write lock is taken
+        overtaken: list[Event] = []
         try:
             with self._tx() as db:
                 for claim in claims:
-                    self._claim(db, claim, now)
+                    self._claim(db, claim, now, overtaken)
                 db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
                 claimed = {c.run_id for c in claims}
                 for run_id, run_events in by_run(events).items():
@@ -468,8 +469,10 @@ class SQLiteStore(StoreBase):
         except sqlite3.IntegrityError:
             # Rolled back by now, so the table shows exactly what was there before this batch.
             raise self._conflict(events) from None
+        self._overtaken += overtaken  # committed: reported by ``append``
 
-    def _claim(self, db: sqlite3.Connection, claim: Claim, now: float) -> None:
+    def _claim(self, db: sqlite3.Connection, claim: Claim, now: float,
+               overtaken: list[Event]) -> None:
         until = now + claim.lease_seconds
         if db.execute("UPDATE leases SET owner = ?, lease_until = ? WHERE run_id = ?",
                       (claim.owner, until, claim.run_id)).rowcount:
@@ -481,11 +484,11 @@ class SQLiteStore(StoreBase):
             if held is not None:
                 if held[1] is None or held[1] >= now:
                     raise SessionBusyError(claim.session_id, held[0], claim.namespace)
-                self._abandon(db, held[0])
+                overtaken.append(self._abandon(db, held[0]))
         db.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?)",
                    (claim.run_id, namespace, claim.session_id, claim.owner, until))
 
-    def _abandon(self, db: sqlite3.Connection, run_id: str) -> None:
+    def _abandon(self, db: sqlite3.Connection, run_id: str) -> Event:
         name, last = db.execute("SELECT (SELECT name FROM runs WHERE run_id = ?), "
                                 "(SELECT MAX(seq) FROM events WHERE run_id = ?)",
                                 (run_id, run_id)).fetchone()
@@ -494,6 +497,7 @@ class SQLiteStore(StoreBase):
         db.execute("UPDATE runs SET status = ?, last_seq = ? WHERE run_id = ?",
                    (RunStatus.FAILED.value, event.seq, run_id))
         db.execute("DELETE FROM leases WHERE run_id = ?", (run_id,))
+        return event
 
     def _conflict(self, events: list[Event]) -> LogConflictError:
         db = self._con
@@ -644,7 +648,7 @@ class MemoryStore(StoreBase):
                     raise SessionBusyError(claim.session_id, holder, claim.namespace)
                 overtaken.append(holder)
         for holder in overtaken:
-            self._abandon(holder)
+            self._overtaken.append(self._abandon(holder))  # (nothing below refuses the batch)
         for claim in claims:
             until = now + claim.lease_seconds
             if (lease := self._leases.get(claim.run_id)) is not None:
@@ -678,16 +682,14 @@ class MemoryStore(StoreBase):
             bisect.insort(log, event, key=_seq)
         self._keys.add((event.run_id, event.seq))
 
-    def _abandon(self, run_id: str) -> None:
+    def _abandon(self, run_id: str) -> Event:
         log, info = self._logs.get(run_id), self._index.get(run_id)
         event = abandoned(run_id, log[-1].seq + 1 if log else 0, info.name if info else "")
         self._insert(event)
         if info is not None:
             self._index[run_id] = replace(info, status=RunStatus.FAILED, last_seq=event.seq)
         del self._leases[run_id]
-        # Its followers wait for a wake-up, with no poll to fall back on: a run overtaken for
-        # its session is not in the batch whose commit wakes followers (``StoreBase.append``).
-        self._woken(run_id, None)
+        return event  # (its followers, with no poll to fall back on, are woken by the caller)
 
     def _read(self, run_id: str, after: int) -> list[Event]:
         log = self._logs.get(run_id, [])

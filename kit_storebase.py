@@ -124,6 +124,9 @@ class StoreBase:
         # Created by ``__aenter__`` (the events need the running backend), so one store object
         # can be opened under asyncio and later under trio; None while closed.
         self._followers: dict[str | None, list[tuple[int, anyio.Event]]] | None = None
+        # The ``run.failed`` of runs abandoned taking over their sessions, committed and not yet
+        # reported: the hooks add them, the next ``append`` (or ``reap``) returns them.
+        self._overtaken: list[Event] = []
 
     @property
     def opened(self) -> bool:
@@ -256,12 +259,13 @@ class StoreBase:
                 del self._followers[key]
 
     # ------------------------------------------------------------------------- the port --
-    async def append(self, events: Sequence[Event], *, claims: Sequence[Claim] = ()) -> None:
+    async def append(self, events: Sequence[Event], *, claims: Sequence[Claim] = ()) -> list[Event]:
         """Append a batch atomically; durable when this returns.
 
         With ``claims``, also take each run's lease in the same transaction: re-taking a run's own
         lease renews it; a session held by another run whose lease has lapsed is taken over (that
-        run gets ``run.failed`` RunAbandoned). A ``run.started`` event indexes the run; a terminal
+        run gets ``run.failed`` RunAbandoned, which this returns, in commit order, so the caller's
+        observers see it: no ``reap`` returns that run; [] when none was). A ``run.started`` event indexes the run; a terminal
         event frees the claim; a parking event keeps it with no lease to lapse.
 
         Raises ``SessionBusyError`` when a live or parked run holds a claim's session and
@@ -276,7 +280,9 @@ class StoreBase:
         _check_unique(events)
         if events or claims:
             await self._call(lambda: self._append(events, claims, time.time()))
-            self._committed(events)
+        overtaken, self._overtaken = self._overtaken, []
+        self._committed([*overtaken, *events])  # (wakes the overtaken runs' followers too)
+        return overtaken
 
     async def read(self, run_id: str, after: int = -1) -> list[Event]:
         """The run's committed events with ``seq > after``, in seq order ([] for an unknown run)."""
@@ -352,10 +358,13 @@ class StoreBase:
         """Abandon every run whose lease has lapsed; return their run ids (each reaped once).
 
         Each gets ``run.failed`` (error ``RunAbandoned``) at its next seq and status FAILED, and
-        its claim is freed.
+        its claim is freed. Runs abandoned at a claim that no ``append`` returned (it failed
+        after the takeover committed) are returned too.
         """
         self._check_writable("reap runs")
         reaped = await self._call(lambda: self._reap(time.time()))
+        overtaken, self._overtaken = self._overtaken, []
+        reaped = sorted({*reaped, *(e.run_id for e in overtaken)})
         for run_id in reaped:
             self._woken(run_id, None)
         return reaped
@@ -411,6 +420,7 @@ class StoreBase:
     def _open(self) -> None: ...
     def _close(self) -> None: ...
     def _append(self, events: list[Event], claims: Sequence[Claim], now: float) -> None: ...
+    # (a run it abandons taking over its session: its run.failed to ``_overtaken``, once committed)
     def _read(self, run_id: str, after: int) -> list[Event]: ...
     def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
               limit: int | None, before: str | None) -> list[RunInfo]: ...

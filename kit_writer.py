@@ -73,7 +73,8 @@ _log = logging.getLogger("kit.writer")
 class Writer:
     """The group-commit buffer in front of an ``EventStorePort``.
 
-    ``committed(events)`` is called with every batch once it is durable, in order; ``give_up(
+    ``committed(events)`` is called with every batch once it is durable, in order (led by the
+    ``run.failed`` of the runs its claims abandoned, which ``append`` returns); ``give_up(
     run_ids, error, seconds)`` once per outage that lasts ``down_limit``; ``refused(run_id,
     error)`` when the store refuses a run's events. Kit side only.
     """
@@ -170,7 +171,7 @@ class Writer:
         while True:
             try:
                 with anyio.CancelScope(shield=True):
-                    await self.store.append(batch, claims=list(claims.values()))
+                    overtaken = await self.store.append(batch, claims=list(claims.values()))
             except KitError as exc:  # refused: split by run, so it costs only the refused run
                 runs = sorted({e.run_id for e in batch})
                 if len(runs) == 1:
@@ -194,7 +195,7 @@ class Writer:
                 _log.warning("the event store takes writes again after %.1f s",
                              anyio.current_time() - self.down_since)
                 self.down_since, self._told = None, set()
-            done = list(batch)
+            done = [*(overtaken or ()), *batch]  # their ends committed first, observed too
             batch.clear()
             self._committed(done)
             return

@@ -82,7 +82,7 @@ class FaultyStore(SQLiteStore):
             self.fail_appends = max(0, self.fail_appends - 1)
             self.failures += 1
             raise OSError("injected: the disk is gone")
-        await super().append(events, claims=claims)
+        return await super().append(events, claims=claims)
 
     def _fault(self, *knobs: str) -> None:
         """Raise, counting down the first of ``knobs`` (fault counts) that is set."""
@@ -302,7 +302,7 @@ class RunDownStore(FaultyStore):
         if self.down_run is not None and {e.run_id for e in events} == {self.down_run}:
             self.failures += 1
             raise OSError("injected: the disk is gone")
-        await super().append(events, claims=claims)
+        return await super().append(events, claims=claims)
 
 
 async def test_a_cancelled_flush_puts_back_only_the_claims_of_what_it_puts_back(tmp_path):
@@ -751,6 +751,26 @@ class Conversation(OpenAIConversationsSession):
 
     async def clear_session(self):
         self.conversations.pop(self.session_id, None)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_dead_runs_end_written_at_a_new_turns_claim_reaches_the_observers(tmp_path, request, kind):
+    """A turn whose process died (its lease lapsed, not reaped yet) was recorded abandoned by
+    the next turn on its session, inside that turn's claim: the deck's observers never got its
+    run.failed (no reap returns the run), so its trace stayed open for good."""
+    url = (f"sqlite:///{tmp_path}/kit.db" if kind == "sqlite" else request.getfixturevalue("postgres_url"))
+    rec = Recorder()
+    async with store_from_url(url) as store:
+        async with Deck([Agent("talk", model=ScriptedModel(["hello"]))], store=store, observers=[rec]) as deck:
+            await store.append([Event("dead", 0, kit.RunStarted("talk", "agent", "s"))],
+                               claims=[kit.Claim("dead", "gone", 0.05, session_id="s")])
+            await anyio.sleep(0.3)  # its process is gone: the lease lapses
+            with anyio.fail_after(20):
+                assert (await deck.run("talk", "hi", session_id="s")).output == "hello"
+        log = await store.read("dead")
+    assert log[-1].kind == "run.failed" and log[-1].payload.error == "RunAbandoned"
+    assert [(e.run_id, e.seq, e.kind) for e in rec.seen if e.run_id == "dead"] == [("dead", 1, "run.failed")]
+    assert rec.seen[0].run_id == "dead"  # committed before the new turn's events
 
 
 @pytest.mark.parametrize("conversations", [False, True])

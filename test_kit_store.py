@@ -171,6 +171,19 @@ async def test_a_writer_past_its_lapsed_lease_writes_nothing_after_the_abandoned
     assert (await store.run_info("r1")).status is RunStatus.FAILED
 
 
+async def test_a_claim_that_takes_over_a_lapsed_session_returns_the_abandoned_runs_end(store):
+    """A new turn's claim that abandoned the run whose lease lapsed on its session wrote that
+    run's run.failed and said nothing of it: no reap returns the run, so no observer saw it end."""
+    await store.append([started("dead", session_id="s")], claims=[Claim("dead", "gone", 0.05, session_id="s")])
+    assert await store.append([started("other", session_id="t")],
+                              claims=[Claim("other", "me", 30, session_id="t")]) == []
+    await anyio.sleep(0.1)
+    took = await store.append([started("new", session_id="s")], claims=[Claim("new", "me", 30, session_id="s")])
+    assert took == (await store.read("dead"))[-1:] and took[0].seq == 1
+    assert (took[0].kind, took[0].payload.error) == ("run.failed", "RunAbandoned")
+    assert await store.reap() == []  # reported once
+
+
 async def test_a_batch_with_an_event_for_an_ended_run_is_refused_whole(store):
     await store.append([started("done"), ev("done", 1, kit.RunCompleted("ok"))])
     await store.append([started("live", session_id="s"), ev("live", 1, kit.TextDelta("a"))],
