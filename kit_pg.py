@@ -74,7 +74,7 @@ from kit_pgpool import bounded, open_pool, pg_url, psycopg_module, setup_lock
 from kit_storebase import StoreBase, masked
 
 __all__ = ("PostgresStore", "store_from_url", "SCHEMA_VERSION", "WRITE_POOL", "WRITE_TIMEOUT",
-           "LISTEN_CHECK", "RECONNECT_MAX")
+           "READ_TIMEOUT", "LISTEN_CHECK", "RECONNECT_MAX")
 
 #: The version of the tables this module creates (row ``schema_version`` of ``kit_meta``). A
 #: later release migrates from it; a store refuses a schema newer than it knows. 2: the run
@@ -91,6 +91,11 @@ WRITE_POOL = 2
 #: gone silent (a NAT or a firewall that forgot it: TCP says so after ~15 min), the write fails
 #: (``TimeoutError``) and the writer retries on another (a retried commit is safe: see above).
 WRITE_TIMEOUT = 10.0
+#: How long a read may wait for its answer (seconds): past it, its connection is taken for one
+#: gone silent, as a write's, and the read is tried once more on another (then its reader gets
+#: ``TimeoutError``). Longer than a write's: a replay of a long run is one read (a 50,000-event
+#: run's takes ~1 s alone, and many at once share the server).
+READ_TIMEOUT = 60.0
 #: An idle listener pings the server this often (seconds), and a ping unanswered this long is a
 #: dead connection, reopened (followers re-read then).
 LISTEN_CHECK = 5.0
@@ -278,12 +283,13 @@ def _append_args(events: list[Event], claims: Sequence[Claim], now: float,
 
 # ====================================================================================== store ====
 
-async def _answered(write: Any) -> Any:
-    """``await write``, or ``TimeoutError`` past ``WRITE_TIMEOUT`` (psycopg then closes the
-    connection, which the pool drops)."""
-    with anyio.move_on_after(WRITE_TIMEOUT):
-        return await write
-    raise TimeoutError(f"the server did not answer a write within {WRITE_TIMEOUT:g} s")
+async def _answered(work: Any, write: bool = True) -> Any:
+    """``await work``, or ``TimeoutError`` past ``WRITE_TIMEOUT`` (``READ_TIMEOUT`` for a read;
+    psycopg then closes the connection, which the pool drops)."""
+    bound = WRITE_TIMEOUT if write else READ_TIMEOUT
+    with anyio.move_on_after(bound):
+        return await work
+    raise TimeoutError(f"the server did not answer a {'write' if write else 'read'} within {bound:g} s")
 
 
 class PostgresStore(StoreBase):
@@ -580,19 +586,24 @@ class PostgresStore(StoreBase):
 
     async def _on_live(self, work: Callable[[Any], Any], *, again: bool = True,
                        write: bool = False, bound: bool = True) -> Any:
-        """``await work(conn)`` on a pooled connection (the writers' pool with ``write``: its
-        answer within ``WRITE_TIMEOUT`` unless ``bound`` is false, for work that bounds its own
-        steps); with ``again`` (work that may run twice: a read, an idempotent write, a
-        transaction that rolls back when its connection dies), once more when that connection
-        turns out dead, after the pool has dropped every dead one (after a server restart or a
-        failover, all are)."""
+        """``await work(conn)`` on a pooled connection (the writers' pool with ``write``), its
+        answer within ``WRITE_TIMEOUT`` (a read's ``READ_TIMEOUT``) unless ``bound`` is false,
+        for work that bounds its own steps; with ``again`` (work that may run twice: a read, an
+        idempotent write, a transaction that rolls back when its connection dies), once more
+        when that connection turns out dead, after the pool has dropped every dead one (after a
+        server restart or a failover, all are), or a read's once more when it went silent (not
+        checking the pool's others first: a silent one would hold the check as long)."""
         pool = self._writes if write else self._pool
         try:
             async with pool.connection() as conn:
-                return await (_answered(work(conn)) if write and bound else work(conn))
+                return await (_answered(work(conn), write) if bound else work(conn))
         except psycopg_module().OperationalError:
             if not again:
                 raise
+        except TimeoutError:
+            if not again or write:
+                raise
+            return await self._on_live(work, again=False, write=write, bound=bound)
         await pool.check()
         return await self._on_live(work, again=False, write=write, bound=bound)
 

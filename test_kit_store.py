@@ -1202,6 +1202,29 @@ async def test_a_commit_whose_connection_stops_answering_is_retried_on_another(p
                 assert kinds(await store.read("r1")) == ["run.started", "run.completed"]
         outer.cancel_scope.cancel()
 
+async def test_a_read_whose_connection_stops_answering_is_retried_on_another(postgres_url,
+                                                                            monkeypatch):
+    """A read sent on a connection gone silent (a NAT or a firewall that forgot it) waited for
+    as long as TCP took to give up (~15 min; forever behind a frozen peer): a replay, a run's
+    status, a follower's re-read hung that long. It gives up after READ_TIMEOUT and is read
+    again on another connection."""
+    monkeypatch.setattr(kit_pg, "READ_TIMEOUT", 0.5)
+    proxy = Deafening(b"kit:test_")  # the readers' pool (``kit:<schema>``)
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            anyio.create_task_group() as outer:
+        outer.start_soon(proxy.serve, listener, 5432)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with store_from_url(postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")) \
+                as store:
+            with anyio.fail_after(15):
+                await store.append([started("r1"), ev("r1", 1, kit.RunCompleted("a"))])
+                assert kinds(await store.read("r1")) == ["run.started", "run.completed"]
+                proxy.deaf.set()  # the reader's pooled connection goes silent
+                assert kinds(await store.read("r1")) == ["run.started", "run.completed"]
+                assert (await store.run_info("r1")).status is RunStatus.COMPLETED
+        outer.cancel_scope.cancel()
+
+
 async def test_postgres_a_retried_batch_that_committed_is_not_written_twice(postgres_url):
     """The writer retries a batch whose commit it could not confirm (the connection died after
     COMMIT was sent): the identical events found in the log are that commit, not a conflict."""
