@@ -25,9 +25,11 @@ writes are fenced: ``WorkflowEngine.play`` sets ``PLAYING`` to its run while the
 nothing onto a thread a later run has taken since. A ticker resumes a thread that only the
 checkpointer knows (no parked run in the log to fence it) under the thread's lock: this
 process's set of keys, and with a Postgres log a session advisory lock that a replica that dies
-frees with its connection. The Postgres checkpointer's pool (``kit-checkpoints:<schema>`` in
-``pg_stat_activity``) tests each connection when taken, so a durable step after the server
-dropped them (a restart, a failover) reconnects instead of failing its run.
+frees with its connection, one of a pool of its own (``kit-locks:<schema>``), so locks never
+take the connections their runs' checkpoints need. The Postgres checkpointer's pool
+(``kit-checkpoints:<schema>`` in ``pg_stat_activity``) tests each connection when taken, so a
+durable step after the server dropped them (a restart, a failover) reconnects instead of failing
+its run.
 """
 from __future__ import annotations
 
@@ -43,11 +45,16 @@ from kit_pgpool import open_pool, pg_url, setup_lock
 
 __all__ = ("open_graphs", "checkpoint_path", "memory_saver", "checkpoint_serde", "allow_types",
            "PLAYING", "thread_config", "holds_thread", "ThreadLocks", "PgThreadLocks",
-           "CHECKPOINT_POOL")
+           "CHECKPOINT_POOL", "LOCK_POOL")
 
 #: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
-#: share them, and a ticker holds one per thread it is resuming.
+#: share them.
 CHECKPOINT_POOL = 4
+#: Connections of the pool holding tickers' thread locks (per process): a ticker holds one per
+#: thread it is resuming, while the thread's run plays. A pool apart from the checkpointer's:
+#: in that one, four ticks at once held every connection, and their runs' checkpoints waited
+#: for one until they failed. More resumes at once than this wait for a lock's connection.
+LOCK_POOL = 8
 
 
 # ================================================================================== savers ====
@@ -143,7 +150,7 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
     ``AsyncPostgresSaver`` in the schema of a ``postgresql://`` log (its tables created once when
     replicas open together); with any other store, and for the others, each has an in-memory
     saver. Returns ``(graphs by name, close, locks)`` where ``close`` (engine side) closes the
-    file or the pool, or is None when there is none.
+    file or the pools (the checkpointer's and the locks'), or is None when there is none.
     """
     durable, close, locks = None, None, ThreadLocks()
     if store_url and any(s.kind == "workflow" and s.engine.durable for s in specs):
@@ -167,14 +174,24 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
             pool = await open_pool(conninfo, schema, max_size=CHECKPOINT_POOL,
                                    name="kit-checkpoints", check=True, prepare_threshold=0,
                                    row_factory=dict_row)
+            pools = [pool]
             try:
-                durable, close = AsyncPostgresSaver(pool, serde=checkpoint_serde()), pool.close
-                locks = PgThreadLocks(pool)
+                pools.append(await open_pool(conninfo, schema, max_size=LOCK_POOL, create=False,
+                                             name="kit-locks", check=True, row_factory=dict_row))
+                durable, locks = AsyncPostgresSaver(pool, serde=checkpoint_serde()), PgThreadLocks(pools[1])
                 async with setup_lock(pool, f"kit:checkpoints:{schema}"):
                     await durable.setup()
             except BaseException:
-                await pool.close()
+                for each in pools:
+                    await each.close()
                 raise
+
+            async def close_pools() -> None:
+                try:
+                    await pools[1].close()
+                finally:
+                    await pool.close()
+            close = close_pools
     if durable is not None:
         _fence(durable)
     graphs = {}

@@ -1608,3 +1608,37 @@ def test_kill_9_loses_nothing_a_client_was_told(worker):
     assert (counts.missing, counts.mismatched, counts.integrity_failures) == (0, 0, 0), counts.problems
     # A client the kill cut before its headers was told nothing: nothing to pick up.
     assert counts.reconnects > 0 and counts.reached_end == counts.reconnects
+
+
+async def test_more_ticks_at_once_than_checkpoint_connections_each_resume_a_thread(
+        postgres_url, anyio_backend):
+    """A ticker held a connection of the checkpointer's pool (``CHECKPOINT_POOL``, 4) for its
+    thread's lock while the thread's run played, and that run's checkpoints wait for one too:
+    four ticks at once took them all, and every resumed run waited ``POOL_TIMEOUT`` for a
+    connection and failed (``deck.tick`` raised PoolTimeout). Locks have a pool of their own now
+    (``LOCK_POOL``): more resumes at once than it holds wait for one, their runs unhindered."""
+    from datetime import timedelta
+
+    from kit_bridge import on_asyncio
+    from test_kit_workflows import NOW, durable_sleeper
+    threads = [f"t{i}" for i in range(max(kit_threads.CHECKPOINT_POOL,
+                                          getattr(kit_threads, "LOCK_POOL", 0)) + 1)]
+    ticked: list = []
+    async with store_from_url(postgres_url) as store, \
+            Deck(workflows=[durable_sleeper()], store=store) as deck:
+        compiled = deck._runtime.graphs["sleeper"]
+        wake_at = (NOW - timedelta(minutes=5)).isoformat()
+        for thread in threads:  # asleep on threads only the checkpointer knows (no run parks them)
+            await on_asyncio(functools.partial(compiled.ainvoke, {"log": [], "wake_at": wake_at},
+                                               {"configurable": {"thread_id": f"sleeper::{thread}"}}))
+        assert await deck.tick(NOW - timedelta(hours=1)) == []  # none due yet: the one scan
+
+        async def tick() -> None:
+            ticked.extend(await deck.tick(NOW))
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in threads:
+                    tg.start_soon(tick)
+        assert await deck.due_resumes(NOW) == []
+    assert sorted(t.thread_id for t in ticked) == threads
+    assert [t.result["log"][-1] for t in ticked] == ["done"] * len(threads)
