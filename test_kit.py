@@ -1591,7 +1591,7 @@ class CountingStore(SQLiteStore):
 
     async def append(self, events, *, claims=()):
         self.batches.append([e.kind for e in events])
-        await super().append(events, claims=claims)
+        return await super().append(events, claims=claims)
 
 
 async def test_a_run_id_from_new_run_id_costs_no_extra_commit_and_a_callers_own_is_checked_first(tmp_path):

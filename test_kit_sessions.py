@@ -141,7 +141,7 @@ class SlowClaims(SQLiteStore):
         if self.slow and any(claim.session_id == "a" for claim in claims):
             self.waiting.set()
             await self.go.wait()
-        await super().append(events, claims=claims)
+        return await super().append(events, claims=claims)  # (the runs its claims abandoned)
 
 
 async def test_a_turn_keeps_its_conversation_while_its_claim_is_written(monkeypatch, tmp_path):
