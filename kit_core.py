@@ -519,11 +519,14 @@ class EventStorePort(Protocol):
     claim; a parking event keeps it without a lease. ``follow`` replays, then yields live events,
     until the run's terminal or parking event; ``follow_requests`` does the same for control
     requests, forever (the owner of a run learns of a pause or cancel written anywhere).
+    ``read(..., limit=N)`` returns the first N at most, a page of a replay
+    (``kit_storebase.replay``); a store whose ``read`` takes no ``limit`` is read whole.
     """
 
     async def append(self, events: Sequence[Event], *,
                      claims: Sequence[Claim] = ()) -> list[Event] | None: ...
-    async def read(self, run_id: str, after: int = -1) -> list[Event]: ...
+    async def read(self, run_id: str, after: int = -1, *,
+                   limit: int | None = None) -> list[Event]: ...
     def follow(self, run_id: str, after: int = -1) -> AsyncIterator[Event]: ...
     async def runs(self, *, status: RunStatus | None = None, name: str | None = None,
                    session_id: str | None = None, limit: int | None = None,

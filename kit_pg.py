@@ -607,9 +607,9 @@ class PostgresStore(StoreBase):
         await pool.check()
         return await self._on_live(work, again=False, write=write, bound=bound)
 
-    async def _read(self, run_id: str, after: int) -> list[Event]:
+    async def _read(self, run_id: str, after: int, limit: int | None) -> list[Event]:
         rows = await self._fetch("SELECT body FROM events WHERE run_id = %s AND seq > %s "
-                                 "ORDER BY seq", (run_id, after))
+                                 "ORDER BY seq LIMIT %s", (run_id, after, limit))  # NULL: all
         return [event_of(body) for (body,) in rows]
 
     async def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,

@@ -511,10 +511,10 @@ class SQLiteStore(StoreBase):
                 return LogConflictError(e.run_id, e.seq)
         return LogConflictError(events[0].run_id, events[0].seq)
 
-    def _read(self, run_id: str, after: int) -> list[Event]:
+    def _read(self, run_id: str, after: int, limit: int | None) -> list[Event]:
         # fetchall: an unfinished cursor would hold a read transaction open between polls.
-        rows = self._con.execute("SELECT body FROM events WHERE run_id = ? AND seq > ? ORDER BY seq",
-                                (run_id, after)).fetchall()
+        rows = self._con.execute("SELECT body FROM events WHERE run_id = ? AND seq > ? ORDER BY seq "
+                                 "LIMIT ?", (run_id, after, -1 if limit is None else limit)).fetchall()
         return [event_of(body) for (body,) in rows]
 
     def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
@@ -691,9 +691,10 @@ class MemoryStore(StoreBase):
         del self._leases[run_id]
         return event  # (its followers, with no poll to fall back on, are woken by the caller)
 
-    def _read(self, run_id: str, after: int) -> list[Event]:
+    def _read(self, run_id: str, after: int, limit: int | None) -> list[Event]:
         log = self._logs.get(run_id, [])
-        return log[bisect.bisect_right(log, after, key=_seq):]
+        start = bisect.bisect_right(log, after, key=_seq)
+        return log[start:] if limit is None else log[start:start + limit]
 
     def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
               limit: int | None, before: str | None) -> list[RunInfo]:
