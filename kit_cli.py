@@ -62,7 +62,7 @@ from kit_core import (ConfigError, EventStorePort, RunInfo, RunStatus, UnknownRu
                       control_refusal, printable)
 from kit_pg import store_from_url
 from kit_store import project_log_url, read_only_log
-from kit_storebase import masked
+from kit_storebase import masked, replay
 
 __all__ = ("main", "LIST_LIMIT", "LIST_LIMIT_MAX")
 
@@ -224,7 +224,7 @@ async def _events(store: EventStorePort, a: argparse.Namespace) -> None:
         if info.last_seq is not None and a.after > info.last_seq:  # never printed, so a typo
             raise _Refused(f"run {a.run_id} has no event {a.after} (its last is {info.last_seq})")
         if not a.follow:
-            for event in await store.read(a.run_id, a.after):
+            async for event in replay(store, a.run_id, a.after):  # a page at a time
                 print(json.dumps(event.to_json(), separators=(",", ":")))
             return
         ended: list[Exception] = []  # why the tail stopped short: a store error, or no player

@@ -82,6 +82,7 @@ from kit_sse import (
     Ending, FrameOf, Message, Receive, Send, Stream, data_frames, dumps, native_frame,
     ending_frame, sse_frame, v1_frame, v1_workflow_frame,
 )
+from kit_storebase import replay
 
 if typing.TYPE_CHECKING:
     from kit import Deck
@@ -577,11 +578,13 @@ class App:
         # one row, not the log's tail. None: a store of the port's that keeps none.
         info = await store.run_info(run_id) if after >= 0 else None
         last = None if info is None else info.last_seq
-        if status in _TERMINAL:  # its log is whole: read once, sent as read
-            log = [] if last is not None and after >= last else await store.read(run_id, after)
-            if not log:
+        if status in _TERMINAL:  # its log is whole: read a page at a time, each sent as read
+            events = replay(store, run_id, after)
+            first = None if last is not None and after >= last else await anext(events, None)
+            if first is None:
+                await events.aclose()
                 return await respond(req, 204, None)  # past the end: 204 stops EventSource retrying
-            return await self._sse(req, run_id, log[0], _replayed(log[1:]), native_frame)
+            return await self._sse(req, run_id, first, events, native_frame)
         if after >= 0 and (after > last if last is not None else  # no event `after` (yet)
                            not await store.read(run_id, after - 1)):
             raise MalformedRequestError(f"run {run_id} has no event {after}: a client only ever "
@@ -696,11 +699,6 @@ def _openai_ending(run_id: str, error: Exception | None) -> bytes:
         503 if isinstance(error, StoreUnavailableError) else 500, kind,
         f"the stream of run {run_id} ended before the run did ({kind}); its log has the rest: "
         f"GET /runs/{run_id}/events")))
-
-
-async def _replayed(events: list[Event]) -> AsyncIterator[Event]:
-    for event in events:
-        yield event
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -21,6 +21,7 @@ import kit
 import kit_cli as cli
 from kit_pg import store_from_url
 from kit_store import SQLiteStore
+from kit_storebase import READ_PAGE
 from test_kit_control import Gate
 
 pytestmark = pytest.mark.anyio
@@ -244,6 +245,21 @@ async def test_runs_events_prints_the_log_as_json_lines_and_follows_a_live_run(t
         assert out.returncode == 2 and "--after: must be an event seq" in out.stderr, bad
     out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", "nope", "--store", f"sqlite:///{db}")
     assert out.returncode == 1 and "'nope'" in out.stderr
+
+
+async def test_runs_events_prints_a_log_longer_than_a_page_whole_in_order_once_each(shared_url):
+    """``kit runs events`` reads a finished run's log a page (READ_PAGE) at a time, as it
+    prints, where it read the whole log first: every event still prints once, in order."""
+    from test_kit_store import long_run
+    n = 2 * READ_PAGE + 7
+    async with store_from_url(shared_url) as store:
+        await store.append(long_run("long", n))
+    for after, want in ((None, range(n)), (READ_PAGE - 1, range(READ_PAGE, n))):
+        more = () if after is None else ("--after", str(after))
+        out = await anyio.to_thread.run_sync(kit_cli, "runs", "events", "long", *more,
+                                             "--store", shared_url)
+        assert out.returncode == 0, out.stderr
+        assert [json.loads(line)["seq"] for line in out.stdout.splitlines()] == list(want)
 
 
 async def test_following_a_run_whose_process_died_ends_once_its_lease_lapses(tmp_path, monkeypatch):

@@ -34,7 +34,9 @@ import kit_runtime
 import kit_sse
 from kit import Agent, Deck, RunStatus, ScriptedModel, Workflow
 from kit_http import App
+from kit_pg import PostgresStore
 from kit_store import SQLiteStore
+from kit_storebase import READ_PAGE
 from kit_sse import sse_frame
 from test_kit_control import Gate
 from test_kit_mcp import gone
@@ -603,6 +605,28 @@ class CountingReads(SQLiteStore):
     async def read(self, run_id, after=-1):
         self.reads.append((run_id, after))
         return await super().read(run_id, after)
+
+
+async def test_a_finished_run_longer_than_a_page_is_sent_whole_in_order_a_page_read_at_a_time(
+        shared_url, tmp_path):
+    """GET /runs/{id}/events of a finished run read its whole log before its first byte: 2.2 s
+    and 31 MB per reader for 100,000 events. It reads a page (READ_PAGE) at a time now, each
+    sent as read; every event still goes out once, in order, across the pages' seams."""
+    from test_kit_store import counting, long_run
+    base, arg = ((PostgresStore, shared_url) if shared_url.startswith("postgresql") else
+                 (SQLiteStore, tmp_path / "kit.db"))
+    n = 2 * READ_PAGE + 7
+    async with counting(base)(arg) as store:
+        log = long_run("long", n, name="echo")
+        await store.append(log)
+        async with served(Deck([echo()], store=store)) as (client, _):
+            for headers, sent in (({}, log), ({"Last-Event-ID": "600"}, log[601:]),
+                                  ({"Last-Event-ID": str(READ_PAGE - 1)}, log[READ_PAGE:])):
+                store.sizes.clear()
+                r, body = await wire(client, "GET", "/runs/long/events", headers=headers)
+                assert r.status_code == 200
+                assert body == b"".join(kit_sse.native_frame(e) for e in sent)
+                assert store.sizes and max(store.sizes) <= READ_PAGE, store.sizes
 
 
 async def test_the_events_of_a_finished_run_are_read_from_the_store_once_and_past_its_end_not_at_all(tmp_path):
