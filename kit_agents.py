@@ -22,8 +22,8 @@ hooks (``_KitHooks``) make ``tool.started`` durable before a tool runs, record `
 after it, and hold the agents' safe point: before each model call a pause or cancel request
 stops the run there with every finished turn kept in the session (notes/ENGINES.md 4); a turn's
 items reach the session only as the run's end commits (kit_sessions); a run that fails, or is
-cut short, ends its open tool calls first. The run handle travels as the SDK's run context (``context=run``); the
-caller's object is ``run.data``.
+cut short, ends its open tool calls first. The run handle travels as the SDK's run context
+(``context=run``); the caller's object is ``run.data``.
 """
 from __future__ import annotations
 

@@ -19,14 +19,14 @@ Theory of operation
 One ``PostgresStore`` holds two psycopg pools (autocommit, its schema as ``search_path``): one
 for reads (``kit_pgpool.POOL_MAX`` connections), one for writes (``WRITE_POOL``: commits, lease
 renewals and reaping, control requests), so however many readers wait, a commit or a renewal
-never queues behind them; and one listening connection. Every call is one round trip where it matters:
-``append`` is one call of the ``kit_append`` function, created with the schema, which takes the
-claims, inserts the events, indexes the runs, frees or parks leases and sends one ``NOTIFY`` per
-run, in the single transaction of that statement (a round trip costs ~100-170 us here, a
-client-side transaction of five statements five of them). The notification is ``e <seq>
-<run_id>`` (the run and its last committed seq; ``c <id>`` for a control request), never an
-event: followers re-read the log. ``NOTIFY`` is delivered at commit, so what wakes a follower
-is always readable.
+never queues behind them; and one listening connection. Every call is one round trip where it
+matters: ``append`` is one call of the ``kit_append`` function, created with the schema, which
+takes the claims, inserts the events, indexes the runs, frees or parks leases and sends one
+``NOTIFY`` per run, in the single transaction of that statement (a round trip costs ~100-170 us
+here, a client-side transaction of five statements five of them). The notification is
+``e <seq> <run_id>`` (the run and its last committed seq; ``c <id>`` for a control request),
+never an event: followers re-read the log. ``NOTIFY`` is delivered at commit, so what wakes a
+follower is always readable.
 
 A retried append is safe: when a commit's outcome is unknown (the connection died after
 ``COMMIT`` was sent), the writer retries the same batch; an event whose ``(run_id, seq)`` holds

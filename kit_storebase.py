@@ -304,8 +304,9 @@ class StoreBase:
         With ``claims``, also take each run's lease in the same transaction: re-taking a run's own
         lease renews it; a session held by another run whose lease has lapsed is taken over (that
         run gets ``run.failed`` RunAbandoned, which this returns, in commit order, so the caller's
-        observers see it: no ``reap`` returns that run; [] when none was). A ``run.started`` event indexes the run; a terminal
-        event frees the claim; a parking event keeps it with no lease to lapse.
+        observers see it: no ``reap`` returns that run; [] when none was). A ``run.started``
+        event indexes the run; a terminal event frees the claim; a parking event keeps it with no
+        lease to lapse.
 
         Raises ``SessionBusyError`` when a live or parked run holds a claim's session and
         ``LogConflictError`` for the first event whose ``(run_id, seq)`` is taken (or whose
