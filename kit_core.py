@@ -521,6 +521,8 @@ class EventStorePort(Protocol):
     requests, forever (the owner of a run learns of a pause or cancel written anywhere).
     ``read(..., limit=N)`` returns the first N at most, a page of a replay
     (``kit_storebase.replay``); a store whose ``read`` takes no ``limit`` is read whole.
+    ``last_events`` gives the last event of many runs in one read (``deck.pending()``, a tick's
+    scan of sleeping runs).
     """
 
     async def append(self, events: Sequence[Event], *,
@@ -541,8 +543,7 @@ class EventStorePort(Protocol):
     def follow_requests(self, after: int = 0) -> AsyncIterator[ControlRequest]: ...
     async def session_holder(self, session_id: str, namespace: str | None = None) -> str | None: ...
     async def lease_until(self, run_id: str) -> float | None: ...
-
-
+    async def last_events(self, run_ids: Sequence[str]) -> dict[str, Event]: ...
 
 
 # ======================================================================================= runs ====
