@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kit_core import HTTP_TOKEN, ConfigError, ContentBlock, check_limit, check_name
 
@@ -385,6 +386,9 @@ _MCP_KINDS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
 _VAR = re.compile(r"\$\{([^}]*)\}")
 _VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _NOT_IN_HEADER = re.compile("[\r\n\x00]")
+#: What no URL holds (RFC 3986): a control character (Python's urlsplit drops a line break in
+#: silence, the HTTP client refuses it; neither says so in the config's terms).
+_NOT_IN_URL = re.compile("[\x00-\x1f\x7f]")
 
 
 class MCP:
@@ -405,9 +409,10 @@ class MCP:
     tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config (a key
     twice in one object of the file, too), an unknown ``type``, a variable that is unset and has
     no default, ``${input:...}``, an ``args`` or ``env`` entry no process can take (a NUL once
-    expanded; an env name that is empty or holds ``=``), or a header no request can carry (a
-    name that is not an HTTP token; a value with a line break or NUL once expanded). Each names
-    the entry, never its value.
+    expanded; an env name that is empty or holds ``=``), a header no request can carry (a
+    name that is not an HTTP token; a value with a line break or NUL once expanded), or a
+    ``url`` no request can reach (no host, a malformed host or port, a control character once
+    expanded). Each names the entry, never its value (a url is quoted as written).
     """
 
     def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
@@ -542,6 +547,9 @@ def _mcp_server(source: str, name: str, raw: Any, home: Path | None) -> dict[str
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"{where}: an {out['type']} server needs an http(s) 'url', "
                               f"got {written!r}")
+        fault = _url_fault(url)
+        if fault is not None:  # else the open fails as "closed the connection while connecting"
+            raise ConfigError(f"{where}: the url {written!r} {fault}")
         headers = strings("headers", dict) or {}
         for key, value in headers.items():  # else the open fails as "closed the connection"
             if not HTTP_TOKEN.fullmatch(key):
@@ -551,6 +559,23 @@ def _mcp_server(source: str, name: str, raw: Any, home: Path | None) -> dict[str
                                   "expanded (a secret read with its trailing newline?)")
         out.update(url=url, headers=headers)
     return out
+
+
+def _url_fault(url: str) -> str | None:
+    """Why the http(s) ``url`` (expanded) names no server a request can reach, in words that
+    never quote it (its ``${VAR}``s may hold a secret), or None."""
+    if _NOT_IN_URL.search(url):
+        return "holds a line break or control character once expanded"
+    try:
+        parts = urlsplit(url)
+        parts.port  # raises for a port that is not a number up to 65535
+    except ValueError:
+        return "has a malformed host or port"
+    if " " in parts.netloc:  # (one in the path is the client's to escape, and it does)
+        return "has a malformed host or port"
+    if not parts.hostname:
+        return "has no host"
+    return None
 
 
 def interrupt(payload: Any) -> Any:

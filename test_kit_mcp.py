@@ -267,6 +267,29 @@ def test_an_mcp_error_quotes_the_config_as_written_not_the_secret_it_expands_to(
         assert "SUPERSECRET" not in str(err.value)
 
 
+@pytest.mark.parametrize("url, why", [
+    ("http://${KIT_T_HOST}/mcp?key=${KIT_T_KEY}", "holds a line break or control character"),
+    ("https:///mcp", "has no host"),
+    ("http://${KIT_T_UNSET:-}/mcp", "has no host"),
+    ("http://[::1/mcp", "has a malformed host or port"),
+    ("http://127.0.0.1:99999/mcp", "has a malformed host or port"),
+    ("http://docs example/mcp", "has a malformed host or port"),
+])
+def test_a_url_no_request_can_reach_is_a_config_error_quoting_it_as_written(monkeypatch, url, why):
+    """A URL without a host, with a port past 65535, an unclosed IPv6 bracket, or a line break
+    once expanded (a host read from a file keeps its newline) passed, and the deck's open
+    failed as 'it closed the connection while connecting'; refused here, quoted as written."""
+    monkeypatch.setenv("KIT_T_HOST", "docs.example\n")
+    monkeypatch.delenv("KIT_T_UNSET", raising=False)
+    monkeypatch.setenv("KIT_T_KEY", "sk-live-SUPERSECRET")
+    with pytest.raises(ConfigError, match=f"MCP server 't': the url {re.escape(repr(url))} {why}"
+                       ) as err:
+        MCP({"t": {"url": url}})
+    assert "SUPERSECRET" not in str(err.value)
+    # a space in the path is the client's to escape, as it does: still a server it reaches
+    assert MCP({"t": {"url": "http://h/a b"}}).servers["t"]["url"] == "http://h/a b"
+
+
 def test_a_header_a_request_cannot_carry_is_a_config_error_that_never_quotes_its_value(monkeypatch):
     """A token read from a file keeps its trailing newline: refused here, naming the header (the
     open failed as 'it closed the connection while connecting'), never quoting the secret."""
