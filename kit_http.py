@@ -641,10 +641,13 @@ class App:
         if req.scope["method"] == "POST":  # read as strictly as kit's own routes first: the mcp
             body = await req.body()  # package answers 500 to bad UTF-8 or deep nesting
             try:
-                parse_json(body)
+                message = parse_json(body)
             except MalformedRequestError as exc:  # JSON-RPC's parse error, with no id to answer
                 return await respond(req, 400, {"jsonrpc": "2.0", "id": None, "error": {
                     "code": -32700, "message": f"Parse error: {exc}"}})
+            import kit_mcp  # (imported by the lifespan already) the ones the package misanswers
+            if (refused := kit_mcp.refusal(message)) is not None:
+                return await respond(req, 400 if refused["id"] is None else 200, refused)
             receive = _replay(body, req.receive)
         if req.scope["method"] != "GET":
             return await self._mcp_server(req.scope, receive, send)

@@ -3,12 +3,14 @@
 Owns: ``MCPSurface``: the ``mcp`` package's low-level ``Server`` carrying kit's tools (each agent,
 each workflow, and ``answer``) and resources (each skill), served by that package's
 ``StreamableHTTPSessionManager`` (an ASGI handler); the progress notifications of a playing
-turn; the structured results of tool calls; the ``kit_mcp`` log line of a call that broke.
+turn; the structured results of tool calls; the ``kit_mcp`` log line of a call that broke;
+the JSON-RPC error answering a message the package would misanswer (``refusal``).
 
-Must never: speak JSON-RPC or the transport itself (the mcp package does; this module registers
-handlers), reach a deck by anything but its public methods, be imported unless the MCP surface is
-served (it imports ``mcp``, which imports Starlette: kit_http imports it in the lifespan, only
-when asked), put the application context or an unexpected exception's message in a result, or
+Must never: speak the transport itself (the mcp package does; this module registers handlers,
+and answers only a message the package would answer outside JSON-RPC's terms: ``refusal``),
+reach a deck by anything but its public methods, be imported unless the MCP surface is served
+(it imports ``mcp``, which imports Starlette: kit_http imports it in the lifespan, only when
+asked), put the application context or an unexpected exception's message in a result, or
 write to stderr itself (a call that broke is one ``kit_mcp`` log line, its tool and error type,
 never its arguments; the stack only at DEBUG).
 
@@ -41,6 +43,14 @@ resources ``skill://<name>`` (``text/markdown``: the body ``load_skill`` serves;
 templates, an empty list to a client that asks). The server is
 stateless (``stateless=True``): no MCP session lives between requests, so any replica sharing
 the deck's store can serve any call, and nothing is kept for idle clients.
+
+Before the package sees a POST's message, ``refusal`` answers the ones it would answer outside
+JSON-RPC 2.0's terms (section 5.1): a method it does not know is -32601 (the package says -32602
+"Invalid request parameters"), a request whose ``id`` is null or not a string or an integer, a
+batch, or an object that is no JSON-RPC message, -32600 with a null id (the package answers 202
+and never again, or -32602 with the id ``"server-error"``), and a known method's bad params
+-32602 naming the field at fault (the package says nothing of which). Notifications are never
+answered, whatever their method.
 """
 from __future__ import annotations
 
@@ -54,6 +64,7 @@ from typing import Any
 
 import anyio
 import mcp.types as types
+import pydantic
 from mcp.server.lowlevel import Server
 from mcp.server.lowlevel.helper_types import ReadResourceContents
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
@@ -68,7 +79,7 @@ from kit_core import (
 if typing.TYPE_CHECKING:
     from kit import Deck
 
-__all__ = ("MCPSurface", "ANSWER", "SKILL_SCHEME")
+__all__ = ("MCPSurface", "ANSWER", "SKILL_SCHEME", "refusal")
 
 #: A tool call that broke (a bug, not a refusal): one line naming the tool and the error type.
 _log = logging.getLogger("kit_mcp")
@@ -90,6 +101,50 @@ _ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": [
                   "properties": {"run_id": {"type": "string", "description":
                                             "The run_id of an interrupt result."},
                                  "value": {"description": "The human's answer (any JSON)."}}}
+
+
+#: Each method a client may call, with the mcp package's model of its request (``refusal``).
+_REQUESTS: dict[str, Any] = {
+    method: model for model in typing.get_args(types.ClientRequest.model_fields["root"].annotation)
+    for method in typing.get_args(model.model_fields["method"].annotation)}
+
+
+def _rpc_error(request_id: Any, code: int, message: str) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+
+
+def refusal(message: Any) -> dict[str, Any] | None:
+    """The JSON-RPC error response to ``message`` (a POST's body, parsed) when the mcp package
+    would answer it outside JSON-RPC's terms (module docstring), else None: the package serves it.
+    Its ``id`` is None when the message is no valid request (an HTTP 400 then)."""
+    if not isinstance(message, dict):
+        return _rpc_error(None, types.INVALID_REQUEST, "Invalid Request: a JSON-RPC message is "
+                          "one object (no batches: one message per request)")
+    if message.get("jsonrpc") != "2.0":
+        return _rpc_error(None, types.INVALID_REQUEST, "Invalid Request: 'jsonrpc' must be \"2.0\"")
+    if "method" not in message:
+        return None  # a response to the server (a result or an error): the package's
+    method = message["method"]
+    if not isinstance(method, str):
+        return _rpc_error(None, types.INVALID_REQUEST, "Invalid Request: 'method' must be a string")
+    if "id" not in message:
+        return None  # a notification: never answered (JSON-RPC 2.0 section 4.1)
+    request_id = message["id"]
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        return _rpc_error(None, types.INVALID_REQUEST, "Invalid Request: 'id' must be a string or "
+                          "an integer (never null)")
+    model = _REQUESTS.get(method)
+    if model is None:
+        return _rpc_error(request_id, types.METHOD_NOT_FOUND, f"Method not found: {method!r}")
+    try:  # validated as the package validates it (mcp.shared.session), to say what is wrong
+        request = types.JSONRPCRequest.model_validate(message)
+        model.model_validate(request.model_dump(by_alias=True, mode="json", exclude_none=True))
+    except pydantic.ValidationError as exc:  # its locations and words, never the input
+        faults = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                           for e in exc.errors(include_input=False, include_url=False)[:3])
+        return _rpc_error(request_id, types.INVALID_PARAMS,
+                          f"Invalid params for {method}: {faults}")
+    return None
 
 
 def _workflow_schema(durable: bool) -> dict[str, Any]:

@@ -4,6 +4,7 @@ progress, interrupts and ``answer``, skills as resources, and what each call lea
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
@@ -317,3 +318,45 @@ async def test_the_mcp_route_speaks_streamable_http():
             assert r.status_code == 400, (bad[:20], r.text)
             error = r.json()["error"]
             assert error["code"] == -32700 and says in error["message"]  # JSON-RPC parse error
+
+
+async def test_a_message_json_rpc_refuses_is_answered_in_json_rpcs_terms():
+    """The mcp package answered a method it does not know with -32602 "Invalid request
+    parameters" (JSON-RPC 2.0 section 5.1: -32601), a request whose id is null or an object with
+    202 and no answer ever (the client waits for good), a batch or a message that is no request
+    with -32602 and the made-up id "server-error" (section 5: -32600, id null), and a known
+    method's bad params with no word of what is wrong."""
+    head = {"accept": "application/json, text/event-stream"}
+
+    async def post(message) -> tuple[int, dict]:
+        r = await client.post("/mcp", json=message, headers=head)
+        if r.headers.get("content-type", "").startswith("text/event-stream"):  # one data: line
+            return r.status_code, json.loads(r.text.partition("data: ")[2].partition("\n")[0])
+        return r.status_code, (r.json() if r.status_code != 202 else {})
+
+    async with served(catalog(), surfaces=("mcp",)) as (client, _):
+        status, body = await post({"jsonrpc": "2.0", "id": 7, "method": "tools/frobnicate"})
+        assert status == 200 and body["id"] == 7
+        assert body["error"]["code"] == -32601 and "'tools/frobnicate'" in body["error"]["message"]
+        status, body = await post({"jsonrpc": "2.0", "id": "c", "method": "tools/call",
+                                   "params": {"arguments": {}}})
+        assert status == 200 and body["id"] == "c" and body["error"]["code"] == -32602
+        assert "tools/call" in body["error"]["message"] and "params.name" in body["error"]["message"]
+        for bad, says in (
+                ({"jsonrpc": "2.0", "id": None, "method": "tools/list"}, "'id'"),
+                ({"jsonrpc": "2.0", "id": {"a": 1}, "method": "tools/list"}, "'id'"),
+                ({"jsonrpc": "2.0", "id": 1.5, "method": "tools/list"}, "'id'"),
+                ([{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}], "one message per request"),
+                ({"jsonrpc": "1.0", "id": 1, "method": "tools/list"}, "'jsonrpc'"),
+                ({"id": 1, "method": "tools/list"}, "'jsonrpc'"),
+                ({"jsonrpc": "2.0", "id": 1, "method": 5}, "'method'"),
+                ({}, "'jsonrpc'"), (5, "one message per request")):
+            status, body = await post(bad)
+            assert status == 400, (bad, body)
+            assert body["id"] is None and body["error"]["code"] == -32600, (bad, body)
+            assert says in body["error"]["message"], (bad, body)
+        # a notification is never answered, whatever its method; requests go on as before
+        assert (await post({"jsonrpc": "2.0", "method": "notifications/frobnicated"}))[0] == 202
+        r = await client.post("/mcp", json={"jsonrpc": "2.0", "id": 3, "method": "tools/list"},
+                              headers=head)
+        assert r.status_code == 200 and '"name":"answer"' in r.text
