@@ -152,8 +152,9 @@ class Deck:
         directory (in its parent), when there is one.
 
         Bundles load from their files, in name order, with no ``sys.path`` change (each is in
-        ``sys.modules`` as ``kit_project_<kind>_<bundle>``, as its dataclasses and type hints
-        need; a package of its directory, so its other files import as ``from . import x``).
+        ``sys.modules`` as ``kit_project_<kind>_<bundle>``, a dot in ``<bundle>`` as ``_``, as
+        its dataclasses and type hints need; a package of its directory, so its other files
+        import as ``from . import x``).
         Without ``KIT_STORE`` the log is the SQLite file ``<path>/.state/kit.db``. Other keyword
         arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
         Python that no bundle loads (``agents/chat.py``, a bundle directory without its
@@ -515,7 +516,9 @@ def _load_bundle(file: Path, attr: str, kind: type) -> Any:
     The bundle is a package whose directory is its path, so its other files import relatively
     (``from . import tools``); those of a bundle of the same name loaded before are forgotten
     first (another project's ``tools`` is not this one's)."""
-    name = f"kit_project_{file.parent.parent.name}_{file.parent.name}"
+    # A dot in the bundle's name (agents/chat.v2) would make its module a submodule of a package
+    # no bundle is: `from . import x` looked for kit_project_agents_chat. It is a "_" here.
+    name = f"kit_project_{file.parent.parent.name}_{file.parent.name.replace('.', '_')}"
     for stale in [m for m in sys.modules if m.startswith(f"{name}.")]:
         del sys.modules[stale]
     try:

@@ -147,6 +147,20 @@ async def test_a_bundle_imports_its_own_files_relatively(tmp_path, monkeypatch):
             assert (await deck.run("ant", "hi")).output == reply
 
 
+async def test_a_bundle_with_a_dot_in_its_name_imports_its_own_files_relatively(tmp_path, monkeypatch):
+    """agents/chat.v2/agent.py doing `from . import prompts` failed to import: "No module named
+    'kit_project_agents_chat'" (its module's dotted name made Python look for a parent package
+    that no bundle is)."""
+    monkeypatch.setenv("KIT_STORE", "memory")
+    root = project(tmp_path, {
+        "agents/chat.v2/agent.py": ("import kit\nfrom . import prompts\n"
+                                    "agent = kit.Agent('chat', model=kit.ScriptedModel("
+                                    "[prompts.REPLY]))\n"),
+        "agents/chat.v2/prompts.py": "REPLY = 'from v2'\n"})
+    async with Deck.from_project(root) as deck:
+        assert (await deck.run("chat", "hi")).output == "from v2"
+
+
 def test_python_no_bundle_loads_is_a_warning_naming_it(tmp_path, caplog):
     """agents/chat.py (no bundle directory) or agents/chat/agents.py (a misnamed file) left the
     deck without the agent, and kit-serve served it, in silence."""
