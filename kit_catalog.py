@@ -70,8 +70,9 @@ class Agent:
     needs more fails with the SDK's ``MaxTurnsExceeded``.
 
     Raises ``ConfigError`` for a malformed name, a non-callable tool, a bad model, a string
-    where a list of names goes, ``hooks`` that is a class or has none of the hook methods, or a
-    ``history_limit`` or ``max_turns`` that is not a positive int.
+    where a list of names goes, a name listed twice in one, ``hooks`` that is a class or has
+    none of the hook methods, or a ``history_limit`` or ``max_turns`` that is not a positive
+    int.
     """
 
     def __init__(self, name: str, instructions: str | Callable[..., Any] | None = None,
@@ -111,6 +112,13 @@ class Agent:
         self.model, self.model_settings, self.output_type = model, model_settings, output_type
         self.skills, self.mcp_servers = tuple(skills), tuple(mcp_servers)
         self.workflows = tuple(workflows)
+        for what, names in (("skills", self.skills), ("mcp_servers", self.mcp_servers),
+                            ("workflows", self.workflows)):
+            # A server given twice has the SDK rename each of its tools (mcp_<server>__<tool>
+            # is gone), a skill twice is listed twice: a mistake, said here.
+            twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+            if twice is not None:
+                raise ConfigError(f"agent {name!r}: {what} names {twice!r} twice")
         self._headless: Any = None
 
     def __repr__(self) -> str:

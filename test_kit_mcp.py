@@ -319,6 +319,19 @@ def test_a_key_written_twice_in_the_mcp_json_is_a_config_error_naming_it(tmp_pat
     assert "SUPERSECRET" not in str(err.value) and "sk-other" not in str(err.value)
 
 
+@pytest.mark.parametrize("names, what, twice", [
+    ({"mcp_servers": ["time", "time"]}, "mcp_servers", "time"),
+    ({"skills": ["notes", "review", "notes"]}, "skills", "notes"),
+    ({"workflows": ["plan", "plan"]}, "workflows", "plan"),
+])
+def test_a_name_listed_twice_in_an_agents_lists_is_a_config_error(names, what, twice):
+    """Agent(mcp_servers=["time", "time"]) built, and the SDK, given the server twice, renamed
+    each of its tools (mcp_time__get_current_time_<hash>): a model calling the documented name
+    failed the run with "Tool mcp_time__get_current_time not found in agent a"."""
+    with pytest.raises(ConfigError, match=f"agent 'a': {what} names {twice!r} twice"):
+        Agent("a", model=ScriptedModel(["x"]), **names)
+
+
 def test_unreadable_files_and_unknown_names(tmp_path):
     bad = tmp_path / ".mcp.json"
     bad.write_text("{nope")
