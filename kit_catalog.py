@@ -416,11 +416,12 @@ class MCP:
     Nothing starts here or at ``build()``: opening the deck connects every server, closing it
     tears them down. Raises ``ConfigError`` for an unreadable file, a malformed config (a key
     twice in one object of the file, too), an unknown ``type``, a variable that is unset and has
-    no default, ``${input:...}``, an ``args`` or ``env`` entry no process can take (a NUL once
-    expanded; an env name that is empty or holds ``=``), a header no request can carry (a
-    name that is not an HTTP token; a value with a line break or NUL once expanded), or a
-    ``url`` no request can reach (no host, a malformed host or port, a control character once
-    expanded). Each names the entry, never its value (a url is quoted as written).
+    no default, ``${input:...}``, a command, ``args`` or ``env`` entry no process can take (a
+    NUL once expanded, an empty command; an env name that is empty or holds ``=``), a header
+    no request can carry (a name that is not an HTTP token; a value with a line break or NUL
+    once expanded), or a ``url`` no request can reach (no host, a malformed host or port, a
+    control character once expanded). Each names the entry, never its value (a url or a
+    command is quoted as written).
     """
 
     def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any]) -> None:
@@ -547,7 +548,12 @@ def _mcp_server(source: str, name: str, raw: Any, home: Path | None) -> dict[str
             raise ConfigError(f"{where}: cwd must be a string")
         if home is not None:  # a file's server runs where the file is, as Claude Code's do:
             cwd = str(home / (cwd or "."))  # not wherever kit-serve was started
-        out.update(command=_expand(where, command), args=strings("args", list) or [],
+        program = _expand(where, command)  # named here, as args are: the open said only
+        if not program.strip():  # "Permission denied: ''" or "embedded null byte"
+            raise ConfigError(f"{where}: the command {command!r} is empty once expanded")
+        if "\0" in program:  # (the command is not quoted: it may hold a secret)
+            raise ConfigError(f"{where}: the command holds a NUL once expanded")
+        out.update(command=program, args=strings("args", list) or [],
                    env=strings("env", dict), cwd=cwd)
     else:
         written = raw.get("url")  # quoted as written: its ${VAR}s may hold a secret

@@ -249,6 +249,13 @@ def test_mcp_json_formats_and_transports(tmp_path, monkeypatch):
      "env 'A=B' is not an environment variable name"),
     ({"mcpServers": {"a": {"command": "x", "args": ["-c", "sk-live-SUPERSECRET\0"]}}},
      r"MCP server 'a': args\[1\] holds a NUL once expanded$"),
+    # a command empty or with a NUL once expanded: the open said "Permission denied: ''" or
+    # "embedded null byte"
+    ({"mcpServers": {"a": {"command": "${KIT_T_UNSET:-}"}}},
+     r"MCP server 'a': the command '\$\{KIT_T_UNSET:-\}' is empty once expanded$"),
+    ({"mcpServers": {"a": {"command": "  "}}}, r"MCP server 'a': the command '  ' is empty"),
+    ({"mcpServers": {"a": {"command": "srv\0--key=sk-live-SUPERSECRET"}}},
+     r"MCP server 'a': the command holds a NUL once expanded$"),
     ({"mcpServers": {"a b": {"command": "x"}}}, "MCP server name"),
     ({"mcpServers": []}, "name -> config"),
     ({"mcpServers": {"a": {"type": ["stdio"], "command": "x"}}}, r"unknown type \['stdio'\]"),
