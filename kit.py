@@ -8,8 +8,8 @@ first use.
 
 Must never: do I/O at import, start tasks, open sockets or files, read the environment at import,
 or import an engine SDK at import (``import kit`` stays under 0.5 s): ``Deck.build()`` imports the
-engines a deck uses (kit_agents and kit_mcp_servers, with the agents SDK, only for agents or
-MCP servers; kit_workflows) and opening a deck imports kit_runtime.
+engines a deck uses (kit_agents, with the agents SDK, only for agents or MCP servers;
+kit_mcp_servers only for MCP servers; kit_workflows) and opening a deck imports kit_runtime.
 
 Theory of operation: a ``Deck`` holds a catalog. ``build()`` checks every name and compiles each
 agent and workflow into an ``InvocableSpec``; ``async with deck`` opens a ``kit_runtime.Runtime``
@@ -279,13 +279,14 @@ class Deck:
         self._mcp_servers = {}
         if self._agents or servers:  # the agents SDK (~1.4 s, ~45 MB) only for a deck that uses it
             import kit_agents
-            import kit_mcp_servers
             limit = self._history_limit  # else the setting: kit-serve's way to pass it
             if limit is None:
                 raw = os.environ.get("KIT_HISTORY_LIMIT")
                 limit = kit_core.count_setting("KIT_HISTORY_LIMIT", raw)
-            # The SDK's server objects are made here, unconnected: opening the deck connects them.
-            self._mcp_servers = kit_mcp_servers.mcp_servers(self._mcp)
+            if servers:  # the SDK's MCP client classes only for a deck with MCP servers
+                import kit_mcp_servers
+                # The SDK's server objects, made here unconnected: opening the deck connects them.
+                self._mcp_servers = kit_mcp_servers.mcp_servers(self._mcp)
             for a in self._agents:  # an agent's workflows become tools that play child runs
                 specs[a.name] = kit_agents.compile_agent(
                     a, tools=[kit_workflows.child_tool(specs[n]) for n in a.workflows],

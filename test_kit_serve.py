@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -499,6 +500,70 @@ def test_kit_serve_reads_the_access_log_switch_as_every_switch(value, on, monkey
             in capsys.readouterr().err
     else:
         assert switch_setting("KIT_ACCESS_LOG", value, False) is on
+
+
+#: Bundles whose tool (node) writes the names of the modules the serving process has loaded to
+#: the file KIT_TEST_MODULES names: what kit-serve imported to serve a project and play a turn.
+_WRITE_MODULES = '''
+import os, sys
+
+def write_modules() -> str:
+    """Write the names of the loaded modules."""
+    with open(os.environ["KIT_TEST_MODULES"], "w") as f:
+        f.write("\\n".join(sorted(sys.modules)))
+    return "written"
+'''
+MODULES_AGENT = _WRITE_MODULES + '''
+import kit
+agent = kit.Agent("modules", tools=[write_modules], model=kit.ScriptedModel(
+    [{"tool": "write_modules", "args": {}}, "done"], cycle=True))
+'''
+MODULES_WORKFLOW = _WRITE_MODULES + '''
+from typing import TypedDict
+from langgraph.graph import StateGraph
+import kit
+
+class State(TypedDict, total=False):
+    done: str
+
+graph = StateGraph(State).add_node("write", lambda state: {"done": write_modules()})
+workflow = kit.Workflow("modules", graph.set_entry_point("write").set_finish_point("write"))
+'''
+#: What no project here uses, hence what serving it must never import: the MCP client side (no
+#: .mcp.json) and server side (no mcp surface), Postgres, Redis, SQLAlchemy sessions, tracing,
+#: genai-prices (a ScriptedModel has no price), trio (the asyncio worker).
+_UNUSED = ("kit_mcp_servers", "agents.mcp.server", "kit_mcp", "kit_tracing", "psycopg",
+           "psycopg_pool", "redis", "sqlalchemy", "genai_prices", "trio")
+
+
+@pytest.mark.parametrize("kind", ["example", "workflows"])
+def test_kit_serve_imports_only_what_the_project_uses(tmp_path, kind):
+    """The example project (an agent, a durable workflow, a skill; no MCP server, no Postgres, no
+    tracing), with an agent that writes the modules loaded after its turn, and a project of
+    workflows only, which never loads the agents SDK (issue 16: import only what a project
+    uses: every module is memory for the process's whole life)."""
+    root = tmp_path / "proj"
+    if kind == "example":
+        shutil.copytree(HERE / ".kit", root)
+        (root / "agents" / "modules").mkdir()
+        (root / "agents" / "modules" / "agent.py").write_text(MODULES_AGENT)
+        path, unused = "/agents/modules/chat", _UNUSED
+    else:
+        (root / "workflows" / "modules").mkdir(parents=True)
+        (root / "workflows" / "modules" / "workflow.py").write_text(MODULES_WORKFLOW)
+        path = "/workflows/modules"
+        unused = (*_UNUSED, "agents", "openai", "mcp", "kit_agents", "kit_sessions", "kit_scripted")
+    written = tmp_path / "modules.txt"
+    proc, base = kit_serve(root, KIT_STORE="", KIT_TEST_MODULES=str(written))
+    try:
+        r = httpx.post(f"{base}{path}", json={"message": "hi"} if kind == "example" else {},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        stop(proc)
+    loaded = set(written.read_text().split())
+    assert "kit_runtime" in loaded  # the file is the served process's
+    assert sorted(m for m in loaded if m.split(".")[0] in unused or m in unused) == []
 
 
 def test_kit_serve_names_the_extra_a_worker_needs():
