@@ -1012,22 +1012,27 @@ def cold_start(tries: int = 3) -> tuple[float, float, float]:
 
     kit's modules are byte-compiled first, as pip compiles an installed package: an editable
     install under ``PYTHONDONTWRITEBYTECODE=1`` would compile them at every start, which leaves
-    about 2.5 MiB behind (measured here; the ready time moved within its noise)."""
+    about 2.5 MiB behind (measured here; the ready time moved within its noise). The process is
+    what the ``kit-serve`` script runs (``kit_serve.main()``), on the kit of this checkout (its
+    directory first on ``PYTHONPATH``), not on whichever kit the interpreter has installed."""
     import compileall
     import httpx
-    for module in Path(__file__).parent.glob("kit*.py"):
+    here = Path(__file__).parent
+    for module in here.glob("kit*.py"):
         compileall.compile_file(module, quiet=1)
     med, rows = statistics.median, []
-    serve = Path(sys.executable).parent / "kit-serve"
+    serve = [sys.executable, "-c", "import sys, kit_serve; sys.exit(kit_serve.main())"]
+    path = os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH", "")) if p)
     for _ in range(tries):
         with tempfile.TemporaryDirectory() as tmp:
             import shutil
-            shutil.copytree(Path(__file__).parent / ".kit", Path(tmp) / ".kit")
+            shutil.copytree(here / ".kit", Path(tmp) / ".kit")
             port = _free_port()
             env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "KIT_STORE")}
             t = time.perf_counter()
-            proc = subprocess.Popen([str(serve), "--host", "127.0.0.1", "--port", str(port)], cwd=tmp,
-                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen([*serve, "--host", "127.0.0.1", "--port", str(port)], cwd=tmp,
+                                    env={**env, "PYTHONPATH": path}, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
             try:
                 with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
                     while True:
