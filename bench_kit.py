@@ -1057,6 +1057,28 @@ def cold_start(tries: int = 3) -> tuple[float, float, float]:
     return tuple(med(r[i] for r in rows) for i in range(3))  # type: ignore[return-value]
 
 
+#: What kit-serve loads on the example project that is not kit: the engines its bundles import
+#: (the agents SDK through ``kit.ScriptedModel``, ``langgraph.graph``) and what serving it needs
+#: (Hypercorn, the durable workflow's SQLite checkpointer, SKILL.md's YAML, orjson).
+ENGINE_IMPORTS = ("agents", "langgraph.graph", "hypercorn.asyncio", "aiosqlite",
+                  "langgraph.checkpoint.sqlite.aio", "yaml", "orjson")
+
+
+def engine_floor(tries: int = 3) -> tuple[float, float]:
+    """Median seconds from spawn and RSS (MiB) of a bare interpreter once it has imported
+    ``ENGINE_IMPORTS``: the part of ``cold_start``'s figures no change to kit can lower."""
+    code = ("import time; import " + ", ".join(ENGINE_IMPORTS) + "; print(time.time(), "
+            "int(next(line for line in open('/proc/self/status') if line.startswith('VmRSS'))"
+            ".split()[1]) / 1024)")
+    rows = []
+    for _ in range(tries):
+        spawned = time.time()  # the wall clock: the child reads it too
+        done, rss = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.split()
+        rows.append((float(done) - spawned, float(rss)))
+    return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+
+
 def paired(kit_rounds: list[list[float]], raw_rounds: list[list[float]]) -> list[float]:
     """Per repeat, the median over its rounds of kit's figure / the raw side's in that round
     (``ROUNDS``)."""
@@ -1135,6 +1157,9 @@ def share_report(a: argparse.Namespace, rows: dict[str, list[float]],
           f"{gate(ready <= READY_TARGET)}; idle RSS {rss:.1f} MiB (target <= {IDLE_RSS_TARGET}) "
           f"{gate(rss <= IDLE_RSS_TARGET)}; first request {first * 1e3:.0f} ms (target <= "
           f"{FIRST_TARGET * 1e3:.0f}) {gate(first <= FIRST_TARGET)}")
+    seconds, floor = engine_floor()
+    print(f"    the engines and server it loads, imported alone: {floor:.1f} MiB, {seconds:.2f} s "
+          f"from spawn; the rest, kit's own: {rss - floor:.1f} MiB, {ready - seconds:.2f} s")
     return ok
 
 
