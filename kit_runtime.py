@@ -489,8 +489,9 @@ class Runtime(RunControl):
         for run_id in run_ids:
             run = self.active.get(run_id)
             if run is not None and run.parent is None and run.abort_error is None:
+                ended = run.ended and run.session is None  # (no session write ahead of it)
                 run.abort_error = StoreUnavailableError(
-                    run_id, seconds, error, outcome="ended" if run.ended else "stopped")
+                    run_id, seconds, error, outcome="ended" if ended else "stopped")
                 run.scope.cancel()
 
     def _refused(self, run_id: str, error: BaseException) -> None:
@@ -538,8 +539,10 @@ class Runtime(RunControl):
         stalled is refused there). A kill between the two leaves the turn in the session and the
         run recorded abandoned. Cancelled meanwhile, the run ends as a cancelled play does; a
         failed write fails it (``run.failed`` at the end's seq) unless it failed or was
-        cancelled already. Either way its items are dropped."""
-        session, run.session, failed = run.session, None, None
+        cancelled already. Either way its items are dropped. While it waits, ``run.session``
+        stays set: the end is not the log's yet, so a caller stopped meanwhile (``_give_up``)
+        is told the run was stopped, as its log then records, never that it ended."""
+        session, failed = run.session, None
         try:
             await self._commit(run, None)  # raises what the store refused
             try:
@@ -547,10 +550,11 @@ class Runtime(RunControl):
             except Exception as exc:
                 failed = exc
         except anyio.get_cancelled_exc_class():
-            run.ended = False
+            run.session, run.ended = None, False
             self._deliver(run, Event(run.run_id, end.seq, run.ending(), end.origin))  # type: ignore[arg-type]
             run.ended = True
             raise
+        run.session = None  # its end (or the run.failed below) goes to the log from here
         if failed is None or end.kind in ("run.failed", "run.cancelled"):
             return end
         run.error = failed  # a stream's consumer raises it after run.failed

@@ -753,6 +753,37 @@ class Conversation(OpenAIConversationsSession):
         self.conversations.pop(self.session_id, None)
 
 
+async def test_a_turn_stopped_while_its_end_waits_for_the_log_is_told_what_the_log_holds(
+        tmp_path, monkeypatch):
+    """A turn whose end waited for the log (its session's write goes first, once the log holds
+    all before the end) when the store stayed down past its bound: its caller was told it had
+    "played to its end ... do not play it again", while the log then recorded its run.failed
+    and its conversation got nothing of it. What the caller hears is the log's end."""
+    monkeypatch.setenv("KIT_STORE_DOWN_SECONDS", "0.3")
+    monkeypatch.setattr(Conversation, "conversations", {})
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        def outage() -> str:
+            """The store goes away."""
+            store.down = True
+            return "ok"
+
+        agent = Agent("a", tools=[outage], model=ScriptedModel([{"tool": "outage"}, "short"]))
+        async with Deck([agent], store=store, session_factory=Conversation) as deck:
+            with anyio.fail_after(20), pytest.raises(StoreUnavailableError) as info:
+                await deck.run("a", "hi", session_id="s")
+            store.down = False
+            run_id = info.value.run_id
+
+            async def ended() -> bool:
+                return (await deck.status(run_id)) in (RunStatus.COMPLETED, RunStatus.FAILED)
+            await until(ended)
+            log = await store.read(run_id)
+            assert seqs(log) == list(range(len(log)))
+            assert (log[-1].kind, log[-1].payload.error) == ("run.failed", "StoreUnavailableError")
+            assert info.value.outcome == "stopped", str(info.value)
+            assert Conversation.conversations.get("s", []) == []  # nothing of the turn
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 async def test_a_dead_runs_end_written_at_a_new_turns_claim_reaches_the_observers(tmp_path, request, kind):
     """A turn whose process died (its lease lapsed, not reaped yet) was recorded abandoned by
