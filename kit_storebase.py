@@ -131,9 +131,20 @@ async def replay(store: Any, run_id: str, after: int = -1) -> AsyncIterator[Even
 def pages(store: Any) -> bool:
     """Whether ``store.read`` takes ``limit=``. kit's stores do; a store of the user's own
     written to the port before it had ``limit`` may not, nor a subclass of kit's that overrides
-    ``read(run_id, after)``: kit then reads such a store's log whole, as before."""
+    ``read(run_id, after)``: kit then reads such a store's log whole, as before. A method's
+    signature is read once per function (its class's), not at every follow or replay."""
+    read = store.read
+    read = getattr(read, "__func__", read)  # a method: its function, the same for every store
     try:
-        params = inspect.signature(store.read).parameters.values()
+        return _takes_limit(read)
+    except TypeError:  # a callable that cannot be a key: read its signature each time
+        return _takes_limit.__wrapped__(read)
+
+
+@functools.lru_cache(maxsize=64)  # (the stores of a process have a read function or two)
+def _takes_limit(read: Any) -> bool:
+    try:
+        params = inspect.signature(read).parameters.values()
     except (TypeError, ValueError):  # no signature to read: take it for the old port's
         return False
     return any(p.name == "limit" or p.kind is p.VAR_KEYWORD for p in params)

@@ -761,6 +761,35 @@ async def test_a_store_whose_read_takes_no_limit_is_still_followed_and_replayed_
     assert not kit_storebase.pages(OwnStore([])) and kit_storebase.pages(MemoryStore())
 
 
+async def test_whether_a_stores_read_takes_a_limit_is_read_once_not_at_every_replay(
+        tmp_path, monkeypatch):
+    """``pages(store)`` read ``inspect.signature(store.read)`` at every follow and replay (every
+    SSE reconnect, every lagged reader): it is read once per ``read`` function now, and a store
+    whose ``read`` takes no ``limit`` is still read whole."""
+    import inspect
+    signature, seen = inspect.signature, []
+
+    def counted(obj, *args, **kw):
+        seen.append(getattr(obj, "__qualname__", repr(obj)))
+        return signature(obj, *args, **kw)
+    monkeypatch.setattr(inspect, "signature", counted)
+
+    class OldRead(SQLiteStore):
+        async def read(self, run_id, after=-1):
+            return await super().read(run_id, after)
+
+    n = READ_PAGE + 2
+    async with SQLiteStore(tmp_path / "kit.db") as store, OldRead(tmp_path / "kit.db") as old:
+        await store.append(long_run("r1", n))
+        for _ in range(3):
+            for s in (store, old):
+                assert [e.seq async for e in s.follow("r1")] == list(range(n))
+                assert [e.seq async for e in replay(s, "r1", 0)] == list(range(1, n))
+    assert kit_storebase.pages(store) and not kit_storebase.pages(old)
+    reads = [name for name in seen if name.endswith(".read")]
+    assert len(reads) <= 2 and len(set(reads)) == len(reads), reads
+
+
 # ===================================================================================== the WAL ====
 
 def wal_size(path: Path) -> int:
