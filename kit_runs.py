@@ -17,7 +17,8 @@ terminal or parking event: each event as it arrives, or, for a reader that ackno
 outside the process (``committed=True``), each once it is durable (such a reader hurries the
 writer instead of waiting out its timer). A reader that falls ``LIVE_MAX`` events behind costs no
 memory: its buffer is dropped and it reads the rest from the log (``read``, which commits what
-is buffered first), which has every event.
+is buffered first), which has every event: a page (``READ_PAGE``) at a time, each yielded
+before the next is read, then the live buffer again from where the last page ended.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from kit_core import (
     Event, InterruptResult, InvocableSpec, RunCompleted, RunHandle, RunInterrupted, RunPaused,
     RunSleeping, RunStatus, RunStoppedError, StoreUnavailableError, TurnResult,
 )
+from kit_storebase import READ_PAGE
 from kit_writer import Writer
 
 __all__ = ("Run", "LIVE_MAX", "result_of")
@@ -101,6 +103,8 @@ class Run(RunHandle):
                     backlog = await self._read(self.run_id, last)
                 except StoreUnavailableError as exc:  # what its caller is told, if told already
                     raise self.abort_error or exc from None
+                if len(backlog) >= READ_PAGE:  # a full page: the next one, once this is yielded
+                    self.lagged = True
             else:
                 n = ready()
                 if not n:

@@ -65,6 +65,7 @@ from kit_core import (
 from kit_pg import store_from_url
 from kit_runs import Run, result_of
 from kit_store import ENDED
+from kit_storebase import READ_PAGE, pages
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
 
 if TYPE_CHECKING:
@@ -463,11 +464,13 @@ class Runtime(RunControl):
             raise error
 
     async def _read_committed(self, run_id: str, after: int) -> list[Event]:
-        """Kit side: commit what is buffered, then read the run's events after ``after``; while
-        the store takes no writes, ``StoreUnavailableError`` after the bound (a lagged reader)."""
+        """Kit side: commit what is buffered, then read a page (``READ_PAGE``) of the run's events
+        after ``after`` (a lagged reader's); while the store takes no writes,
+        ``StoreUnavailableError`` after the bound."""
         with anyio.move_on_after(self.down_limit):
             await self.writer.flush()
-            return await self.store.read(run_id, after)
+            return await self.store.read(run_id, after,
+                                         **({"limit": READ_PAGE} if pages(self.store) else {}))
         raise StoreUnavailableError(run_id, self.down_limit)
 
     def _committed(self, events: Sequence[Event]) -> None:

@@ -1833,6 +1833,35 @@ async def test_a_stalled_stream_catches_up_from_the_log(store, monkeypatch):
     assert "".join(e.payload.text for e in events if e.kind == "text.delta") == words
 
 
+async def test_a_stalled_stream_catches_up_a_page_at_a_time(shared_url, tmp_path, monkeypatch):
+    """A stream that fell LIVE_MAX events behind caught up by reading the rest of the run's
+    log in one read: the backlog of a long run, whole in memory (one per lagging reader). It
+    reads a page (READ_PAGE) at a time now, each yielded before the next is read; every event
+    still comes once, in order, across the pages' seams."""
+    import kit_runs
+    from kit_pg import PostgresStore
+    from kit_storebase import READ_PAGE
+    from test_kit_store import counting
+    monkeypatch.setattr(kit_runs, "LIVE_MAX", 4)  # a tiny live buffer: the consumer lags
+    base, arg = ((PostgresStore, shared_url) if shared_url.startswith("postgresql") else
+                 (SQLiteStore, tmp_path / "kit.db"))
+    words = " ".join(f"w{i}" for i in range(2 * READ_PAGE + 50))
+    async with counting(base)(arg) as store, Deck([Agent("a", model=ScriptedModel([words]))],
+                                                  store=store) as deck:
+        stream = deck.stream("a", "go")
+        first = await stream.__anext__()
+        with anyio.fail_after(20):  # do not read while the run plays to its end
+            while await deck.status(first.run_id) is RunStatus.RUNNING:
+                await anyio.sleep(0.01)
+            store.sizes.clear()
+            rest = [e async for e in stream]
+        sizes = list(store.sizes)
+        log = await store.read(first.run_id)
+    events = [first] + rest
+    assert len(log) > 2 * READ_PAGE and events == log
+    assert len(sizes) >= 3 and max(sizes) <= READ_PAGE, sizes
+
+
 # ----------------------------------------------------------------------------- the bridge ----
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
