@@ -37,6 +37,7 @@ from kit_core import (
     RunResumed, RunSleeping, RunStatus, SessionBusyError, StoreUnavailableError, Ticked,
     UnknownNameError, UnknownRunError, check_id, check_text,
 )
+from kit_storebase import replay
 
 if TYPE_CHECKING:
     from kit_runs import Run
@@ -200,10 +201,14 @@ class RunControl:
         spec = self.specs.get(info.name) if info is not None else None
         if info is None or spec is None or info.status is not RunStatus.PAUSED or run_id in self.active:
             return None
-        log = await self.store.read(run_id)
-        paused = log[-1]
+        paused = await self._last_event(info)
         if paused.kind != "run.paused":  # resumed since the index was read: not ours to take
             return None
+        used: list[Any] = [0, 0, 0.0]  # its usage so far (run.completed totals the whole run),
+        async for event in replay(self.store, run_id):  # ... read a page at a time
+            if isinstance(p := event.payload, ModelCompleted) and event.seq < paused.seq:
+                used = [used[0] + p.input_tokens, used[1] + p.output_tokens,
+                        None if p.usd is None or used[2] is None else used[2] + p.usd]
         session = None
         if spec.kind == "agent" and info.session_id is not None:
             # Made first, as a turn's is (_begin): a factory that fails (its backend down) leaves
@@ -214,10 +219,7 @@ class RunControl:
         try:
             run = self._new_run(spec, run_id, context, info.session_id, info.namespace, streaming)
             run.origin = paused.origin  # a child run's is its parent's path (``agent/workflow``)
-            for event in log:  # its usage so far: run.completed totals the whole run
-                if isinstance(event.payload, ModelCompleted):
-                    p = event.payload
-                    run.add_usage(p.input_tokens, p.output_tokens, p.usd)
+            run.add_usage(*used)
             if spec.kind == "workflow":
                 await self._check_thread(run)
             await self._take_over(run, [

@@ -117,6 +117,38 @@ async def test_a_paused_sessionless_run_resumes_from_its_recorded_conversation(s
         assert tool_outputs == ["step 1 done", "step 2 done"]
 
 
+async def test_a_resume_reads_the_paused_runs_log_a_page_at_a_time(shared_url, tmp_path):
+    """A resume summed the paused run's usage (run.completed totals the whole run) off its
+    whole log, read in one go: a long run's every event in memory at each resume. It reads
+    the log a page (READ_PAGE) at a time now, and the total still counts every model call."""
+    from kit_storebase import READ_PAGE
+    from test_kit_store import counting
+    base, arg = ((PostgresStore, shared_url) if shared_url.startswith("postgresql") else
+                 (SQLiteStore, tmp_path / "kit.db"))
+    run_id, n = "long-paused", 2 * READ_PAGE + 7
+    log = [kit.Event(run_id, 0, kit.RunStarted("worker", "agent", None, None,
+                                               (kit.TextBlock("go"),)), "worker")]
+    for seq in range(1, n - 1):  # a model call every 100 events, text between them
+        log.append(kit.Event(run_id, seq, kit.ModelCompleted("m", 3, 5) if seq % 100 == 0
+                             else kit.TextDelta("x"), "worker"))
+    log.append(kit.Event(run_id, n - 1, kit.RunPaused("safe point", [
+        {"role": "user", "content": "go"}]), "worker"))
+    async with counting(base)(arg) as store:
+        await store.append(log)
+        async with Deck([Agent("worker", model=ScriptedModel(["all done"]))], store=store) as deck:
+            store.sizes.clear()
+            with anyio.fail_after(20):
+                produced = await deck.resume(run_id)
+            sizes = list(store.sizes)
+        whole = await store.read(run_id)
+    assert produced[-1].payload.output == "all done" and whole[n:] == produced
+    calls = [e.payload for e in whole if e.kind == "model.completed"]
+    assert len(calls) == (n - 2) // 100 + 1
+    assert produced[-1].payload.usage.input_tokens == sum(c.input_tokens for c in calls)
+    assert produced[-1].payload.usage.output_tokens == sum(c.output_tokens for c in calls)
+    assert sizes and max(sizes) <= READ_PAGE, sizes
+
+
 async def test_cancel_a_running_and_a_paused_run(store):
     gate = Gate()
     async with Deck([multi_turn_agent(gate)], store=store) as deck:
