@@ -405,13 +405,14 @@ class Runtime(RunControl):
     async def _reap(self) -> None:
         """Record the runs whose owner stopped renewing as abandoned (the store writes their
         ``run.failed`` in the transaction that frees their claims); the observers get it too,
-        at the next round if the store fails its read (no later reap returns the run)."""
+        read for all of them in one read (``last_events``), at the next round if the store
+        fails it (no later reap returns the runs)."""
         self._reaped.update(await self.store.reap())
-        for run_id in sorted(self._reaped):
-            info = await self.store.run_info(run_id)
-            end = [] if info is None else [await self._last_event(info)]
-            self._reaped.discard(run_id)
-            self._committed(end)
+        if self._reaped:
+            reaped = sorted(self._reaped)
+            ends = await self.store.last_events(reaped)
+            self._reaped.difference_update(reaped)
+            self._committed([ends[run_id] for run_id in reaped if run_id in ends])
 
     # ------------------------------------------------------------------ the write path --
     def _put(self, run: Run | None, event: Event, claim: Claim | None = None) -> None:

@@ -676,13 +676,24 @@ async def test_a_runs_status_asked_while_the_store_takes_no_writes_comes_within_
 
 
 class FailingLogReads(FaultyStore):
-    """``FaultyStore`` whose reads of a run's log raise ``fail_log_reads`` times."""
+    """``FaultyStore`` whose reads of runs' logs (``read``, ``last_events``) raise
+    ``fail_log_reads`` times; ``log_reads`` notes the runs each read was of."""
 
     fail_log_reads = 0
 
-    async def read(self, run_id, after=-1):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.log_reads: list[list[str]] = []
+
+    async def read(self, run_id, after=-1, **limit):
+        self.log_reads.append([run_id])
         self._fault("fail_log_reads")
-        return await super().read(run_id, after)
+        return await super().read(run_id, after, **limit)
+
+    async def last_events(self, run_ids):
+        self.log_reads.append(sorted(run_ids))
+        self._fault("fail_log_reads")
+        return await super().last_events(run_ids)
 
 
 async def test_a_run_reaped_while_the_store_fails_a_read_still_reaches_the_observers(
@@ -703,6 +714,26 @@ async def test_a_run_reaped_while_the_store_fails_a_read_still_reaches_the_obser
                     await anyio.sleep(0.02)
             assert store.failures == 1 and await deck.status(dead) is RunStatus.FAILED
             assert [e.kind for e in recorder.seen if e.run_id == dead] == ["run.failed"]
+
+
+async def test_the_runs_a_reap_abandons_are_read_in_one_read_and_reach_the_observers(tmp_path):
+    """The reaper read each abandoned run's end with a read (and an index lookup) of its own: a
+    round trip each on Postgres, for every run a dead replica left. Their ends are read in one
+    read (``last_events``) now, and each reaches the observers once."""
+    recorder, dead = Recorder(), sorted(kit.new_run_id() for _ in range(3))
+    async with FailingLogReads(tmp_path / "kit.db") as store:
+        await store.append([Event(run_id, 0, kit.RunStarted("a", "agent"), "a") for run_id in dead],
+                           claims=[kit.Claim(run_id, "gone", 0.05) for run_id in dead])
+        await anyio.sleep(0.2)  # their process is gone: the leases lapse
+        async with Deck([Agent("a", model=ScriptedModel(["ok"]))], store=store,
+                        observers=[recorder]) as deck:  # (a deck reaps as it opens)
+            with anyio.fail_after(10):
+                while len([e for e in recorder.seen if e.run_id in dead]) < len(dead):
+                    await anyio.sleep(0.02)
+            assert [await deck.status(run_id) for run_id in dead] == [RunStatus.FAILED] * 3
+    assert [(e.run_id, e.kind) for e in recorder.seen if e.run_id in dead] == [
+        (run_id, "run.failed") for run_id in dead]
+    assert [ids for ids in store.log_reads if set(ids) & set(dead)] == [dead]
 
 
 async def test_a_renewal_that_fails_is_tried_again_within_the_lease(tmp_path, monkeypatch):
