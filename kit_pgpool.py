@@ -26,7 +26,7 @@ from kit_core import ConfigError
 from kit_storebase import masked
 
 __all__ = ("pg_url", "open_pool", "setup_lock", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT",
-           "CONNECT_TIMEOUT")
+           "CONNECT_TIMEOUT", "CHECK_TIMEOUT")
 
 #: The schema a ``postgresql://`` URL without ``?schema=`` uses.
 DEFAULT_SCHEMA = "kit"
@@ -41,6 +41,11 @@ POOL_TIMEOUT = 10.0
 #: psycopg's own 130 s, a server that accepts and never answers would hold a command or a
 #: starting replica that long.
 CONNECT_TIMEOUT = 5
+#: How long a pooled connection's check when taken (``open_pool(check=True)``: an empty query)
+#: may go unanswered (seconds): past it the connection has gone silent (a NAT or a firewall
+#: that forgot it, a frozen peer; TCP gives up after ~15 min), psycopg closes it and the pool
+#: tries the next, as for one the server dropped.
+CHECK_TIMEOUT = 10.0
 #: Setup locks are retried every _LOCK_RETRY s for up to _LOCK_PATIENCE s (another replica
 #: creating the tables takes well under a second).
 _LOCK_RETRY = 0.05
@@ -105,7 +110,8 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, cre
     ``kwargs`` go to each connection; a connect is bounded (``CONNECT_TIMEOUT``) unless
     ``conninfo`` sets a bound. With ``check``, a connection is tested when taken (a round trip
     each time): one the server dropped while it sat idle (a restart, a failover, an idle timeout)
-    is replaced, with every other dead one, instead of failing its caller. For callers with no
+    is replaced, with every other dead one, instead of failing its caller (one whose check
+    goes unanswered for ``CHECK_TIMEOUT``, silent, is replaced too). For callers with no
     retry of their own; the log's reads and writes retry instead, so they pay nothing until a
     connection fails.
     Raises ``ConfigError`` without the postgres extra; psycopg's ``OperationalError`` when the
@@ -133,7 +139,9 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, cre
 
     async def checked(conn: Any) -> None:
         try:
-            await AsyncConnectionPool.check_connection(conn)  # an empty query
+            with anyio.move_on_after(CHECK_TIMEOUT):
+                return await AsyncConnectionPool.check_connection(conn)  # an empty query
+            raise TimeoutError(f"a pooled connection did not answer its check in {CHECK_TIMEOUT:g} s")
         except psycopg.OperationalError:
             # After a restart every idle connection is dead, and the pool tries the next one
             # at once, then only after 1 s, 2 s, 4 s (measured: two dead held a step 1 s; four

@@ -29,7 +29,8 @@ frees with its connection, one of a pool of its own (``kit-locks:<schema>``), so
 take the connections their runs' checkpoints need. The Postgres checkpointer's pool
 (``kit-checkpoints:<schema>`` in ``pg_stat_activity``) tests each connection when taken, so a
 durable step after the server dropped them (a restart, a failover) reconnects instead of failing
-its run.
+its run; a checkpoint call or a lock's statement unanswered for ``CHECKPOINT_TIMEOUT`` (a
+connection gone silent) is tried once more on another, as the log's reads are (``_bound``).
 """
 from __future__ import annotations
 
@@ -40,12 +41,14 @@ import os
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
+import anyio
+
 from kit_core import InvocableSpec, RunHandle
 from kit_pgpool import open_pool, pg_url, setup_lock
 
 __all__ = ("open_graphs", "checkpoint_path", "memory_saver", "checkpoint_serde", "allow_types",
            "PLAYING", "thread_config", "holds_thread", "ThreadLocks", "PgThreadLocks",
-           "CHECKPOINT_POOL", "LOCK_POOL")
+           "CHECKPOINT_POOL", "LOCK_POOL", "CHECKPOINT_TIMEOUT")
 
 #: Connections of the Postgres checkpointer's pool (per process): durable runs playing at once
 #: share them.
@@ -55,6 +58,13 @@ CHECKPOINT_POOL = 4
 #: in that one, four ticks at once held every connection, and their runs' checkpoints waited
 #: for one until they failed. More resumes at once than this wait for a lock's connection.
 LOCK_POOL = 8
+#: How long a Postgres checkpoint call (its connection's check, its query) or a thread lock's
+#: statement may go unanswered (seconds), as the log's reads (``kit_pg.READ_TIMEOUT``): past
+#: it the connection has gone silent (a NAT or a firewall that forgot it, a frozen peer;
+#: TCP gives up after ~15 min), psycopg closes it, and a checkpoint call is tried once more
+#: on another (its queries are upserts, deletes and reads: safe twice). The saver takes its
+#: calls one at a time, so a silent one held every durable run of the process.
+CHECKPOINT_TIMEOUT = 60.0
 
 
 # ================================================================================== savers ====
@@ -128,6 +138,20 @@ def _fence(saver: Any) -> None:
         setattr(saver, name, fenced)
 
 
+def _bound(saver: Any) -> None:
+    """A Postgres saver's calls answer within ``CHECKPOINT_TIMEOUT``, or are tried once more
+    (on another connection: psycopg closed the silent one); then ``TimeoutError``."""
+    for name in ("aget_tuple", "aput", "aput_writes", "adelete_thread"):
+        async def bounded(*args: Any, _call: Any = getattr(saver, name), _name: str = name,
+                          **kw: Any) -> Any:
+            for _ in range(2):
+                with anyio.move_on_after(CHECKPOINT_TIMEOUT):
+                    return await _call(*args, **kw)
+            raise TimeoutError(f"the checkpointer's Postgres did not answer {_name} within "
+                               f"{CHECKPOINT_TIMEOUT:g} s, twice")
+        setattr(saver, name, bounded)
+
+
 def checkpoint_path(store_path: str) -> str:
     """The durable workflows' checkpoint file for a log file: ``kit.db`` -> ``kit.checkpoints.db``.
 
@@ -179,6 +203,7 @@ async def open_graphs(specs: Sequence[InvocableSpec], store_url: str | None
                 pools.append(await open_pool(conninfo, schema, max_size=LOCK_POOL, create=False,
                                              name="kit-locks", check=True, row_factory=dict_row))
                 durable, locks = AsyncPostgresSaver(pool, serde=checkpoint_serde()), PgThreadLocks(pools[1])
+                _bound(durable)  # (under the fence: a write waits for its log unbounded)
                 async with setup_lock(pool, f"kit:checkpoints:{schema}"):
                     await durable.setup()
             except BaseException:
@@ -292,16 +317,29 @@ class PgThreadLocks(ThreadLocks):
         self._pool, self._conns = pool, {}
 
     async def acquire(self, key: str) -> bool:
+        """Raises ``TimeoutError`` when two connections in a row leave the lock unanswered
+        for ``CHECKPOINT_TIMEOUT`` (psycopg closes each: a lock it took goes with it)."""
         if not await super().acquire(key):
             return False
-        conn = await self._pool.getconn()
-        try:
-            row = await (await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0)) "
-                                            "AS got", (f"kit:thread:{key}",))).fetchone()
-        except BaseException:
+        row = None
+        for _ in range(2):  # a silent connection: once more, on another
+            conn = await self._pool.getconn()
+            try:
+                with anyio.move_on_after(CHECKPOINT_TIMEOUT):
+                    row = await (await conn.execute(
+                        "SELECT pg_try_advisory_lock(hashtextextended(%s, 0)) AS got",
+                        (f"kit:thread:{key}",))).fetchone()
+            except BaseException:
+                await self._pool.putconn(conn)
+                await super().release(key)
+                raise
+            if row is not None:
+                break
             await self._pool.putconn(conn)
+        else:
             await super().release(key)
-            raise
+            raise TimeoutError(f"the thread lock's Postgres did not answer within "
+                               f"{CHECKPOINT_TIMEOUT:g} s, twice")
         if not row["got"]:
             await self._pool.putconn(conn)
             await super().release(key)
@@ -311,13 +349,17 @@ class PgThreadLocks(ThreadLocks):
 
     async def release(self, key: str) -> None:
         """Never raises for the unlock: a connection that fails it (the server dropped it while
-        the thread's run played) is closed, and the lock goes with it."""
+        the thread's run played) or leaves it unanswered for ``CHECKPOINT_TIMEOUT`` is
+        closed, and the lock goes with it."""
         conn = self._conns.pop(key, None)
         await super().release(key)
         if conn is not None:
             try:
-                await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
-                                   (f"kit:thread:{key}",))
+                with anyio.move_on_after(CHECKPOINT_TIMEOUT) as silent:
+                    await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
+                                       (f"kit:thread:{key}",))
+                if silent.cancelled_caught:
+                    await conn.close()
             except Exception:  # the pool then drops it, instead of lending a locked one out
                 await conn.close()
             finally:

@@ -3,6 +3,7 @@ headless runs, across processes, Postgres checkpoints past dropped connections (
 trio)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -28,6 +29,7 @@ from langgraph.graph import END, START, StateGraph
 import kit
 from kit import Agent, ConfigError, Deck, RunStatus, ScriptedModel, Workflow
 from kit_bridge import on_asyncio
+import kit_threads
 from kit_pg import store_from_url
 from kit_pgpool import pg_url
 from kit_store import SQLiteStore
@@ -1077,6 +1079,7 @@ async def test_headless_runs_leave_no_thread_behind_unless_someone_can_go_on_wit
 CHILD = """
 import sys, anyio, kit
 from datetime import datetime, timezone
+import kit_threads
 from kit_pg import store_from_url
 import test_kit_workflows as t
 
@@ -1634,6 +1637,7 @@ async def orphans(url: str, *threads: str) -> None:
 
 TICKER = """
 import json, sys, anyio, kit
+import kit_threads
 from kit_pg import store_from_url
 import test_kit_workflows as t
 
@@ -1705,6 +1709,95 @@ async def test_postgres_checkpoints_live_in_the_schema_of_the_log(postgres_url):
         count = conn.execute(f"SELECT count(*) FROM {schema}.checkpoints "
                              "WHERE thread_id = 'approval::t1'").fetchone()[0]
     assert count > 0
+
+
+class SilentOnce:
+    """A TCP proxy in front of Postgres that, once ``armed`` is set, holds the first connection
+    to send ``marker`` (a query's text or parameter) from then on: that query and all after it
+    are never passed either way, and the connection is never closed (a NAT or a firewall that
+    forgot it mid-query, a frozen peer). Every other connection passes."""
+
+    def __init__(self, marker: bytes) -> None:
+        self.armed, self.marker, self.held = anyio.Event(), marker, 0
+
+    async def serve(self, listener: Any, upstream_port: int) -> None:
+        async def handle(client: Any) -> None:
+            async with client, await anyio.connect_tcp("127.0.0.1", upstream_port) as server:
+                silent = False
+
+                async def pipe(a: Any, b: Any, up: bool) -> None:
+                    nonlocal silent
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        async for chunk in a:
+                            if up and not silent and not self.held and self.armed.is_set() \
+                                    and self.marker in chunk:
+                                silent, self.held = True, 1
+                            if silent:
+                                await anyio.sleep_forever()  # held: never passed, never closed
+                            await b.send(chunk)
+                    tg.cancel_scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(pipe, client, server, True)
+                    tg.start_soon(pipe, server, client, False)
+
+        await listener.serve(handle)
+
+
+@pytest.mark.parametrize("gone", ["checked", "mid-query"])
+async def test_a_checkpoint_call_whose_connection_stops_answering_is_tried_on_another(
+        postgres_url, monkeypatch, gone):
+    """A checkpoint read or write sent on a connection gone silent (a NAT or a firewall that
+    forgot it) waited for as long as TCP took to give up (~15 min; forever behind a frozen
+    peer), and every durable run of the process with it (the saver takes its calls one at a
+    time): an answer hung. The pool's check when a connection is taken gives up after
+    CHECK_TIMEOUT (the pool takes the next), a call after CHECKPOINT_TIMEOUT, tried once more
+    on another connection."""
+    import kit_pgpool
+    from test_kit_store import Deafening
+    monkeypatch.setattr(kit_threads, "CHECKPOINT_TIMEOUT", 1.0, raising=False)
+    monkeypatch.setattr(kit_pgpool, "CHECK_TIMEOUT", 0.3, raising=False)
+    proxy = (Deafening(b"kit-checkpoints") if gone == "checked"
+             else SilentOnce(b"approval::t1"))  # (the thread's key: in its checkpoint queries)
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            anyio.create_task_group() as outer:
+        outer.start_soon(proxy.serve, listener, 5432)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        url = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
+        async with store_from_url(url) as store, Deck(workflows=[durable_approval()],
+                                                      store=store) as deck:
+            with anyio.fail_after(30):
+                parked = await deck.run("approval", {"log": []}, session_id="t1")
+                (proxy.deaf if gone == "checked" else proxy.armed).set()  # silent from here
+                state = await deck.answer(parked.run_id, "yes")
+            assert state["log"] == ["plan", "answer=yes", "done"]
+            assert await deck.status(parked.run_id) is RunStatus.COMPLETED
+            assert gone == "checked" or proxy.held
+        outer.cancel_scope.cancel()
+
+
+async def test_a_thread_lock_whose_connection_stops_answering_is_taken_on_another(
+        postgres_url, monkeypatch):
+    """A ticker's thread lock taken on a connection gone silent waited for as long as TCP
+    took to give up (~15 min): the tick hung, and the thread with it. The lock's statement
+    gives up after CHECKPOINT_TIMEOUT and is tried once more, on another connection."""
+    monkeypatch.setattr(kit_threads, "CHECKPOINT_TIMEOUT", 1.0, raising=False)
+    await orphans(postgres_url, "o1")
+    proxy = SilentOnce(b"kit:thread:sleeper::o1")  # (the lock's name)
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            anyio.create_task_group() as outer:
+        outer.start_soon(proxy.serve, listener, 5432)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        url = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
+        async with store_from_url(url) as store, Deck(workflows=[durable_sleeper()],
+                                                      store=store) as deck:
+            proxy.armed.set()
+            with anyio.fail_after(30):
+                [ticked] = await deck.tick(NOW)
+            assert ticked.result["log"][-2:] == [f"woke at {NOW.isoformat()}", "done"]
+            assert proxy.held and [r.status for r in await store.runs()] == [
+                RunStatus.COMPLETED]
+        outer.cancel_scope.cancel()
 
 
 async def test_postgres_checkpoints_outlive_the_server_dropping_their_connections(
