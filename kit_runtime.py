@@ -405,11 +405,9 @@ class Runtime(RunControl):
     async def _reap(self) -> None:
         """Record the runs whose owner stopped renewing as abandoned (the store writes their
         ``run.failed`` in the transaction that frees their claims); the observers get it too,
-        read for all of them in one read (``last_events``), at the next round if the store
-        fails it (no later reap returns the runs)."""
+        all in one read (``last_events``), at the next round if it fails (no reap repeats one)."""
         self._reaped.update(await self.store.reap())
-        if self._reaped:
-            reaped = sorted(self._reaped)
+        if reaped := sorted(self._reaped):
             ends = await self.store.last_events(reaped)
             self._reaped.difference_update(reaped)
             self._committed([ends[run_id] for run_id in reaped if run_id in ends])
@@ -466,8 +464,7 @@ class Runtime(RunControl):
 
     async def _read_committed(self, run_id: str, after: int) -> list[Event]:
         """Kit side: commit what is buffered, then read a page (``READ_PAGE``) of the run's events
-        after ``after`` (a lagged reader's); while the store takes no writes,
-        ``StoreUnavailableError`` after the bound."""
+        after ``after``; ``StoreUnavailableError`` after the bound while the store is down."""
         with anyio.move_on_after(self.down_limit):
             await self.writer.flush()
             return await self.store.read(run_id, after,
@@ -493,9 +490,8 @@ class Runtime(RunControl):
         for run_id in run_ids:
             run = self.active.get(run_id)
             if run is not None and run.parent is None and run.abort_error is None:
-                ended = run.ended and run.session is None  # (no session write ahead of it)
-                run.abort_error = StoreUnavailableError(
-                    run_id, seconds, error, outcome="ended" if ended else "stopped")
+                run.abort_error = StoreUnavailableError(run_id, seconds, error, outcome="ended" if (
+                    run.ended and run.session is None) else "stopped")  # (see _to_session)
                 run.scope.cancel()
 
     def _refused(self, run_id: str, error: BaseException) -> None:
@@ -543,9 +539,8 @@ class Runtime(RunControl):
         stalled is refused there). A kill between the two leaves the turn in the session and the
         run recorded abandoned. Cancelled meanwhile, the run ends as a cancelled play does; a
         failed write fails it (``run.failed`` at the end's seq) unless it failed or was
-        cancelled already. Either way its items are dropped. While it waits, ``run.session``
-        stays set: the end is not the log's yet, so a caller stopped meanwhile (``_give_up``)
-        is told the run was stopped, as its log then records, never that it ended."""
+        cancelled already. Either way its items are dropped. While it waits ``run.session`` stays
+        set: a caller stopped meanwhile (``_give_up``) hears "stopped", as the log then says."""
         session, failed = run.session, None
         try:
             await self._commit(run, None)  # raises what the store refused

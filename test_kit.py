@@ -1862,6 +1862,29 @@ async def test_a_stalled_stream_catches_up_a_page_at_a_time(shared_url, tmp_path
     assert len(sizes) >= 3 and max(sizes) <= READ_PAGE, sizes
 
 
+async def test_a_stalled_stream_of_a_store_whose_read_takes_no_limit_catches_up_whole(
+        tmp_path, monkeypatch):
+    """A store whose ``read`` takes no ``limit`` (the user's own, written to the old port) is
+    read whole by a lagged reader, as before: every event still comes once, in order."""
+    import kit_runs
+    from kit_storebase import READ_PAGE
+
+    class OldRead(SQLiteStore):
+        async def read(self, run_id, after=-1):
+            return await super().read(run_id, after)
+    monkeypatch.setattr(kit_runs, "LIVE_MAX", 4)
+    words = " ".join(f"w{i}" for i in range(READ_PAGE + 50))
+    async with OldRead(tmp_path / "kit.db") as store, Deck(
+            [Agent("a", model=ScriptedModel([words]))], store=store) as deck:
+        stream = deck.stream("a", "go")
+        first = await stream.__anext__()
+        with anyio.fail_after(20):
+            while await deck.status(first.run_id) is RunStatus.RUNNING:
+                await anyio.sleep(0.01)
+            rest = [e async for e in stream]
+        assert [first] + rest == await store.read(first.run_id)
+
+
 # ----------------------------------------------------------------------------- the bridge ----
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
