@@ -35,6 +35,12 @@ structured (``structuredContent``) and also given as text:
   ``{"error": <type>, "message"}`` (a failed run's message names its run, whose log has the
   details).
 
+Arguments are checked against the tool's schema by kit (``_arguments``), not by the package: an
+optional argument given null is taken as absent first, as the v1 routes take a null
+``session_id`` or ``input`` (models often fill optional parameters with null; the package's own
+check refused it, "None is not of type 'string'"), and a refusal names the argument at fault (a
+required one given null too). The schemas stay as clients' converters read them, nullable nowhere.
+
 Leaving a call (the client cancels it, or goes away) ends its stream, never its run; so does
 the server stopping (``stop``), whose call then ends with an ``isError`` result
 ``ServerStoppingError`` naming the run, since a client whose call's stream is cut without a
@@ -63,6 +69,7 @@ from contextlib import aclosing
 from typing import Any
 
 import anyio
+import jsonschema  # (the mcp package's own dependency, and its validator)
 import mcp.types as types
 import pydantic
 from mcp.server.lowlevel import Server
@@ -155,6 +162,21 @@ def _workflow_schema(durable: bool) -> dict[str, Any]:
                                          "The thread to run on (a later run carries its state on)."}}}
 
 
+def _arguments(args: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """``args`` as a tool with ``schema`` takes them: an optional argument given null is dropped
+    (absent), then the rest checked (an argument the tool has not, null or not, is refused).
+    Raises ``jsonschema.ValidationError`` whose message names the argument at fault."""
+    optional = set(schema["properties"]) - set(schema.get("required", ()))
+    args = {k: v for k, v in args.items() if v is not None or k not in optional}
+    try:
+        jsonschema.validate(args, schema)
+    except jsonschema.ValidationError as exc:
+        if exc.path:  # the package's message names the value, not where it is
+            exc.message = f"argument {exc.path[0]!r}: {exc.message}"
+        raise
+    return args
+
+
 def _result(structured: dict[str, Any], text: str, *, error: bool = False) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
                                 structuredContent=jsonable(structured), isError=error)
@@ -201,7 +223,7 @@ class MCPSurface:
         self.deck = deck
         server: Server[Any, Any] = Server("kit", VERSION, instructions=_INSTRUCTIONS)
         server.list_tools()(self._tools)
-        server.call_tool()(self._call)
+        server.call_tool(validate_input=False)(self._call)  # _arguments checks them
         server.list_resources()(self._resources)
         # Part of the resources capability, which clients that browse resources call too:
         # kit's skills are plain resources, so it has none (never "Method not found").
@@ -235,6 +257,16 @@ class MCPSurface:
             scope.cancel()
 
     # ------------------------------------------------------------------------------ tools --
+    def _schema(self, name: str) -> dict[str, Any]:
+        """The input schema of tool ``name``; raises ``UnknownNameError`` for no tool of kit's."""
+        if name == ANSWER:
+            return _ANSWER_SCHEMA
+        if name in self.deck.agents:
+            return _AGENT_SCHEMA
+        if name in self.deck.workflows:
+            return _workflow_schema(bool(self.deck.workflows[name].durable))
+        raise UnknownNameError(name, [*self.deck.agents, *self.deck.workflows])
+
     async def _tools(self) -> list[types.Tool]:
         tools = [types.Tool(name=name, inputSchema=_AGENT_SCHEMA, description=(
             f"One turn of the kit agent {name!r}" + (f": {a.instructions}" if isinstance(
@@ -252,6 +284,11 @@ class MCPSurface:
     async def _call(self, name: str, args: dict[str, Any]) -> types.CallToolResult:
         """One tool call; every refusal and failure is an ``isError`` result, never a raise."""
         try:
+            try:
+                args = _arguments(args, self._schema(name))
+            except jsonschema.ValidationError as exc:
+                return _result({"error": "ValidationError", "message": exc.message},
+                               f"Input validation error: {exc.message}", error=True)
             if name == ANSWER:
                 return await self._answer(args["run_id"], args["value"])
             if name in self.deck.agents:
@@ -261,8 +298,8 @@ class MCPSurface:
             if name in self.deck.workflows:
                 thread_id = args.get("thread_id")
                 return await self._play(name, thread_id, self.deck.stream(
-                    name, args.get("input") or {}, session_id=thread_id, committed=True))
-            raise UnknownNameError(name, [*self.deck.agents, *self.deck.workflows])
+                    name, args.get("input", {}), session_id=thread_id, committed=True))
+            raise AssertionError(name)  # (_schema refused any other name)
         except KitError as exc:
             return _error(type(exc).__name__, str(exc))
         except Exception as exc:

@@ -187,6 +187,32 @@ async def test_refusals_and_failures_are_error_results():
         assert [r.status for r in await app.deck.store.runs(name="boom")] == [RunStatus.FAILED]
 
 
+async def test_null_for_an_optional_argument_is_taken_as_absent():
+    """Models often fill optional parameters with null: ``{"message": "hi", "session_id": null}``
+    and ``"input": null`` were refused ("Input validation error: None is not of type 'string'"),
+    where the v1 routes take both. A required argument given null stays an error, naming it."""
+    durable = Workflow("ship", graph(plan), durable=True)
+    async with mcp_served(Deck([echo()], [Workflow("plain", graph(plan)), durable])) as (
+            session, _, app):
+        said = await session.call_tool("echo", {"message": "hi", "session_id": None})
+        assert not said.isError, said.content[0].text
+        assert said.structuredContent["output"] == "hello there world"
+        assert said.structuredContent["session_id"] is None
+        ran = await session.call_tool("plain", {"input": None, "thread_id": None})
+        assert not ran.isError, ran.content[0].text
+        assert ran.structuredContent["output"] == {"log": ["plan"]}
+        for tool, args, named in (("echo", {"message": None}, "message"),
+                                  ("echo", {"message": "hi", "session_id": 3}, "session_id"),
+                                  ("echo", {"message": "hi", "user": None}, "user"),
+                                  ("ship", {"input": {"log": []}, "thread_id": None}, "thread_id"),
+                                  ("answer", {"run_id": None, "value": 1}, "run_id")):
+            refused = await session.call_tool(tool, args)
+            assert refused.isError, (tool, args)
+            assert "validation" in refused.content[0].text and repr(named) in refused.content[0].text, \
+                refused.content[0].text
+        assert [r.name for r in await app.deck.store.runs()] == ["echo", "plain"]
+
+
 async def explode(state: dict) -> dict:
     raise ValueError("node exploded: sk-answered-123")
 
