@@ -611,7 +611,8 @@ class App:
     # ------------------------------------------------------------------ optional surfaces --
     async def _chat_completions(self, req: Request) -> None:
         # OpenAI clients send many optional fields; kit_openai reads the ones it serves.
-        turn = kit_openai.read_request(await req.json(None), req.header(kit_openai.SESSION_HEADER))
+        turn = kit_openai.read_request(await req.json(None),
+                                       req.text_header(kit_openai.SESSION_HEADER))
         self._check(turn.model, "agent")
         args: dict[str, Any] = {"session_id": turn.session_id, "history": turn.history}
         if turn.stream:

@@ -244,7 +244,20 @@ class Request:
         self.query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
 
     def header(self, name: bytes) -> str | None:
+        """Header ``name`` (the first given) as latin-1, which never fails: for protocol fields
+        whose grammar is ASCII (Host, Origin, Content-Type, Last-Event-ID's digits, ...)."""
         return next((v.decode("latin-1") for k, v in self.scope.get("headers", ()) if k == name), None)
+
+    def text_header(self, name: bytes) -> str | None:
+        """Header ``name`` as text a client chose (an id), decoded as UTF-8: read as latin-1,
+        ``x-kit-session-id: café`` was 'cafÃ©', another session than the same id in a body.
+        Raises ``MalformedRequestError`` naming the header when it is not UTF-8."""
+        value = next((v for k, v in self.scope.get("headers", ()) if k == name), None)
+        try:
+            return None if value is None else value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MalformedRequestError(f"the {name.decode('latin-1')} header must be UTF-8 "
+                                        "text") from None
 
     async def body(self) -> bytes:
         """The whole body, refused as soon as it is over ``MAX_BODY_BYTES`` (Content-Length

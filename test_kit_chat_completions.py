@@ -467,6 +467,28 @@ async def test_a_conversation_resent_as_the_sdk_returned_it_goes_on(session):
         await aio.close()
 
 
+async def test_a_session_header_is_utf8_as_the_same_id_in_metadata():
+    """``x-kit-session-id: café`` (sent as UTF-8) was read as latin-1, 'cafÃ©': a session other
+    than ``metadata.session_id`` "café", so the conversation forked. A header that is not UTF-8
+    is a 400 naming it, and writes nothing."""
+    model = ScriptedModel(["Hi Ana.", "You are Ana."])
+    async with served(Deck([Agent("a", model=model)]), surfaces=("openai",)) as (client, app):
+        url = "/v1/chat/completions"
+        first = await client.post(url, json={"model": "a", "messages": hi("I am Ana")},
+                                  headers={"x-kit-session-id": "café".encode()})
+        assert first.status_code == 200, first.text
+        second = await client.post(url, json={"model": "a", "messages": hi("Who am I?"),
+                                              "metadata": {"session_id": "café"}})
+        assert second.status_code == 200, second.text
+        assert [r.session_id for r in await app.deck.store.runs()] == ["café", "café"]
+        assert "I am Ana" in str(model.calls[-1]["input"])  # one conversation
+        bad = await client.post(url, json={"model": "a", "messages": hi()},
+                                headers={"x-kit-session-id": b"caf\xe9"})
+        assert bad.status_code == 400 and "x-kit-session-id" in bad.json()["error"]["message"]
+        assert "UTF-8" in bad.json()["error"]["message"]
+        assert len(await app.deck.store.runs()) == 2
+
+
 async def test_a_session_id_no_store_can_hold_is_a_400_and_writes_nothing():
     async with served(catalog(), surfaces=("openai",)) as (client, app):
         _, aio = clients(client)
