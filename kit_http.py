@@ -51,6 +51,7 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 import typing
@@ -220,6 +221,7 @@ class App:
         self._workflows: frozenset[str] = frozenset()
         self._durable: frozenset[str] = frozenset()  # workflows whose runs need a thread_id
         self._skills: list[str] = []
+        self._created = 0  # the models' created (GET /v1/models): when the deck opened
         self._streams: set[Stream] = set()
         self._mcp_streams: set[anyio.CancelScope] = set()  # GET /mcp: idle until the client leaves
         self._inflight: set[anyio.CancelScope] = set()
@@ -264,7 +266,7 @@ class App:
                         return
                     self._agents, self._workflows = frozenset(self.deck.agents), frozenset(self.deck.workflows)
                     self._durable = frozenset(n for n, w in self.deck.workflows.items() if w.durable)
-                    self._skills = sorted(self.deck.skills)
+                    self._skills, self._created = sorted(self.deck.skills), int(time.time())
                     if isinstance(scope.get("state"), dict):
                         scope["state"]["kit.deck"] = self.deck
                     self._open = True
@@ -628,11 +630,11 @@ class App:
         await respond(req, 200, kit_openai.completion(run_id, turn.model, events))
 
     async def _models(self, req: Request) -> None:
-        await respond(req, 200, kit_openai.model_list(self._agents))
+        await respond(req, 200, kit_openai.model_list(self._agents, self._created))
 
     async def _model(self, req: Request, model: str) -> None:
         self._check(model, "agent")  # OpenAI's answer to a model it lacks is a 404 too
-        await respond(req, 200, kit_openai.model_object(model))
+        await respond(req, 200, kit_openai.model_object(model, self._created))
 
     async def _mcp(self, req: Request) -> None:
         async def send(message: Message) -> None:  # the MCP server answers for itself

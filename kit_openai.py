@@ -322,14 +322,16 @@ class Chunks:
         return []
 
 
-def model_list(agents: Iterable[str]) -> dict[str, Any]:
-    """The ``GET /v1/models`` body: every agent is a model."""
-    return {"object": "list", "data": [model_object(name) for name in sorted(agents)]}
+def model_list(agents: Iterable[str], created: int) -> dict[str, Any]:
+    """The ``GET /v1/models`` body: every agent is a model, ``created`` at that Unix time."""
+    return {"object": "list", "data": [model_object(name, created) for name in sorted(agents)]}
 
 
-def model_object(agent: str) -> dict[str, Any]:
-    """The model that is agent ``agent``: the ``GET /v1/models/{model}`` body, an item of the list."""
-    return {"id": agent, "object": "model", "created": int(time.time()), "owned_by": "kit"}
+def model_object(agent: str, created: int) -> dict[str, Any]:
+    """The model that is agent ``agent``: the ``GET /v1/models/{model}`` body, an item of the
+    list. ``created`` is the caller's (kit_http: when the deck opened), never the request's
+    time, which would change on every call."""
+    return {"id": agent, "object": "model", "created": created, "owned_by": "kit"}
 
 
 def error_body(status: int, error: str, message: str) -> dict[str, Any]:

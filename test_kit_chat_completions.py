@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import subprocess
 import sys
+import time
 
 import anyio
 import httpx
@@ -90,6 +91,22 @@ async def test_models_are_the_agents():
                 await aio.models.retrieve(name)
             assert missing.value.code == "UnknownNameError" and "echo" in missing.value.message
         await aio.close()
+
+
+async def test_a_models_created_is_when_the_server_opened_not_the_request():
+    """``created`` of ``GET /v1/models`` was the request's time, so it changed with every call
+    (a client that caches the list by it saw new models each second). It is when the server
+    opened the deck: the same in the list and for each model, call after call."""
+    before = int(time.time())
+    async with served(catalog(), surfaces=("openai",)) as (client, _):
+        opened = int(time.time())
+        with anyio.fail_after(5):  # a second boundary after the open, so a request's time differs
+            while int(time.time()) <= opened:
+                await anyio.sleep(0.05)
+        [listed] = (await client.get("/v1/models")).json()["data"]
+        assert before <= listed["created"] <= opened
+        assert (await client.get("/v1/models/echo")).json() == listed
+        assert (await client.get("/v1/models")).json()["data"] == [listed]
 
 
 # ------------------------------------------------------------------------------- answers ----
