@@ -6,12 +6,13 @@ Must never: start or render a conversation (SPEC 1: it prints log events, never 
 the application context or secrets (neither is in the log).
 
 Commands:
-  kit runs list [--store URL] [--status S] [--name N] [--session ID] [--limit N] [--before ID]
-                [--json]
+  kit runs list [--store URL] [--status S] [--name N] [--session ID] [--namespace NS]
+                [--limit N] [--before ID] [--json]
       A page of the run index: the ``--limit`` (default ``LIST_LIMIT``) most recent runs that
-      match, started before run ``--before`` if given, oldest first: a header, then one line per
-      run (run id, status, name, namespace, session, start); ``--json``: one JSON object per run
-      instead.
+      match (``--namespace``: that namespace's; a session id is per namespace, so with
+      ``--session`` one conversation), started before run ``--before`` if given, oldest
+      first: a header, then one line per run (run id, status, name, namespace, session, start);
+      ``--json``: one JSON object per run instead.
       When older runs match, stderr says so with the command that lists the next page.
   kit runs events <run_id> [--store URL] [--after SEQ] [--follow]
       The run's events in seq order, one JSON envelope per line, those after seq ``--after``
@@ -36,7 +37,7 @@ store it opens once the read-only one found the run.
 
 argparse checks every argument: text is UTF-8 (a non-UTF-8 byte in argv is a usage error naming
 the argument), ``--limit`` is 1 to ``LIST_LIMIT_MAX``, ``--after`` a seq, a run id, ``--name``,
-``--session``, ``--store`` and ``--before`` are not empty.
+``--session``, ``--namespace``, ``--store`` and ``--before`` are not empty.
 
 Output that meets a closed pipe (``kit runs list | head``) ends quietly. Exit codes: 0 done (or
 recorded), 1 an unknown run (or event: ``--after``), a request that cannot act on the run (a
@@ -88,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--status", choices=[s.value for s in RunStatus])
     ls.add_argument("--name", type=_nonempty, help="only runs of this agent or workflow")
     ls.add_argument("--session", type=_nonempty, help="only runs of this session id")
+    ls.add_argument("--namespace", type=_nonempty,
+                    help="only runs of this namespace (a session id is per namespace)")
     ls.add_argument("--limit", type=_positive, default=LIST_LIMIT,
                     help=f"at most this many runs, the most recent (default {LIST_LIMIT}, "
                          f"at most {LIST_LIMIT_MAX})")
@@ -174,7 +177,7 @@ async def _list(store: EventStorePort, a: argparse.Namespace) -> None:
         # One more than the page: whether older runs match, without counting them.
         infos = await store.runs(status=RunStatus(a.status) if a.status else None,
                                  name=a.name, session_id=a.session, limit=a.limit + 1,
-                                 before=a.before)
+                                 before=a.before, namespace=a.namespace)
     older = len(infos) > a.limit
     infos = infos[-a.limit:]
     _print_runs(infos, a.json)
@@ -188,6 +191,7 @@ def _next_page(a: argparse.Namespace, before: str) -> str:
     (a password in ``--store`` masked: it never reaches a terminal or a log)."""
     words = ["kit", "runs", "list"]
     for flag, value in (("--status", a.status), ("--name", a.name), ("--session", a.session),
+                        ("--namespace", a.namespace),
                         ("--store", masked(a.store) if a.store else None)):
         if value is not None:
             words += [flag, value]

@@ -103,7 +103,7 @@ LISTEN_CHECK = 5.0
 RECONNECT_MAX = 5.0
 #: Takeovers of lapsed sessions one append tries before calling the session busy.
 _TAKEOVERS = 3
-_CREATES = re.compile(r"IF NOT EXISTS (\w+)")  # what a statement of _TABLES makes
+_CREATES = re.compile(r"IF NOT EXISTS (\w+)(?: ON (\w+))?")  # what a statement of _TABLES makes
 _log = logging.getLogger("kit.pg")
 
 
@@ -126,6 +126,13 @@ _TABLES = (
     "action text NOT NULL, reason text, source text, at double precision NOT NULL)",
     CONTROLS_INDEX,
 )
+#: Indexes of ``_TABLES`` added since version 3, which a schema an older release wrote lacks (an
+#: older kit writing beside them keeps them up, so no version marks them). On an existing table
+#: an open builds one CONCURRENTLY, after its transaction (still under the setup lock: one
+#: replica builds it), so the build holds no writer, where a plain CREATE INDEX holds them all
+#: for its length (~0.5 s per 100k runs). A build cut short leaves its index invalid: the next
+#: open drops it and builds it again.
+_BUILT_CONCURRENTLY = frozenset({"runs_namespace"})
 #: What opening an older schema does besides ``_TABLES`` (whose ``IF NOT EXISTS`` add what is
 #: new), by the version it brings the schema to: removing what is gone.
 _UPGRADES = {2: ("DROP INDEX IF EXISTS runs_live",)}  # runs_status covers it
@@ -396,12 +403,16 @@ class PostgresStore(StoreBase):
                 # writers (SHARE, to the commit) even when the index is there, so an open while
                 # other replicas commit held their commits, and deadlocked with one whose locks
                 # crossed its own (a run's end: runs, then leases), failing the open.
-                have = {name for (name,) in await (await conn.execute(
-                    "SELECT relname::text FROM pg_class WHERE relnamespace = %s::regnamespace",
-                    (self.schema,))).fetchall()}
+                found = dict(await (await conn.execute(
+                    "SELECT c.relname::text, i.indisvalid IS NOT FALSE FROM pg_class c LEFT JOIN "
+                    "pg_index i ON i.indexrelid = c.oid WHERE c.relnamespace = %s::regnamespace",
+                    (self.schema,))).fetchall())
+                have = {name for name, valid in found.items() if valid}
+                later = [s for s in _TABLES if (m := _CREATES.search(s))[1] not in have
+                         and m[1] in _BUILT_CONCURRENTLY and m[2] in have]
                 async with conn.transaction():
                     for statement in _TABLES:
-                        if _CREATES.search(statement)[1] not in have:
+                        if _CREATES.search(statement)[1] not in have and statement not in later:
                             await conn.execute(statement)
                     await conn.execute(_APPEND)  # (a function: it locks no table)
                     for to, statements in _UPGRADES.items():
@@ -410,6 +421,12 @@ class PostgresStore(StoreBase):
                     await conn.execute("INSERT INTO kit_meta VALUES ('schema_version', %s) "
                                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                                        (str(SCHEMA_VERSION),))
+                for statement in later:  # (autocommit: CONCURRENTLY runs in no transaction)
+                    name = _CREATES.search(statement)[1]
+                    if name in found:  # invalid: a build cut short
+                        await conn.execute(f"DROP INDEX CONCURRENTLY {name}")
+                    await conn.execute(statement.replace("CREATE INDEX",
+                                                         "CREATE INDEX CONCURRENTLY"))
             self._writes = await open_pool(self._conninfo, self.schema, max_size=WRITE_POOL,
                                            create=False, name="kit-write")
         except BaseException:
@@ -613,8 +630,8 @@ class PostgresStore(StoreBase):
         return [event_of(body) for (body,) in rows]
 
     async def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
-                    limit: int | None, before: str | None) -> list[RunInfo]:
-        sql, args = runs_query(status, name, session_id, limit, before, "%s")
+                    limit: int | None, before: str | None, namespace: str | None) -> list[RunInfo]:
+        sql, args = runs_query(status, name, session_id, limit, before, "%s", namespace=namespace)
         rows = [run_row(r) for r in await self._fetch(sql, args)]
         return rows if limit is None else rows[::-1]
 

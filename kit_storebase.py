@@ -376,26 +376,28 @@ class StoreBase:
 
     async def runs(self, *, status: RunStatus | None = None, name: str | None = None,
                    session_id: str | None = None, limit: int | None = None,
-                   before: str | None = None) -> list[RunInfo]:
+                   before: str | None = None, namespace: str | None = None) -> list[RunInfo]:
         """The run index, filtered (filters combine with AND), oldest first: by ``started_at``,
         then run id (caller-chosen run ids need not sort by time, so the id alone cannot order).
+        ``namespace``: that namespace's runs (a session id is per namespace: with
+        ``session_id``, one conversation); None: every run, with a namespace or without.
 
         ``limit=N``: the N most recent matches. ``before=<run id>``: the runs that sort before
         that run (which need not match), so the next older page is ``before=page[0].run_id``.
         Runs never leave the log: a cursor stays valid. Raises ``ConfigError`` naming a bad
-        ``limit`` (not a positive int), ``before`` (not a non-empty str), ``name`` or
-        ``session_id`` (not a str); ``ValueError`` for an unknown ``status``;
+        ``limit`` (not a positive int), ``before`` (not a non-empty str), ``name``,
+        ``session_id`` or ``namespace`` (not a str); ``ValueError`` for an unknown ``status``;
         ``UnknownRunError`` when the log has no run ``before``.
         """
         if limit is not None and (type(limit) is not int or limit < 1):  # (True is an int)
             raise ConfigError(f"limit must be a positive int, got {limit!r}")
         if before is not None and (not isinstance(before, str) or not before):
             raise ConfigError(f"before must be a non-empty str (a run id), got {before!r}")
-        for what, value in (("name", name), ("session_id", session_id)):
+        for what, value in (("name", name), ("session_id", session_id), ("namespace", namespace)):
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{what} must be a str, got {value!r}")
         found = await self._call(self._runs, None if status is None else RunStatus(status), name,
-                                 session_id, limit, before)
+                                 session_id, limit, before, namespace)
         # An empty page is also what an unknown cursor gives: only then is it looked up.
         if before is not None and not found and await self._call(self._run_info, before) is None:
             raise UnknownRunError(before)
@@ -481,7 +483,7 @@ class StoreBase:
     # (a run it abandons taking over its session: its run.failed to ``_overtaken``, once committed)
     def _read(self, run_id: str, after: int, limit: int | None) -> list[Event]: ...
     def _runs(self, status: RunStatus | None, name: str | None, session_id: str | None,
-              limit: int | None, before: str | None) -> list[RunInfo]: ...
+              limit: int | None, before: str | None, namespace: str | None) -> list[RunInfo]: ...
     def _run_info(self, run_id: str) -> RunInfo | None: ...
     def _renew(self, owner: str, until: float, run_ids: list[str] | None) -> None: ...
     def _reap(self, now: float) -> list[str]: ...

@@ -71,6 +71,15 @@ async def test_runs_list_reads_the_log(shared_url):
     assert (row["status"], row["name"], row["session_id"]) == ("FAILED", "greeter", "s2")
     out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url, "--json")
     assert [json.loads(line)["namespace"] for line in out.stdout.splitlines()] == [None, None, "tenant-a"]
+    # One tenant's runs: a session id is per namespace, so --session with it is one conversation.
+    for extra in ((), ("--session", "s1")):
+        out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url,
+                                             "--namespace", "tenant-a", "--json", *extra)
+        assert out.returncode == 0, out.stderr
+        assert [json.loads(line)["run_id"] for line in out.stdout.splitlines()] == [tenant.run_id]
+    out = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url,
+                                         "--namespace", "tenant-b")
+    assert (out.returncode, out.stdout.splitlines()[1:]) == (0, []), out.stderr
 
 
 def next_page(ran: Ran) -> list[str] | None:
@@ -87,7 +96,7 @@ async def test_runs_list_pages_newest_first_and_says_how_to_get_the_next_page(sh
     async with store_from_url(shared_url) as store:
         for i in range(cli.LIST_LIMIT + 2):
             await store.append([kit.Event(f"run-{i:03}", 0, kit.RunStarted(
-                "ab"[i % 2], "agent", f"s{i % 3}", None, ()), "a")])
+                "ab"[i % 2], "agent", f"s{i % 3}", "t", ()), "a")])
         everything = [r.run_id for r in await store.runs()]
     ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--store", shared_url)
     header, *lines = ran.stdout.splitlines()
@@ -105,15 +114,16 @@ async def test_runs_list_pages_newest_first_and_says_how_to_get_the_next_page(sh
         assert args is None or args[args.index("--limit") + 1] == "20"
     assert seen == everything and len(lines) == len(everything) % 20
 
-    args = ["runs", "list", "--name", "a", "--session", "s1", "--limit", "3", "--json",
-            "--store", shared_url]
+    args = ["runs", "list", "--name", "a", "--session", "s1", "--namespace", "t", "--limit", "3",
+            "--json", "--store", shared_url]
     expected = [r for r in everything if int(r[4:]) % 2 == 0 and int(r[4:]) % 3 == 1]
     seen = []
     while args is not None:  # filters and --json ride along in the hint
         ran = await anyio.to_thread.run_sync(kit_cli, *args)
         seen[:0] = [json.loads(line)["run_id"] for line in ran.stdout.splitlines()]
         args = next_page(ran)
-        assert args is None or ("--json" in args and args[args.index("--name") + 1] == "a")
+        assert args is None or ("--json" in args and args[args.index("--name") + 1] == "a"
+                                and args[args.index("--namespace") + 1] == "t")
     assert seen == expected and len(expected) > 3
 
     ran = await anyio.to_thread.run_sync(kit_cli, "runs", "list", "--before", everything[1],
@@ -414,7 +424,8 @@ async def test_an_empty_run_id_name_or_session_is_a_usage_error(tmp_path):
     for args, argument in ((["runs", "events", ""], "run_id"),
                            (["runs", "signal", "", "cancel"], "run_id"),
                            (["runs", "list", "--name", ""], "--name"),
-                           (["runs", "list", "--session", ""], "--session")):
+                           (["runs", "list", "--session", ""], "--session"),
+                           (["runs", "list", "--namespace", ""], "--namespace")):
         ran = await anyio.to_thread.run_sync(kit_cli, *args, "--store", store)
         assert (ran.returncode, ran.stdout) == (2, ""), ran
         assert f"argument {argument}: must not be empty" in ran.stderr, ran.stderr

@@ -255,6 +255,20 @@ async def test_runs_listing_filters_and_status_folding(store):
     assert await store.run_info("nope") is None
 
 
+async def test_runs_of_one_namespace_one_session_id_under_two_is_two_conversations(store):
+    """``runs(namespace=)`` lists one namespace's runs (``kit runs list --namespace``); a
+    session id is per namespace, so ``session_id`` with ``namespace`` is one conversation."""
+    for rid, namespace, at in (("a1", "tenant-a", 0), ("b1", "tenant-b", 1), ("n1", None, 2),
+                               ("a2", "tenant-a", 3), ("b2", "tenant-b", 4)):
+        await store.append([started(rid, session_id="s", namespace=namespace, at=at)])
+    assert [r.run_id for r in await store.runs(namespace="tenant-a")] == ["a1", "a2"]
+    assert [r.run_id for r in await store.runs(session_id="s")] == ["a1", "b1", "n1", "a2", "b2"]
+    assert [r.run_id for r in await store.runs(session_id="s", namespace="tenant-b")] == ["b1", "b2"]
+    assert [r.run_id for r in await store.runs(namespace="tenant-b", limit=1)] == ["b2"]
+    assert [r.run_id for r in await store.runs(namespace="tenant-b", limit=1, before="b2")] == ["b1"]
+    assert await store.runs(namespace="tenant-c") == []
+
+
 async def test_the_run_index_keeps_the_seq_of_each_runs_last_event(store):
     """``RunInfo.last_seq`` is the seq of the last event the log holds for the run, in every
     store, whoever wrote it: a batch, a batch whose seqs come out of order, a parked run's
@@ -286,15 +300,16 @@ async def test_the_run_index_keeps_the_seq_of_each_runs_last_event(store):
 
 
 async def many_runs(store) -> list[str]:
-    """17 runs: names a/b, sessions s0-s2 or none, statuses by position, run ids chosen by
-    hand and NOT in time order, two pairs started at the same instant (ordered by run id).
-    Returns their ids oldest first."""
+    """17 runs: names a/b, sessions s0-s2 or none, namespaces t0-t1 or none, statuses by
+    position, run ids chosen by hand and NOT in time order, two pairs started at the same
+    instant (ordered by run id). Returns their ids oldest first."""
     order = []
     for i in range(17):
         rid = f"{'zyxwvutsrqponmlkjihgfedcba'[i]}-run"  # later runs get smaller ids
         at = i - 1 if i in (5, 12) else i  # 5 ties with 4 and 12 with 11: smaller id first
         session_id = None if i % 4 == 3 else f"s{i % 3}"
-        batch = [started(rid, name="ab"[i % 2], session_id=session_id, at=at)]
+        namespace = None if i % 5 == 2 else f"t{i % 2 if i % 3 else 1}"
+        batch = [started(rid, name="ab"[i % 2], session_id=session_id, namespace=namespace, at=at)]
         if i % 3 == 0:
             end = kit.RunFailed("ValueError", "bad") if i % 2 else kit.RunCompleted("ok")
             batch.append(ev(rid, 1, end))
@@ -339,7 +354,9 @@ async def test_runs_pages_with_filters(store):
     for filters in ({"name": "a"}, {"session_id": "s1"}, {"status": RunStatus.RUNNING},
                     {"status": RunStatus.FAILED}, {"status": RunStatus.COMPLETED},
                     {"name": "b", "status": RunStatus.RUNNING},
-                    {"name": "a", "session_id": "s0", "status": RunStatus.COMPLETED}):
+                    {"name": "a", "session_id": "s0", "status": RunStatus.COMPLETED},
+                    {"namespace": "t1"}, {"namespace": "t0", "session_id": "s1"},
+                    {"namespace": "t1", "status": RunStatus.FAILED}):
         expected = [r.run_id for r in everything if all(
             getattr(r, k) == v for k, v in filters.items())]
         assert [r.run_id for r in await store.runs(**filters)] == expected, filters
@@ -368,6 +385,8 @@ async def test_runs_refuses_bad_arguments_naming_them(store):
         await store.runs(name=3)
     with pytest.raises(kit.ConfigError, match=r"^session_id must be a str"):
         await store.runs(session_id=["s1"])
+    with pytest.raises(kit.ConfigError, match=r"^namespace must be a str, got 7"):
+        await store.runs(namespace=7)
     with pytest.raises(ValueError, match="BOGUS"):
         await store.runs(status="BOGUS")
     # runs are never removed from the log: an unknown cursor is a mistake, never an empty page
@@ -380,7 +399,7 @@ async def test_runs_refuses_bad_arguments_naming_them(store):
 LISTINGS = [  # the index each listing walks, with and without a cursor
     ("runs_started", {}), ("runs_status", {"status": RunStatus.FAILED}),
     ("runs_status", {"status": RunStatus.WAITING_HUMAN}), ("runs_name", {"name": "a"}),
-    ("runs_session", {"session_id": "s1"}),
+    ("runs_session", {"session_id": "s1"}), ("runs_namespace", {"namespace": "t1"}),
     # COMPLETED runs skip runs_status (every turn would write it): their pages walk runs_started
     ("runs_started", {"status": RunStatus.COMPLETED})]
 
@@ -395,7 +414,8 @@ async def test_sqlite_listings_are_index_ranges_never_a_scan_and_sort(tmp_path):
             if limit is None and index == "runs_started":
                 continue  # the whole log, asked for: one pass over runs_started, in order
             sql, args = kit_store.runs_query(filters.get("status"), filters.get("name"),
-                                             filters.get("session_id"), limit, before, "?")
+                                             filters.get("session_id"), limit, before, "?",
+                                             namespace=filters.get("namespace"))
             plan = [row[3] for row in db.execute("EXPLAIN QUERY PLAN " + sql, args)]
             assert f"USING INDEX {index} " in plan[0] + " ", (filters, limit, before, plan)
             assert not any("TEMP B-TREE" in step for step in plan), plan
@@ -425,7 +445,7 @@ async def test_sqlite_a_log_written_before_the_listing_indexes_gets_them_at_open
         indexes = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
                                             "AND tbl_name = 'runs' AND sql IS NOT NULL")}
     db.close()
-    assert indexes == {"runs_started", "runs_status", "runs_name", "runs_session"}
+    assert indexes == {"runs_started", "runs_status", "runs_name", "runs_session", "runs_namespace"}
     with sqlite3.connect(path) as db:  # the log's own PRAGMA: the indexes are well formed
         assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
     db.close()
@@ -445,7 +465,8 @@ async def test_postgres_listings_can_be_index_ranges(postgres_url):
         for index, filters in LISTINGS:
             for before in (None, "m-run"):
                 sql, args = kit_store.runs_query(filters.get("status"), filters.get("name"),
-                                                 filters.get("session_id"), 10, before, "%s")
+                                                 filters.get("session_id"), 10, before, "%s",
+                                                 namespace=filters.get("namespace"))
                 plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql, args))
                 assert f"Index Scan Backward using {index} on runs" in plan, plan
                 assert "Sort" not in plan and "Seq Scan" not in plan, plan
@@ -1499,7 +1520,7 @@ async def test_postgres_a_version_1_schema_is_upgraded_once_at_open(postgres_url
                                                "= %s AND tablename = 'runs'", (schema,))}
 
     with psycopg.connect(conninfo, autocommit=True) as conn:  # back to what version 1 made
-        for index in ("runs_started", "runs_status", "runs_name", "runs_session"):
+        for index in ("runs_started", "runs_status", "runs_name", "runs_session", "runs_namespace"):
             conn.execute(f"DROP INDEX {schema}.{index}")
         conn.execute(f"CREATE INDEX runs_live ON {schema}.runs(status) WHERE status IN "
                      "('RUNNING', 'WAITING_HUMAN', 'SLEEPING', 'PAUSED')")
@@ -1507,10 +1528,78 @@ async def test_postgres_a_version_1_schema_is_upgraded_once_at_open(postgres_url
     assert indexes() == {"runs_pkey", "runs_live"}
     async with store_from_url(postgres_url) as store:
         assert [r.run_id for r in await store.runs(session_id="s1", limit=1)] == ["r1"]
-    assert indexes() == {"runs_pkey", "runs_started", "runs_status", "runs_name", "runs_session"}
+    assert indexes() == {"runs_pkey", "runs_started", "runs_status", "runs_name", "runs_session",
+                         "runs_namespace"}
     with psycopg.connect(conninfo, autocommit=True) as conn:
         assert conn.execute(f"SELECT value FROM {schema}.kit_meta").fetchall() == [
             (str(SCHEMA_VERSION),)]
+
+
+async def test_postgres_a_schema_without_runs_namespace_gets_it_holding_no_writer(postgres_url):
+    """A log the previous release wrote (version 3, no ``runs_namespace``) gets the index when
+    this release first opens it, built CONCURRENTLY: another replica's writes go on while it
+    builds (a plain CREATE INDEX would queue them behind it until the build ended), and a build
+    an earlier open left unfinished (an invalid index) is built again."""
+    import psycopg
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1", namespace="t")], claims=[Claim("r1", "me", 30)])
+        await store.append([started("r2", namespace="t")])
+    conninfo, schema = pg_url(postgres_url)
+
+    def valid() -> list[bool]:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            return [v for (v,) in conn.execute(
+                "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                "WHERE c.relname = 'runs_namespace' AND c.relnamespace = %s::regnamespace",
+                (schema,))]
+
+    other = psycopg.connect(conninfo, autocommit=True)  # another replica's commit, held half-way
+    writer = psycopg.connect(conninfo, autocommit=True)  # and one more replica's, after it
+    look = psycopg.connect(conninfo, autocommit=True)
+    opened: list[BaseException | None] = []
+
+    async def open_one() -> None:
+        try:
+            async with store_from_url(postgres_url) as store:
+                assert [r.run_id for r in await store.runs(namespace="t", limit=5)] == ["r1", "r2"]
+                opened.append(None)
+        except Exception as exc:
+            opened.append(exc)
+
+    def waiting() -> bool:  # the opening store waits (for the held commit)
+        return look.execute("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                            "WHERE NOT l.granted AND a.application_name = %s",
+                            (f"kit:{schema}",)).fetchone()[0] > 0
+    try:
+        for conn in (other, writer, look):
+            conn.execute(f'SET search_path TO "{schema}"')
+        other.execute("DROP INDEX runs_namespace")  # the schema as the previous release left it
+        assert valid() == []
+        writer.execute("SET lock_timeout = '20s'")  # (a plain CREATE INDEX held it: it fails)
+        other.execute("BEGIN")
+        other.execute("UPDATE runs SET status = 'COMPLETED' WHERE run_id = 'r1'")  # as kit_append
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(open_one)
+                while not opened and not await anyio.to_thread.run_sync(waiting):
+                    await anyio.sleep(0.02)
+                await anyio.to_thread.run_sync(
+                    writer.execute, "UPDATE runs SET last_seq = 0 WHERE run_id = 'r2'")
+                await anyio.to_thread.run_sync(other.execute, "DELETE FROM leases WHERE run_id = 'r1'")
+                await anyio.to_thread.run_sync(other.execute, "COMMIT")
+        assert opened == [None] and valid() == [True]
+        # A build cut short leaves an invalid index of that name, which the next open rebuilds.
+        other.execute("DROP INDEX runs_namespace")
+        with pytest.raises(psycopg.errors.UniqueViolation):  # two runs share a namespace
+            other.execute("CREATE UNIQUE INDEX CONCURRENTLY runs_namespace ON runs(namespace)")
+        assert valid() == [False]
+        opened.clear()
+        with anyio.fail_after(30):
+            await open_one()
+        assert opened == [None] and valid() == [True]
+    finally:
+        for conn in (other, writer, look):
+            conn.close()
 
 
 async def test_postgres_a_version_2_schema_gets_the_fence_of_ended_runs_at_open(postgres_url):
