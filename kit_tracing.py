@@ -75,6 +75,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import urlsplit
 
 from agents.tracing import TracingProcessor
 
@@ -139,15 +140,28 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+def _no_redirect(response: Any, *args: Any, **kwargs: Any) -> Any:
+    """The exporter's ``requests`` hook: OpenTelemetry follows no redirect and counts a 3xx a
+    success (spans no collector took, counted exported); a failed export instead, saying where
+    it points (no query, no credentials)."""
+    if 300 <= response.status_code < 400:
+        from requests.exceptions import HTTPError
+        response.close()
+        to = urlsplit(response.headers.get("Location", ""))
+        raise HTTPError(f"the collector answered {response.status_code}, a redirect to {to.scheme}"
+                        f"://{to.netloc.rpartition('@')[2]}{to.path}: point KIT_TRACING_HOST there")
+    return response
+
+
 @dataclass(slots=True)
 class TracingStats:
     """The tracing observer's spans (a snapshot from ``TracingObserver.stats``).
 
     ``spans`` were rendered and queued for export. Of those, the collector took ``exported``;
-    ``failed`` were in requests it refused or never answered, retries included (a 4xx, a 5xx or
-    no answer until ``EXPORT_TIMEOUT``, no connection); ``dropped`` never left: pushed out of the
-    full queue (``QUEUE_SIZE``), or still queued when ``close`` gave up. The rest are queued or
-    in flight.
+    ``failed`` were in requests it refused or never answered, retries included (a 4xx, a 5xx, a
+    redirect, or no answer until ``EXPORT_TIMEOUT``, no connection); ``dropped`` never left:
+    pushed out of the full queue (``QUEUE_SIZE``), or still queued when ``close`` gave up. The
+    rest are queued or in flight.
     """
     spans: int = 0
     exported: int = 0
@@ -372,6 +386,7 @@ class TracingObserver:
         if not host.startswith(("http://", "https://")):
             raise ConfigError(f"KIT_TRACING_HOST must be an http(s) URL, got {host!r}")
         try:
+            import requests
             from opentelemetry import context, trace
             from opentelemetry.exporter.otlp.proto.http import Compression
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -382,8 +397,11 @@ class TracingObserver:
             raise ConfigError("the tracing observer needs the observability extra: "
                               f"pip install 'kit[observability]' ({exc})") from None
         auth = base64.b64encode(f"{pk}:{sk}".encode()).decode()
+        session = requests.Session()
+        session.hooks["response"].append(_no_redirect)
         exporter = OTLPSpanExporter(
             endpoint=host + OTLP_PATH, timeout=EXPORT_TIMEOUT, compression=Compression.Gzip,
+            session=session,
             headers={"Authorization": f"Basic {auth}", "x-langfuse-ingestion-version": "4",
                      "x-langfuse-public-key": pk, "x-langfuse-sdk-name": "kit"})
         provider = TracerProvider(resource=Resource.create({"service.name": "kit"}),

@@ -48,6 +48,7 @@ class Receiver:
     def __init__(self) -> None:
         self.requests: list[tuple[str, Any, ExportTraceServiceRequest]] = []
         self.status = 200  # what it answers: 400 for a collector that refuses what it is sent
+        self.location: str | None = None  # a Location header to answer with (a redirect's)
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,6 +60,8 @@ class Receiver:
                                           ExportTraceServiceRequest.FromString(body)))
                 reply = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(receiver.status)
+                if receiver.location is not None:
+                    self.send_header("Location", receiver.location)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
@@ -523,6 +526,23 @@ async def test_spans_the_collector_refuses_are_counted_and_reported(receiver, ca
     assert receiver.requests  # sent, and refused
     assert observer.stats == TracingStats(spans=4, exported=0, failed=4, dropped=0)
     assert any("4 of 4 spans were not exported" in m for m in losses(caplog))
+
+
+async def test_spans_a_collector_answers_with_a_redirect_are_counted_lost(receiver, caplog):
+    """A host that redirects (``KIT_TRACING_HOST=http://...`` of a collector served over https,
+    or a proxy sending to a login page): OpenTelemetry's exporter follows no redirect and takes
+    any 3xx for success, so every span was counted exported, and nothing said any was lost."""
+    receiver.status = 308
+    receiver.location = "https://collector.example/api/public/otel/v1/traces"
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with caplog.at_level(logging.WARNING), anyio.fail_after(10):
+        await play(observer, turn("r1", calls=3))
+    assert len(receiver.requests) == 1  # sent once: a redirect is no transient error
+    assert observer.stats == TracingStats(spans=4, exported=0, failed=4, dropped=0)
+    assert any("4 of 4 spans were not exported" in m for m in losses(caplog))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "308" in said and "https://collector.example" in said  # why, and where it points
+    assert SK not in said and base64.b64encode(f"{PK}:{SK}".encode()).decode() not in said
 
 
 async def test_spans_pushed_out_of_the_full_queue_are_counted_and_reported(
