@@ -11,7 +11,8 @@ bounded queue drained by a thread of its own); lose a span uncounted (``stats``,
 on ``kit.observers``); write the application context or any content (it renders event fields
 only: names, ids, counts, times, statuses; inputs, replies, tool arguments and results stay out,
 as GenAI's opt-in content attributes do); touch OpenTelemetry's global tracer provider (it owns
-a private one).
+a private one); send Langfuse a header but its own (the application's
+``OTEL_EXPORTER_OTLP_HEADERS`` hold its own collector's credentials).
 
 Theory of operation
 -------------------
@@ -138,6 +139,24 @@ def _hash_id(key: str) -> int:
 
 def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
+
+
+def _http_session(requests: Any, headers: dict[str, str]) -> Any:
+    """The exporter's ``requests`` session: it sends ``headers`` and the body's own only.
+    OpenTelemetry adds ``OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`` to an exporter's headers: the
+    application's collector's credentials, which Langfuse must never get. A redirect fails."""
+    keep = {*map(str.lower, headers), "content-type", "content-encoding", "content-length",
+            "user-agent", "accept", "accept-encoding", "connection"}
+
+    class Session(requests.Session):  # type: ignore[misc, name-defined]
+        def send(self, request: Any, **kwargs: Any) -> Any:
+            for name in [n for n in request.headers if n.lower() not in keep]:
+                del request.headers[name]
+            return super().send(request, **kwargs)
+
+    session = Session()
+    session.hooks["response"].append(_no_redirect)
+    return session
 
 
 def _no_redirect(response: Any, *args: Any, **kwargs: Any) -> Any:
@@ -397,13 +416,11 @@ class TracingObserver:
             raise ConfigError("the tracing observer needs the observability extra: "
                               f"pip install 'kit[observability]' ({exc})") from None
         auth = base64.b64encode(f"{pk}:{sk}".encode()).decode()
-        session = requests.Session()
-        session.hooks["response"].append(_no_redirect)
+        headers = {"Authorization": f"Basic {auth}", "x-langfuse-ingestion-version": "4",
+                   "x-langfuse-public-key": pk, "x-langfuse-sdk-name": "kit"}
         exporter = OTLPSpanExporter(
             endpoint=host + OTLP_PATH, timeout=EXPORT_TIMEOUT, compression=Compression.Gzip,
-            session=session,
-            headers={"Authorization": f"Basic {auth}", "x-langfuse-ingestion-version": "4",
-                     "x-langfuse-public-key": pk, "x-langfuse-sdk-name": "kit"})
+            session=_http_session(requests, headers), headers=headers)
         provider = TracerProvider(resource=Resource.create({"service.name": "kit"}),
                                   id_generator=self._ids, shutdown_on_exit=False)  # type: ignore[arg-type]
         self._export = _Export(exporter, SpanExportResult.SUCCESS)

@@ -545,6 +545,25 @@ async def test_spans_a_collector_answers_with_a_redirect_are_counted_lost(receiv
     assert SK not in said and base64.b64encode(f"{PK}:{SK}".encode()).decode() not in said
 
 
+async def test_the_applications_otlp_headers_never_reach_the_tracing_collector(
+        receiver, monkeypatch):
+    """An application exporting its own telemetry sets OpenTelemetry's exporter settings, whose
+    headers carry its collector's credentials (``x-honeycomb-team=...``). kit's exporter took
+    them too, and sent them to Langfuse with every request (kit's own Authorization won only
+    because it was set after them)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-honeycomb-team=HONEY-SECRET,"
+                       "authorization=Bearer APP-SECRET")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "dd-api-key=DD-SECRET")
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with anyio.fail_after(10):
+        await play(observer, turn("r1", calls=1))
+    assert observer.stats.exported == 2
+    [(_, headers, _)] = receiver.requests
+    assert "SECRET" not in str(headers.items())
+    assert headers["Authorization"] == "Basic " + base64.b64encode(f"{PK}:{SK}".encode()).decode()
+    assert headers["x-langfuse-ingestion-version"] == "4"
+
+
 async def test_spans_pushed_out_of_the_full_queue_are_counted_and_reported(
         receiver, monkeypatch, caplog):
     """Runs faster than the collector fill the span queue, which drops its oldest: OpenTelemetry
