@@ -12,7 +12,8 @@ on ``kit.observers``); write the application context or any content (it renders 
 only: names, ids, counts, times, statuses; inputs, replies, tool arguments and results stay out,
 as GenAI's opt-in content attributes do); touch OpenTelemetry's global tracer provider (it owns
 a private one); send Langfuse a header but its own (the application's
-``OTEL_EXPORTER_OTLP_HEADERS`` hold its own collector's credentials).
+``OTEL_EXPORTER_OTLP_HEADERS`` hold its own collector's credentials), or sample runs away (its
+``OTEL_TRACES_SAMPLER`` samples its own traces).
 
 Theory of operation
 -------------------
@@ -412,6 +413,7 @@ class TracingObserver:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import SpanExportResult
+            from opentelemetry.sdk.trace.sampling import ALWAYS_ON
         except ImportError as exc:
             raise ConfigError("the tracing observer needs the observability extra: "
                               f"pip install 'kit[observability]' ({exc})") from None
@@ -422,6 +424,7 @@ class TracingObserver:
             endpoint=host + OTLP_PATH, timeout=EXPORT_TIMEOUT, compression=Compression.Gzip,
             session=_http_session(requests, headers), headers=headers)
         provider = TracerProvider(resource=Resource.create({"service.name": "kit"}),
+                                  sampler=ALWAYS_ON,  # every run, whatever OTEL_TRACES_SAMPLER says
                                   id_generator=self._ids, shutdown_on_exit=False)  # type: ignore[arg-type]
         self._export = _Export(exporter, SpanExportResult.SUCCESS)
         provider.add_span_processor(self._export)  # type: ignore[arg-type]

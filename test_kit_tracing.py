@@ -564,6 +564,19 @@ async def test_the_applications_otlp_headers_never_reach_the_tracing_collector(
     assert headers["x-langfuse-ingestion-version"] == "4"
 
 
+async def test_the_applications_otel_sampler_samples_no_run_away(receiver, monkeypatch):
+    """An application that samples its own traces (``OTEL_TRACES_SAMPLER``): kit's private
+    tracer provider read the same setting, so runs went untraced, uncounted, unsaid (a span
+    not sampled never reaches the exporter)."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with anyio.fail_after(10):
+        await play(observer, turn("r1", calls=1))
+    assert observer.stats == TracingStats(spans=2, exported=2, failed=0, dropped=0)
+    assert [s.name for s in receiver.traces()[TracingObserver.trace_id("r1")]] == [
+        "chat gpt-4o", "invoke_agent calc"]
+
+
 async def test_spans_pushed_out_of_the_full_queue_are_counted_and_reported(
         receiver, monkeypatch, caplog):
     """Runs faster than the collector fill the span queue, which drops its oldest: OpenTelemetry
