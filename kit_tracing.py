@@ -123,6 +123,8 @@ _MODEL_SETTINGS = frozenset({"temperature", "top_p", "frequency_penalty", "prese
                              "tool_choice", "parallel_tool_calls", "truncation", "max_tokens",
                              "reasoning", "verbosity", "store", "top_logprobs"})
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+#: The most of a collector's answer read (bytes): OTLP's is a few bytes, and only its status counts.
+_ANSWER_MAX = 65536
 
 
 def _ns(at: datetime | str | None) -> int:
@@ -145,7 +147,9 @@ def _json(obj: Any) -> str:
 def _http_session(requests: Any, headers: dict[str, str]) -> Any:
     """The exporter's ``requests`` session: it sends ``headers`` and the body's own only.
     OpenTelemetry adds ``OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`` to an exporter's headers: the
-    application's collector's credentials, which Langfuse must never get. A redirect fails."""
+    application's collector's credentials, which Langfuse must never get. It reads at most
+    ``_ANSWER_MAX`` of an answer (``requests`` reads it whole, however long, before OpenTelemetry
+    looks at its status). A redirect fails."""
     keep = {*map(str.lower, headers), "content-type", "content-encoding", "content-length",
             "user-agent", "accept", "accept-encoding", "connection"}
 
@@ -153,7 +157,10 @@ def _http_session(requests: Any, headers: dict[str, str]) -> Any:
         def send(self, request: Any, **kwargs: Any) -> Any:
             for name in [n for n in request.headers if n.lower() not in keep]:
                 del request.headers[name]
-            return super().send(request, **kwargs)
+            response = super().send(request, **{**kwargs, "stream": True})
+            if len(response.raw.read(_ANSWER_MAX + 1, decode_content=False)) > _ANSWER_MAX:
+                response.close()  # (an answer read to its end frees its connection for reuse)
+            return response
 
     session = Session()
     session.hooks["response"].append(_no_redirect)

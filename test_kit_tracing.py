@@ -49,6 +49,8 @@ class Receiver:
         self.requests: list[tuple[str, Any, ExportTraceServiceRequest]] = []
         self.status = 200  # what it answers: 400 for a collector that refuses what it is sent
         self.location: str | None = None  # a Location header to answer with (a redirect's)
+        self.garbage = 0  # bytes of garbage to answer with instead, no length: until it closes
+        self.garbage_sent = 0  # of those, what the client took
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,6 +62,15 @@ class Receiver:
                                           ExportTraceServiceRequest.FromString(body)))
                 reply = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(receiver.status)
+                if receiver.garbage:
+                    self.end_headers()
+                    try:
+                        while receiver.garbage_sent < receiver.garbage:
+                            self.wfile.write(b"\xff" * 65536)
+                            receiver.garbage_sent += 65536
+                    except OSError:  # the client hung up
+                        pass
+                    return
                 if receiver.location is not None:
                     self.send_header("Location", receiver.location)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -575,6 +586,18 @@ async def test_the_applications_otel_sampler_samples_no_run_away(receiver, monke
     assert observer.stats == TracingStats(spans=2, exported=2, failed=0, dropped=0)
     assert [s.name for s in receiver.traces()[TracingObserver.trace_id("r1")]] == [
         "chat gpt-4o", "invoke_agent calc"]
+
+
+async def test_a_collector_answering_without_end_costs_no_memory(receiver):
+    """A host that answers an export with an endless body (garbage, a stream, the wrong server):
+    the exporter read the whole answer into memory before looking at its status, so the process
+    grew with it, without bound (64 MiB here, all of it taken)."""
+    receiver.garbage = 64 * 2**20
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with anyio.fail_after(20):
+        await play(observer, turn("r1", calls=1))
+    assert observer.stats == TracingStats(spans=2, exported=2, failed=0, dropped=0)  # a 200
+    assert receiver.garbage_sent < receiver.garbage // 2  # it hung up: at most socket buffers
 
 
 async def test_spans_pushed_out_of_the_full_queue_are_counted_and_reported(
