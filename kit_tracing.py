@@ -145,11 +145,12 @@ def _json(obj: Any) -> str:
 
 
 def _http_session(requests: Any, headers: dict[str, str]) -> Any:
-    """The exporter's ``requests`` session: it sends ``headers`` and the body's own only.
-    OpenTelemetry adds ``OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`` to an exporter's headers: the
-    application's collector's credentials, which Langfuse must never get. It reads at most
-    ``_ANSWER_MAX`` of an answer (``requests`` reads it whole, however long, before OpenTelemetry
-    looks at its status). A redirect fails."""
+    """The exporter's ``requests`` session, mending what OpenTelemetry's exporter does with it:
+    it sends ``headers`` and the body's own only (the exporter adds the application's
+    ``OTEL_EXPORTER_OTLP[_TRACES]_HEADERS``, its own collector's credentials); it reads at most
+    ``_ANSWER_MAX`` of an answer (``requests`` would read one whole, however long); a redirect is
+    an error naming where it points, without query or credentials (the exporter follows none and
+    takes a 3xx for success: spans no collector took, counted exported)."""
     keep = {*map(str.lower, headers), "content-type", "content-encoding", "content-length",
             "user-agent", "accept", "accept-encoding", "connection"}
 
@@ -160,24 +161,13 @@ def _http_session(requests: Any, headers: dict[str, str]) -> Any:
             response = super().send(request, **{**kwargs, "stream": True})
             if len(response.raw.read(_ANSWER_MAX + 1, decode_content=False)) > _ANSWER_MAX:
                 response.close()  # (an answer read to its end frees its connection for reuse)
+            if 300 <= response.status_code < 400:
+                to = urlsplit(response.headers.get("Location", ""))
+                raise requests.HTTPError(
+                    f"the collector answered {response.status_code}, a redirect to {to.scheme}://"
+                    f"{to.netloc.rpartition('@')[2]}{to.path}: point KIT_TRACING_HOST there")
             return response
-
-    session = Session()
-    session.hooks["response"].append(_no_redirect)
-    return session
-
-
-def _no_redirect(response: Any, *args: Any, **kwargs: Any) -> Any:
-    """The exporter's ``requests`` hook: OpenTelemetry follows no redirect and counts a 3xx a
-    success (spans no collector took, counted exported); a failed export instead, saying where
-    it points (no query, no credentials)."""
-    if 300 <= response.status_code < 400:
-        from requests.exceptions import HTTPError
-        response.close()
-        to = urlsplit(response.headers.get("Location", ""))
-        raise HTTPError(f"the collector answered {response.status_code}, a redirect to {to.scheme}"
-                        f"://{to.netloc.rpartition('@')[2]}{to.path}: point KIT_TRACING_HOST there")
-    return response
+    return Session()
 
 
 @dataclass(slots=True)
