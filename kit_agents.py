@@ -78,8 +78,9 @@ SDK_TOOLS = tuple(typing.get_origin(t) or t for t in typing.get_args(sdk.Tool))
 #: The run a model call belongs to (set around Runner.run; the SDK's tasks inherit it).
 _CURRENT_RUN: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar("kit_run", default=None)
 #: This play of a run: its (input, output) tokens when the play began (the SDK's usage counts
-#: the play's model calls only; a resumed run's earlier ones are in its log), and how many of
-#: its agent tools are running (``_record_untapped``).
+#: the play's model calls only; a resumed run's earlier ones are in its log), how many of its
+#: agent tools are running, and the cached input tokens of the calls kit recorded in it
+#: (``_record_untapped``).
 _PLAY: contextvars.ContextVar[list[int]] = contextvars.ContextVar("kit_play")
 #: (model, server URL) pairs genai-prices has no price for; the first is known without loading
 #: its table (0.1 s).
@@ -299,6 +300,8 @@ class _TapModel(sdk.Model):
         # unknown, not zero.
         reported = u.input_tokens or u.output_tokens
         cached = getattr(u.input_tokens_details, "cached_tokens", None) or 0
+        if (play := _PLAY.get(None)) is not None:
+            play[3] += cached
         url = getattr(getattr(self.inner(), "_client", None), "base_url", None)
         usd = _price(model, u.input_tokens, u.output_tokens, cached,
                      str(url) if url else None) if reported else None
@@ -390,12 +393,14 @@ def _record_untapped(run: RunHandle, context: Any, agent: Any, tool: Any) -> Non
     extra_out = max(usage.output_tokens - (run.output_tokens - play[1]), 0)
     if not (extra_in or extra_out):
         return
+    cached = getattr(usage.input_tokens_details, "cached_tokens", None) or 0
+    extra_cached, play[3] = max(cached - play[3], 0), max(cached, play[3])
     inner = getattr(tool, "_agent_instance", None)
     model = getattr(inner, "model", None)
     name = get_default_model() if model is None else model if isinstance(model, str) else str(
         getattr(model, "model", None) or type(model).__name__)
     nested = any(getattr(t, "_is_agent_tool", False) for t in getattr(inner, "tools", ()))
-    usd = _price(name, extra_in, extra_out) if alone and not nested else None
+    usd = _price(name, extra_in, extra_out, extra_cached) if alone and not nested else None
     run.add_usage(extra_in, extra_out, usd)
     run.emit(ModelCompleted(name, extra_in, extra_out, usd), origin=tool_origin(run, agent, tool))
 
@@ -597,7 +602,7 @@ class AgentEngine:
         """Engine side: play one turn on ``run``, ending it with its terminal or parking event
         (durable when this returns). A run's failure is recorded, then re-raised."""
         token, calls = _CURRENT_RUN.set(run), OPEN_CALLS.set({})
-        base = _PLAY.set([run.input_tokens, run.output_tokens, 0])
+        base = _PLAY.set([run.input_tokens, run.output_tokens, 0, 0])
         try:
             if session is not None and not isinstance(session, OpenAIConversationsSession):
                 session = _FencedSession(session, run)  # (the SDK treats that one by its type)

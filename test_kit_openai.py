@@ -310,6 +310,31 @@ async def test_input_read_from_the_prompt_cache_is_priced_at_its_own_rate(stub, 
         assert result.usage.usd == pytest.approx(float(price), rel=1e-9)
 
 
+async def test_an_agent_tools_cached_input_is_priced_at_its_own_rate(stub, store):
+    """An SDK agent played as a tool calls its own model, which kit prices from what the SDK
+    counted beyond kit's own calls: its cached input tokens were priced at the uncached rate
+    (90% cached: five times what the call cost)."""
+    from genai_prices import Usage as PriceUsage, calc_price
+    stub.script += [call("helper", {"input": "q"}, usage=(50, 5)),
+                    text("inner says", usage=(100_000, 100, 90_000)), text("done.", usage=(60, 4))]
+    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
+    inner = agents.Agent(name="helper", instructions="Help.",
+                         model=agents.OpenAIResponsesModel("gpt-4o", client))
+    agent = kit.Agent("bot", "Ask.", tools=[inner.as_tool("helper", "Helps.")],
+                      model=agents.OpenAIResponsesModel("gpt-4o", client))
+    try:
+        with anyio.fail_after(10):
+            async with kit.Deck([agent], store=store) as deck:
+                result = await deck.run("bot", "hi")
+    finally:
+        await on_asyncio(client.close)
+    [_, helper, _] = [e for e in await store.read(result.run_id) if e.kind == "model.completed"]
+    price = calc_price(PriceUsage(input_tokens=100_000, output_tokens=100, cache_read_tokens=90_000),
+                       model_ref="gpt-4o", provider_id="openai").total_price
+    assert helper.origin == "bot/helper" and helper.payload.input_tokens == 100_000
+    assert helper.payload.usd == pytest.approx(float(price), rel=1e-9)
+
+
 async def test_a_server_that_reports_no_usage_costs_unknown_not_zero(stub, store):
     """Chat Completions streamed from a server other than OpenAI's URL: the SDK asks for usage
     only on OpenAI's own (stream_options.include_usage), so none comes back. The call was
