@@ -14,7 +14,8 @@ The Runtime calls ``emit`` with each batch of events *after* the store committed
 see only what the log holds, DESIGN 4.6), in each run's order. ``emit`` puts the event in each
 observer's queue (an anyio memory stream of ``queue_size``) with ``send_nowait``: no await, no
 lock, no thread. A full queue drops the event *for that observer only* and counts it, as
-OpenTelemetry's BatchSpanProcessor does (CONVENTIONS A9).
+OpenTelemetry's BatchSpanProcessor does (CONVENTIONS A9), and says so: at once, then at most
+once per ``REPORT_EVERY``, and the total at close.
 
 Each observer has one drain task, which takes what is queued (up to ``BATCH_MAX``) and hands the
 batch to that observer's own **daemon thread**, which calls ``observer.emit`` on each event in
@@ -66,8 +67,8 @@ from kit_core import ConfigError, Event, EventSinkPort, RunInfo
 
 __all__ = (
     "QUEUE_SIZE", "BATCH_MAX", "LOOP_BATCH_MAX", "DISABLE_AFTER", "RETRY_MIN", "RETRY_MAX",
-    "DRAIN_TIMEOUT", "CLOSE_TIMEOUT", "SEEN_MAX", "RUN_INFO_TIMEOUT", "ObserverStats",
-    "ObserverHub", "resolve_observers",
+    "DRAIN_TIMEOUT", "CLOSE_TIMEOUT", "SEEN_MAX", "RUN_INFO_TIMEOUT", "REPORT_EVERY",
+    "ObserverStats", "ObserverHub", "resolve_observers",
     "check_observers",
 )
 
@@ -100,6 +101,10 @@ SEEN_MAX = 10_000
 #: One read of a run's index row for such an observer (seconds): a stalled store delays that
 #: observer's drain only (its queue drops past QUEUE_SIZE), never a run.
 RUN_INFO_TIMEOUT = 2.0
+
+#: While an observer's events are dropped, at most one warning per this many seconds, with the
+#: count so far; ``close`` tells the total. A deck's user sees the losses nowhere else.
+REPORT_EVERY = 60.0
 
 _log = logging.getLogger("kit.observers")
 _TRACING_KEYS = ("KIT_TRACING_PUBLIC_KEY", "KIT_TRACING_SECRET_KEY")
@@ -185,6 +190,7 @@ class _Slot:
         self.seen: OrderedDict[str, None] | None = (
             OrderedDict() if callable(getattr(observer, "run_info", None)) else None)
         self.closed = False  # set by close: no emit starts after it
+        self.told: float | None = None  # when a drop was last logged (the hub's clock)
         # Made by start(): a stream never closed warns when collected, and a hub built but
         # never opened must not.
         self.send: Any = None
@@ -307,9 +313,11 @@ class ObserverHub:
                 slot.send.send_nowait(event)
             except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 slot.stats.dropped += 1
-                if slot.stats.dropped == 1:
-                    _log.warning("observer %s: queue full (or hub closed), dropping its events",
-                                 slot.stats.observer)
+                now = self._clock()
+                if slot.told is None or now - slot.told >= REPORT_EVERY:
+                    slot.told = now
+                    _log.warning("observer %s: queue full (or hub closed): %d of its events "
+                                 "dropped so far", slot.stats.observer, slot.stats.dropped)
             else:
                 slot.stats.emitted += 1
 
@@ -341,6 +349,9 @@ class ObserverHub:
                 if s.abandoned:
                     _log.warning("observer %s: abandoned %d undelivered events at close",
                                  s.observer, s.abandoned)
+                if s.dropped:
+                    _log.warning("observer %s: %d of its events were dropped in all (a full "
+                                 "queue)", s.observer, s.dropped)
             for slot in reversed(self._slots):
                 await self._close_observer(slot)
 

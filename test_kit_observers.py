@@ -1,6 +1,7 @@
 """Tests of the observer fan-out (kit_observers): queues, failures, start/close, resolution rules."""
 from __future__ import annotations
 
+import logging
 import threading
 
 import anyio
@@ -211,6 +212,37 @@ async def test_a_disabled_observer_is_retried_after_its_backoff():
     assert flaky.seen == sent[7:]
     s = hub.stats[0]
     assert (s.errors, s.skipped, s.disabled, s.delivered) == (DISABLE_AFTER + 1, 3, 2, 13)
+
+
+async def test_drops_are_said_while_they_last_and_in_all_at_close(caplog):
+    """A deck's user sees an observer's losses in the log only (SPEC 4.6 shows no queue): its
+    first drop was logged, and no other, ever: a queue that overflowed once at start, then lost
+    events for an hour, said nothing of the hour, and close said nothing of the total."""
+    now, blocked = [0.0], Blocked()
+    hub = ObserverHub([blocked], queue_size=1, clock=lambda: now[0])
+    sent = events(30)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kit.observers"), anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await hub.start(tg)
+                hub.emit(sent[0])
+                await until(blocked.entered.is_set)  # in its thread, on its gate
+                for ev in sent[1:10]:  # one queued, eight dropped
+                    hub.emit(ev)
+                now[0] += kit_observers.REPORT_EVERY - 1
+                hub.emit(sent[10])  # within the minute: counted, not said again
+                now[0] += 1
+                for ev in sent[11:]:  # a minute on, still dropping: said again
+                    hub.emit(ev)
+                blocked.gate.set()
+                await hub.close()
+    finally:
+        blocked.gate.set()
+    assert hub.stats[0].dropped == 28 and blocked.seen == sent[:2]
+    said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(said) == 3, said
+    assert "1 of its events dropped" in said[0] and "10 of its events dropped" in said[1]
+    assert "28 of its events were dropped" in said[2]
 
 
 async def test_start_failure_closes_the_started_observers_and_refuses_the_open():
