@@ -11,9 +11,9 @@ bounded queue drained by a thread of its own); lose a span uncounted (``stats``,
 on ``kit.observers``); write the application context or any content (it renders event fields
 only: names, ids, counts, times, statuses; inputs, replies, tool arguments and results stay out,
 as GenAI's opt-in content attributes do); touch OpenTelemetry's global tracer provider (it owns
-a private one); send Langfuse a header but its own (the application's
-``OTEL_EXPORTER_OTLP_HEADERS`` hold its own collector's credentials), or sample runs away (its
-``OTEL_TRACES_SAMPLER`` samples its own traces).
+a private one); take the application's settings for its own OpenTelemetry: send Langfuse its
+headers (``OTEL_EXPORTER_OTLP_HEADERS``: its collector's credentials) or client certificate, trust
+its collector's CA, or sample runs away (``OTEL_TRACES_SAMPLER``).
 
 Theory of operation
 -------------------
@@ -417,9 +417,12 @@ class TracingObserver:
         auth = base64.b64encode(f"{pk}:{sk}".encode()).decode()
         headers = {"Authorization": f"Basic {auth}", "x-langfuse-ingestion-version": "4",
                    "x-langfuse-public-key": pk, "x-langfuse-sdk-name": "kit"}
+        session = _http_session(requests, headers)
         exporter = OTLPSpanExporter(
             endpoint=host + OTLP_PATH, timeout=EXPORT_TIMEOUT, compression=Compression.Gzip,
-            session=_http_session(requests, headers), headers=headers)
+            session=session, headers=headers)
+        # It set the application's OTEL_EXPORTER_OTLP_CERTIFICATE and _CLIENT_* (its collector's).
+        session.verify, session.cert = True, None
         provider = TracerProvider(resource=Resource.create({"service.name": "kit"}),
                                   sampler=ALWAYS_ON,  # every run, whatever OTEL_TRACES_SAMPLER says
                                   id_generator=self._ids, shutdown_on_exit=False)  # type: ignore[arg-type]

@@ -6,7 +6,9 @@ import gzip
 import json
 import logging
 import os
+import shutil
 import socket
+import ssl
 import time
 import subprocess
 import sys
@@ -573,6 +575,58 @@ async def test_the_applications_otlp_headers_never_reach_the_tracing_collector(
     assert "SECRET" not in str(headers.items())
     assert headers["Authorization"] == "Basic " + base64.b64encode(f"{PK}:{SK}".encode()).decode()
     assert headers["x-langfuse-ingestion-version"] == "4"
+
+
+def _certificates(where) -> dict[str, str]:
+    """A test CA, a certificate of 127.0.0.1 and a client's, made by the openssl command."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    (where / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    subprocess.run(["openssl", "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem",
+                    "-days", "1", "-subj", "/CN=kit-test-ca"], cwd=where, check=True,
+                   capture_output=True, timeout=60)
+    for name, ext in (("srv", ["-extfile", "san.ext"]), ("cli", [])):
+        subprocess.run(["openssl", "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                        "-subj", f"/CN={name}"], cwd=where, check=True, capture_output=True,
+                       timeout=60)
+        subprocess.run(["openssl", "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey",
+                        "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", *ext],
+                       cwd=where, check=True, capture_output=True, timeout=60)
+    return {name: str(where / name) for name in ("ca.pem", "srv.pem", "srv.key", "cli.pem",
+                                                 "cli.key")}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_the_applications_otlp_client_certificate_never_reaches_the_collector(
+        monkeypatch, tmp_path):
+    """OpenTelemetry's exporter also takes the application's TLS settings for its own collector
+    (``OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE``/``_KEY``, ``OTEL_EXPORTER_OTLP_CERTIFICATE``):
+    kit's presented the application's client certificate to Langfuse (and checked Langfuse's
+    against the application's CA)."""
+    files = _certificates(tmp_path)
+    receiver = Receiver()
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(files["srv.pem"], files["srv.key"])
+    tls.load_verify_locations(files["ca.pem"])
+    tls.verify_mode = ssl.CERT_OPTIONAL  # records a client certificate, if one is presented
+    receiver.server.socket = tls.wrap_socket(receiver.server.socket, server_side=True)
+    peers: list = []
+    handler = receiver.server.RequestHandlerClass
+    post = handler.do_POST
+    handler.do_POST = lambda self: (peers.append(self.connection.getpeercert()), post(self))[1]
+    receiver.thread.start()
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", files["ca.pem"])  # requests' own: trusts the stub
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", files["cli.pem"])
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_KEY", files["cli.key"])
+    try:
+        observer = TracingObserver(public_key=PK, secret_key=SK,
+                                   host=receiver.host.replace("http:", "https:"))
+        with anyio.fail_after(20):
+            await play(observer, turn("r1", calls=1))
+    finally:
+        receiver.server.shutdown()
+        receiver.server.server_close()
+        receiver.thread.join()
+    assert observer.stats.exported == 2 and peers == [None]  # no client certificate
 
 
 async def test_the_applications_otel_sampler_samples_no_run_away(receiver, monkeypatch):
