@@ -144,6 +144,10 @@ def jsonable(v: Any) -> Any:
             raise ContentError(f"an integer of {v.bit_length():,} bits cannot be written to the "
                                f"log as JSON (at most {MAX_INT_BITS:,}); return it as a string")
         return v
+    if type(v) is dict:  # plain containers before the checks below (Mapping's is an ABC's)
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if type(v) is list or type(v) is tuple:
+        return [jsonable(x) for x in v]
     if isinstance(v, enum.Enum):
         return jsonable(v.value)
     if isinstance(v, int):
