@@ -17,7 +17,7 @@ Theory of operation: everything here is a value. Events are frozen dataclasses; 
 carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (``ends``: terminal,
 parking or neither) and the run status after it, so folding a run's status and ending a stream
 read the same table (``KINDS``). Names without an underscore that ``__all__`` leaves out
-(``jsonable``, ``check_name``, ``check_id``, ``check_text``, ``check_limit``,
+(``jsonable``, ``iso_time``, ``check_name``, ``check_id``, ``check_text``, ``check_limit``,
 ``count_setting``, ``switch_setting``, ``HTTP_TOKEN``, ``printable``, ``RunHandle``, ...) are
 kit's internal API between its modules.
 """
@@ -32,6 +32,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import orjson
 
 from kit_content import (
     BLOCK_TYPES, HISTORY_ROLES, MAX_INLINE_BYTES, AudioBlock, ContentBlock, DataBlock,
@@ -336,6 +338,15 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def iso_time(at: datetime) -> str:
+    """``at.isoformat()``: the same text, for a UTC time (every event's, as ``utcnow`` makes it
+    and ``Event.from_json`` reads it back) written by orjson, in a third of the instructions
+    (~3.8k against ~11.6k, callgrind; every event written pays it)."""
+    if at.tzinfo is timezone.utc:
+        return orjson.dumps(at).decode()[1:-1]
+    return at.isoformat()
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """The one envelope of the log. ``payload`` is typed; ``kind`` is its string discriminator.
@@ -359,7 +370,7 @@ class Event:
     def to_json(self) -> dict[str, Any]:
         """The JSON form used by log rows and the native wire (a JSON-ready dict)."""
         return {"run_id": self.run_id, "seq": self.seq, "kind": self.payload.kind,
-                "at": self.at.isoformat(), "origin": self.origin, "message_id": self.message_id,
+                "at": iso_time(self.at), "origin": self.origin, "message_id": self.message_id,
                 "payload": self.payload.to_json()}
 
     @classmethod

@@ -46,7 +46,8 @@ from typing import Any
 import orjson
 
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunFailed,
-                      RunInfo, RunStarted, RunStatus, SessionBusyError, fold_status)
+                      RunInfo, RunStarted, RunStatus, SessionBusyError, fold_status,
+                      iso_time)
 from kit_storebase import NotJSONError, StoreBase
 
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
@@ -456,7 +457,7 @@ class SQLiteStore(StoreBase):
                         db.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                                    (run_id, p.name, p.invocable, p.session_id, p.namespace,
                                     p.parent_run_id, (status or RunStatus.RUNNING).value,
-                                    first.at.isoformat(), last))
+                                    iso_time(first.at), last))
                     elif not db.execute(_UPDATE_RUN, (last, status.value if status else None,
                                                       run_id)).rowcount:
                         # Ended, or a run the index lacks (events with no run.started): only

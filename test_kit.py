@@ -173,6 +173,17 @@ def test_event_json_round_trip(payload):
     assert type(back) is Event and back == ev and back.kind == payload.kind
 
 
+@pytest.mark.parametrize("at", ["2026-11-25T03:37:00.123456+00:00", "2026-11-25T03:37:00+00:00",
+                                "0001-01-01T00:00:00.000001+00:00", "2026-11-25T03:37:00.5+02:00",
+                                "2026-11-25T03:37:00"])
+def test_event_time_is_written_as_isoformat(at):
+    from datetime import datetime
+    when = datetime.fromisoformat(at)
+    ev = Event("run1", 0, kit.TextDelta("tok"), at=when)
+    assert ev.to_json()["at"] == when.isoformat()
+    assert Event.from_json(ev.to_json()).at == when
+
+
 def test_unknown_kind_parses_instead_of_raising():
     ev = Event.from_json({"run_id": "r", "seq": 0, "kind": "future.thing", "payload": {"z": 1}})
     assert type(ev) is Event and ev.kind == "future.thing"
