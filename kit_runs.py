@@ -62,10 +62,11 @@ class Run(RunHandle):
         self.session: Any = None
         self.live: deque[Event] | None = deque() if streaming else None
         self.committed = -1
-        self.wake = anyio.Event()
+        self.wake: Any = None  # made by the reader when it waits (``events``)
         self.lagged = False
         self.commit_reader = False  # its reader waits for commits, not for events
-        self.done = anyio.Event()
+        self.over = False  # its play has returned (``finish``)
+        self._done: Any = None  # made by the first to wait for it, on its side (``wait_done``)
         self.scope = anyio.CancelScope()
         # Under trio, a run played through ``Bridge.call``: its end (terminal or parking) is
         # posted without a round trip and committed by ``_played`` before its caller hears.
@@ -80,12 +81,30 @@ class Run(RunHandle):
         self.live.append(event)
         if self.commit_reader:
             self._writer.hurry()  # the reader waits for this one: HURRY_DELAY, not FLUSH_DELAY
-        else:
+        elif self.wake is not None:
             self.wake.set()
 
     def on_commit(self, seq: int) -> None:
         self.committed = seq
-        self.wake.set()
+        if self.wake is not None:
+            self.wake.set()
+
+    def finish(self) -> None:
+        """Its play has returned: wake who waits for its end, and its reader. Called on the side
+        the run was played on (the engine side for a child run)."""
+        self.over = True
+        if self._done is not None:
+            self._done.set()
+        if self.wake is not None:
+            self.wake.set()
+
+    async def wait_done(self) -> None:
+        """Until ``finish``; awaited on the side that calls it. Its event is made only when
+        someone waits before the end (most runs: nobody)."""
+        if not self.over:
+            if self._done is None:
+                self._done = anyio.Event()
+            await self._done.wait()
 
     async def events(self, after: int, committed: bool = False) -> AsyncIterator[Event]:
         """Kit side: this run's events after ``after``, live, until a terminal/parking one;
@@ -108,15 +127,15 @@ class Run(RunHandle):
             else:
                 n = ready()
                 if not n:
-                    if self.done.is_set() and (not self.live or self.abort_error is not None
-                                               or not self._writer.holds(self.run_id)):
+                    if self.over and (not self.live or self.abort_error is not None
+                                      or not self._writer.holds(self.run_id)):
                         # The run is over and what is left will not commit now: an aborted
                         # run's tail waits for the store; a refused one is not the log's.
                         return
                     if self.live:
                         self._writer.hurry()  # what is left waits for its commit: commit soon
                     self.wake = anyio.Event()
-                    if not ready() and not (self.done.is_set() and not self.live):
+                    if not ready() and not (self.over and not self.live):
                         await self.wake.wait()
                     continue
                 backlog = [self.live.popleft() for _ in range(n)]  # type: ignore[union-attr]

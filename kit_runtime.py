@@ -270,7 +270,7 @@ class Runtime(RunControl):
             with anyio.move_on_after(CLOSE_TIMEOUT):
                 for run in runs:  # children too: the flush below must find their ends buffered
                     # (the SDK may let a cancelled tool finish after its agent's run returned)
-                    await (run.done.wait() if run.parent is None else self._on_engine(run.done.wait))
+                    await (run.wait_done() if run.parent is None else self._on_engine(run.wait_done))
         await self._teardown()
 
     async def _teardown(self) -> None:
@@ -297,8 +297,7 @@ class Runtime(RunControl):
         with anyio.CancelScope(shield=True):
             for run in self.active.values():
                 if run.parent is None:
-                    run.done.set()
-                    run.wake.set()
+                    run.finish()
             if self._sdk_tracing:
                 self._agents.use_trace_processors([])
             if self.sessions is not None:
@@ -789,15 +788,14 @@ class Runtime(RunControl):
             # and its child runs' (the SDK does not wait for a cancelled tool to end).
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
                 for child in [r for r in self.active.values() if r.parent == run.run_id]:
-                    await self._on_engine(child.done.wait)  # made on the engine side
+                    await self._on_engine(child.wait_done)  # it ends on the engine side
                 await self._drain_mail()
                 await self.writer.flush()
             raise
         finally:
             self.active.pop(run.run_id, None)
             self.writer.failed.pop(run.run_id, None)  # a refusal its end met: raised already
-            run.done.set()
-            run.wake.set()
+            run.finish()
 
     async def _played(self, run: Run, job: Callable[[], Any]) -> Event:
         """Trio: play ``run`` on the bridge, then commit its end here before the caller hears
@@ -861,7 +859,7 @@ class Runtime(RunControl):
             async with contextlib.aclosing(run.events(after, committed)) as events:
                 async for event in events:
                     yield event
-            await run.done.wait()
+            await run.wait_done()
             if run.error is not None:
                 raise run.error
             if run.abort_error is not None:
@@ -896,7 +894,7 @@ class Runtime(RunControl):
         finally:
             parent.children.discard(run)
             self.active.pop(run.run_id, None)
-            run.done.set()  # the deck's close waits for it (on the engine side, made there)
+            run.finish()  # the deck's close waits for it (on the engine side)
 
     def session_for(self, session_id: str, namespace: str | None = None) -> Any:
         if self.sessions is None:
