@@ -475,11 +475,11 @@ class Runtime(RunControl):
         send them."""
         for event in events:
             self.hub.emit(event)
-        if self._streams:
-            for event in events:
-                run = self._streams.get(event.run_id)
+        if self._streams:  # each streamed run's last seq in the batch, as one wake-up
+            for run_id, seq in {event.run_id: event.seq for event in events}.items():
+                run = self._streams.get(run_id)
                 if run is not None:
-                    run.on_commit(event.seq)
+                    run.on_commit(seq)
 
     def _give_up(self, run_ids: set[str], error: BaseException, seconds: float) -> None:
         """The store took no writes for ``seconds``: stop the runs stuck behind it, visibly.
