@@ -28,7 +28,20 @@ __all__ = (
 )
 
 class KitError(Exception):
-    """Root of every error kit raises on purpose."""
+    """Root of every error kit raises on purpose.
+
+    Pickles and copies with its message and facts as they are: BaseException's way calls the
+    class again with ``args`` (the message alone), which a subclass that builds its message from
+    its facts refuses (``SessionBusyError(session_id, run_id)``).
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuilt, (type(self), self.args), self.__dict__
+
+
+def _rebuilt(cls: type[KitError], args: tuple[object, ...]) -> KitError:
+    """A pickled ``KitError``, its ``__init__`` not called (``__dict__`` restores its facts)."""
+    return cls.__new__(cls, *args)
 
 
 class ConfigError(KitError):

@@ -84,6 +84,27 @@ def test_error_hierarchy_and_facts():
     assert "CLOSED" in str(DeckStateError("CLOSED", "run")) and "new Deck" in str(DeckStateError("CLOSED", "run"))
 
 
+@pytest.mark.parametrize("error", [
+    kit.ContextTypeError("tool t", int, str), DeckStateError("CLOSED", "run"),
+    kit.UnknownNameError("x", ["a"], what="agent", hint="a workflow"), kit.UnknownRunError("r1"),
+    kit.RunNotWaitingError("r1", RunStatus.COMPLETED, "WAITING_HUMAN"),
+    kit.RunStoppedError("r1", RunStatus.PAUSED, "lunch"), SessionBusyError("s1", "r1", "t"),
+    kit.LogConflictError("r1", 3, RunStatus.FAILED), kit.MCPServerError("fs", "exited", "restarted"),
+    kit.StoreUnavailableError("r1", 2.0, OSError("disk"), outcome="ended"),
+    kit.CheckpointMissingError("r1", "flow", False),
+], ids=lambda e: type(e).__name__)
+def test_an_error_survives_pickle_and_copy_with_its_message_and_facts(error):
+    """kit's errors build their message from their facts, so BaseException's pickling (the
+    class called with ``args``, the message alone) raised TypeError: an error raised in a worker
+    process (multiprocessing, ``anyio.to_process``) could not come back, nor be copied."""
+    import copy
+    import pickle
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error), copy.deepcopy(error)):
+        assert type(again) is type(error) and str(again) == str(error)
+        assert again.args == error.args
+        assert {k: str(v) for k, v in vars(again).items()} == {k: str(v) for k, v in vars(error).items()}
+
+
 # ------------------------------------------------------------------------------- content ----
 
 @pytest.mark.parametrize("bad", ["aGk= ", "!!!!", "aGk", "aGk===", "aG k="])
