@@ -625,7 +625,7 @@ class AgentEngine:
             if (end := run.ending()) is not None:
                 run.emit(end_open_calls(run, end))
             raise
-        except Exception as exc:
+        except BaseException as exc:  # (not a cancellation: above) a user's BaseException too
             run.error = exc  # a stream's consumer raises it after run.failed
             await run.durable(end_open_calls(run, run.failure(exc)))
             raise

@@ -803,10 +803,12 @@ class Runtime(RunControl):
         posting it): two thread crossings per run instead of four. Raises what the engine
         raised (its ``run.failed`` committed first), or what the store refused for the run."""
         run.ends_on_kit = True
-        failed: Exception | None = None
+        failed: BaseException | None = None
         try:
             end = await self.bridge.call(job)  # type: ignore[union-attr]
-        except Exception as exc:
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:  # a user's BaseException too: its run.failed is posted
             failed = exc
         await self._drain_mail()
         await self._flushed(run.run_id)
@@ -842,8 +844,10 @@ class Runtime(RunControl):
     async def _play_in_background(self, run: Run, job: Callable[[], Any]) -> None:
         try:
             await self._play(run, job)
-        except Exception:  # a failure reaches the stream's consumer (run.error), never the deck
-            pass
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+            raise  # (the process is stopping: the deck's owner hears of it)
+        except BaseException:  # a failure, of any type, reaches the stream's consumer
+            pass  # (run.error), never the deck's task group: that would cancel every run
 
     async def _streamed(self, take: Callable[[], Any], committed: bool) -> AsyncIterator[Event]:
         """Play the run ``take()`` started or took over in the deck's task group, yielding its

@@ -216,7 +216,7 @@ class WorkflowEngine:
                 if (end := run.ending()) is not None:
                     run.emit(end)
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # (not a cancellation: above) a user's BaseException too
                 run.error = exc
                 await run.durable(run.failure(exc))
                 raise

@@ -508,6 +508,50 @@ async def test_a_tool_error_goes_back_to_the_model(store):
         assert result.output == "sorry"
 
 
+class Abort(BaseException):
+    """What a user's code may raise that is no ``Exception`` (a library's own control flow)."""
+
+
+def aborts(x: int) -> int:
+    """Raise ``Abort``."""
+    raise Abort(f"stop at {x}")
+
+
+def aborting_flow() -> kit.Workflow:
+    graph = StateGraph(dict)
+    graph.add_node("n", lambda state: aborts(1))
+    graph.add_edge("__start__", "n")
+    return kit.Workflow("flow", graph)
+
+
+async def test_a_base_exception_from_user_code_fails_its_run_and_no_other(store):
+    """A tool or a node raising a ``BaseException`` that is no ``Exception`` (nor a
+    cancellation): ``run`` raised it with the run still RUNNING in the log and its session held
+    (the next turn: SessionBusyError) until its lease lapsed and it was recorded abandoned; a
+    ``stream`` of it let it into the deck's task group, which cancelled every run and call of
+    the deck. Now it is the run's failure: ``run.failed`` naming it, then raised to its caller."""
+    model = ScriptedModel([{"tool": "aborts", "args": {"x": 1}}] * 3 + ["ok"])
+    async with Deck([Agent("a", tools=[aborts], model=model)], [aborting_flow()],
+                    store=store) as deck:
+        for name, input in (("a", "go"), ("flow", {})):
+            with anyio.fail_after(10):
+                with pytest.raises(Abort, match="stop at 1"):
+                    await deck.run(name, input, session_id="s", run_id=f"{name}-run")
+                seen = []
+                with pytest.raises(Abort, match="stop at 1"):
+                    async for event in deck.stream(name, input, session_id="s",
+                                                   run_id=f"{name}-stream"):
+                        seen.append(event)
+            assert seen[-1].payload == kit.RunFailed("Abort", "stop at 1")
+            for run_id in (f"{name}-run", f"{name}-stream"):
+                assert (await store.read(run_id))[-1].payload == kit.RunFailed("Abort", "stop at 1")
+                assert await deck.status(run_id) is RunStatus.FAILED
+        with anyio.fail_after(10):  # the session is free, the deck plays on
+            with pytest.raises(Abort):
+                await deck.run("a", "again", session_id="s")
+            assert (await deck.run("a", "again", session_id="s")).output == "ok"
+
+
 async def test_a_tool_whose_own_task_was_cancelled_is_an_error_in_the_log(store):
     """A tool cut short by a cancellation of its own (a library's request cancelled by another
     of its tasks), not the run's: the SDK tells the model the call failed, which the log
