@@ -438,15 +438,17 @@ class App:
         a refusal keeps its own type (a refused start wrote nothing: no x-kit-run-id then)."""
         try:
             result = await call
-        except Exception as exc:
+        except anyio.get_cancelled_exc_class():  # by shutdown(): its 503 names the run
+            with anyio.CancelScope(shield=True):
+                req.run_id = None if await self.deck.status(run_id) is None else run_id
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a user's BaseException that failed the run, too
             status = await self.deck.status(run_id)
             req.run_id = None if status is None else run_id
             if status is RunStatus.FAILED:
                 raise _RunFailed(run_id, exc) from None
-            raise
-        except anyio.get_cancelled_exc_class():  # by shutdown(): its 503 names the run
-            with anyio.CancelScope(shield=True):
-                req.run_id = None if await self.deck.status(run_id) is None else run_id
             raise
         req.run_id = run_id
         return result

@@ -341,7 +341,9 @@ class MCPSurface:
                                     token = None  # the client left: the run plays on to its end
                     finally:
                         self._playing.discard(reading)
-        except Exception:
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # a user's BaseException that failed the run, too
             if end is None or not isinstance(end.payload, RunFailed):
                 raise  # refused before it started, or broke: _call answers it
         if end is None and reading.cancelled_caught:  # stop(): the server is shutting down

@@ -220,7 +220,9 @@ async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: Fra
                         await out.send(frame)
                 stream.finished = stream.finished or ev.payload.ends is not None
             stream.finished = True
-        except Exception as exc:
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a user's BaseException that failed the run, too
             if not stream.finished:  # Deck.stream raises a failed run's error after run.failed
                 stream.finished = True
                 await out.send(failed(exc))

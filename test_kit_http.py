@@ -490,6 +490,32 @@ async def test_a_failed_run_is_a_500_with_its_type_and_run_id():
         assert body == b'id: 1\nevent: error\ndata: {"error":"RuntimeError"}\n\n'
 
 
+class Abort(BaseException):
+    """What a user's tool may raise that is no ``Exception``."""
+
+
+def aborts(x: int) -> int:
+    """Raise ``Abort``."""
+    raise Abort("secret-token-456")
+
+
+async def test_a_run_failed_by_a_base_exception_is_a_500_and_the_server_serves_on():
+    """A tool raising a ``BaseException`` that is no ``Exception``: the exception left the
+    handler into Hypercorn, which dropped the connection with no response (asyncio) or died
+    with the whole server (trio's nursery). Now it is the run's failure, as any other."""
+    model = ScriptedModel([{"tool": "aborts", "args": {"x": 1}}], cycle=True)
+    async with served(catalog(Agent("aborting", tools=[aborts], model=model))) as (client, app):
+        with anyio.fail_after(10):
+            r = await client.post("/agents/aborting/chat", json={"message": "hi"})
+            assert (r.status_code, r.json()["error"]) == (500, "Abort")
+            assert "secret-token-456" not in r.text
+            assert await app.deck.status(r.headers["x-kit-run-id"]) is RunStatus.FAILED
+            r, body = await wire(client, "POST", "/agents/aborting/chat?stream=true",
+                                 json={"message": "hi"})
+            assert body.endswith(b'event: error\ndata: {"error":"Abort"}\n\n'), body
+            assert (await client.get("/health")).status_code == 200
+
+
 async def test_an_unexpected_error_is_a_generic_500_logged_without_its_message(monkeypatch, caplog):
     async with served(catalog()) as (client, app):
         secret = "-".join(("sk", "live", "123"))  # not in the source: the log shows source lines

@@ -187,6 +187,22 @@ async def test_refusals_and_failures_are_error_results():
         assert [r.status for r in await app.deck.store.runs(name="boom")] == [RunStatus.FAILED]
 
 
+async def test_a_run_failed_by_a_base_exception_is_an_error_result_and_the_server_serves_on():
+    """A tool raising a ``BaseException`` that is no ``Exception``: it left the call into the
+    MCP session manager's task group, which died with every session (the client timed out)."""
+    from test_kit_http import aborts
+    model = ScriptedModel([{"tool": "aborts", "args": {"x": 1}}], cycle=True)
+    async with mcp_served(catalog(Agent("aborting", tools=[aborts], model=model))) as (
+            session, client, app):
+        with anyio.fail_after(10):
+            failed = await session.call_tool("aborting", {"message": "hi"})
+            assert failed.isError and failed.structuredContent["error"] == "Abort"
+            assert "secret-token-456" not in failed.content[0].text
+            said = await session.call_tool("echo", {"message": "hi"})
+            assert not said.isError and said.structuredContent["output"] == "hello there world"
+        assert [r.status for r in await app.deck.store.runs(name="aborting")] == [RunStatus.FAILED]
+
+
 async def test_null_for_an_optional_argument_is_taken_as_absent():
     """Models often fill optional parameters with null: ``{"message": "hi", "session_id": null}``
     and ``"input": null`` were refused ("Input validation error: None is not of type 'string'"),
