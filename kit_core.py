@@ -43,7 +43,7 @@ from kit_content import (
 from kit_errors import (
     CheckpointMissingError, ConfigError, ContentError, ContextTypeError, DeckStateError, KitError,
     LogConflictError, MCPServerError, RunNotWaitingError, RunStoppedError, SessionBusyError,
-    StoreUnavailableError, UnknownNameError, UnknownRunError,
+    StoreUnavailableError, UnknownNameError, UnknownRunError, error_text,
 )
 
 __all__ = (
@@ -823,7 +823,7 @@ class RunHandle:
 
     def failure(self, exc: BaseException) -> RunFailed:
         """The ``run.failed`` payload that records ``exc``."""
-        return RunFailed(type(exc).__name__, str(exc)[:MAX_ERROR_CHARS])
+        return RunFailed(type(exc).__name__, error_text(exc)[:MAX_ERROR_CHARS])
 
     def ending(self) -> Payload | None:
         """What a run that was cancelled mid-play records as its end: ``run.failed`` when the

@@ -2,7 +2,8 @@
 ground floor, below every other module).
 
 Owns: ``KitError`` and its subclasses, each naming what was wrong and, where it helps, what to do
-next; ``type_name`` for messages that name a type. ``kit_core`` re-exports all of it, so
+next; ``type_name`` for messages that name a type, ``error_text`` for those that quote an
+exception that may not be kit's. ``kit_core`` re-exports all of it, so
 ``kit.ConfigError`` and ``from kit_core import ConfigError`` are the ways in.
 
 Must never: import a sibling module or an engine SDK, do I/O or read the environment.
@@ -227,3 +228,13 @@ class StoreUnavailableError(KitError):
 
 def type_name(t: object) -> str:
     return t.__qualname__ if isinstance(t, type) else repr(t)
+
+
+def error_text(exc: BaseException) -> str:
+    """``str(exc)`` for a message or the log; Python's own stand-in (as its tracebacks print)
+    when the exception's ``__str__`` raises, as a user's exception may: recording a run's
+    failure must not fail in turn."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"

@@ -44,7 +44,7 @@ from agents.function_schema import function_schema
 from kit_context import is_context
 from kit_core import (
     ConfigError, Context, MCPServerError, RunFailed, RunHandle, SkillLoaded, ToolCompleted,
-    ToolStarted,
+    ToolStarted, error_text,
 )
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ def _invoker(fn: Callable[..., Any], schema: Any, ctx_names: list[str]
         except Exception as exc:
             if isinstance(run, RunHandle):
                 failed(run, tool_ctx)
-            return f"error: {type(exc).__name__}: {exc}"
+            return f"error: {type(exc).__name__}: {error_text(exc)}"
 
     return invoke
 

@@ -63,7 +63,8 @@ from kit_context import context_params, node_function
 from kit_core import (
     ConfigError, ContentError, Context, ControlRequested, DataBlock, Event, InterruptResult,
     InvocableSpec, NodeUpdated, RunCancelled, RunCompleted, RunHandle, RunInterrupted,
-    RunNotWaitingError, RunPaused, RunSleeping, RunStatus, Usage, jsonable, new_run_id,
+    RunNotWaitingError, RunPaused, RunSleeping, RunStatus, Usage, error_text, jsonable,
+    new_run_id,
 )
 from kit_threads import PLAYING, allow_types, checkpoint_serde, thread_config
 
@@ -797,7 +798,7 @@ def workflow_tool(name: str, graph: Any, description: str | None,
             run = tool_ctx.context
             if isinstance(run, RunHandle):
                 run.tool_errors.add(getattr(tool_ctx, "tool_call_id", ""))
-            return f"error: {type(exc).__name__}: {exc}"
+            return f"error: {type(exc).__name__}: {error_text(exc)}"
         if isinstance(out, InterruptResult):
             return (f"workflow {name} is waiting (thread {out.thread_id}): "
                     f"{json.dumps(jsonable(out.payload))}")

@@ -552,6 +552,50 @@ async def test_a_base_exception_from_user_code_fails_its_run_and_no_other(store)
             assert (await deck.run("a", "again", session_id="s")).output == "ok"
 
 
+class Unprintable(Exception):
+    """An exception whose ``str()`` raises (a library's, formatting a field it lost)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("cannot format")
+
+
+def unprintable(x: int) -> int:
+    """Raise ``Unprintable``."""
+    raise Unprintable()
+
+
+class UnprintableHooks:
+    async def on_start(self, ctx, agent):
+        raise Unprintable()
+
+
+async def test_an_exception_whose_str_raises_is_its_runs_failure_or_its_tools_error(store):
+    """Recording the failure called ``str(exc)``, which raised: the run stayed RUNNING with
+    its session held and its caller got that RuntimeError instead of its own exception; a
+    tool's error, told to the model as text, failed its run instead."""
+    graph = StateGraph(dict)
+    graph.add_node("n", lambda state: unprintable(1))
+    graph.add_edge("__start__", "n")
+    model = ScriptedModel([{"tool": "unprintable", "args": {"x": 1}}, "sorry"])
+    hooked = Agent("hooked", hooks=UnprintableHooks(), model=ScriptedModel(["ok"], cycle=True))
+    async with Deck([Agent("a", tools=[unprintable], model=model), hooked],
+                    [kit.Workflow("flow", graph)], store=store) as deck:
+        with anyio.fail_after(10):
+            result = await deck.run("a", "go", session_id="s")
+            assert result.output == "sorry"
+            [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+            assert done.payload.is_error and "Unprintable" in done.payload.output
+            for name, input in (("flow", {}), ("hooked", "hi")):
+                with pytest.raises(Unprintable):
+                    await deck.run(name, input, session_id="s", run_id=f"{name}-run")
+                with pytest.raises(Unprintable):
+                    async for _ in deck.stream(name, input, session_id="s", run_id=f"{name}-stream"):
+                        pass
+                for run_id in (f"{name}-run", f"{name}-stream"):
+                    end = (await store.read(run_id))[-1].payload
+                    assert end == kit.RunFailed("Unprintable", "<exception str() failed>")
+
+
 async def test_a_tool_whose_own_task_was_cancelled_is_an_error_in_the_log(store):
     """A tool cut short by a cancellation of its own (a library's request cancelled by another
     of its tasks), not the run's: the SDK tells the model the call failed, which the log
