@@ -91,13 +91,21 @@ class ScriptedModel(_sdk.Model):
     ``name`` is the model name reported (and priced). ``calls`` keeps the last 64 requests.
 
     Raises ``ConfigError`` for a malformed script (checked here, not at the call that reaches
-    the bad entry) and when the script is exhausted.
+    the bad entry; one turn not in a list is refused too), a ``cycle`` that is not a bool or a
+    ``name`` that is not a non-empty str, and when the script is exhausted.
     """
 
     def __init__(self, script: Sequence[Any], *, name: str = DEFAULT_NAME, cycle: bool = False) -> None:
+        if isinstance(script, Mapping):  # its keys would be the turns: replies "tool", "args"
+            raise ConfigError(f"ScriptedModel: script takes a list of turns; {script!r:.60} is "
+                              f"one turn, not a list of them: wrap it, [{script!r:.40}]")
         if isinstance(script, (str, bytes)) or not isinstance(script, Iterable):
             # a str would be taken for a script of one-character replies
             raise ConfigError(f"ScriptedModel: script takes a list of turns, got {script!r:.60}")
+        if not isinstance(cycle, bool):  # bool("no") is True
+            raise ConfigError(f"ScriptedModel: cycle must be True or False, got {cycle!r:.60}")
+        if not isinstance(name, str) or not name:  # the model name recorded and priced
+            raise ConfigError(f"ScriptedModel: name must be a non-empty str, got {name!r:.60}")
         self.script, self.model, self.cycle = list(script), name, cycle
         for i, turn in enumerate(self.script):
             _check_turn(i, turn)

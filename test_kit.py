@@ -458,6 +458,12 @@ async def test_a_refusal_is_no_completed_message_only_the_failure_that_names_it(
     ([{"refusal": None}], {}, "turn 0 must be a str"),
     ([{"tool": "add", "args": {"a": float("inf")}}], {}, "'args' of tool call 'add' are not JSON"),
     ([], {"cycle": True}, "cycle=True needs a script of at least one turn"),
+    # one turn for the script: it played as the replies "tool" and "args"
+    ({"tool": "add", "args": {"a": 1}}, {}, r"one turn, not a list of them: wrap it, \[\{'tool'"),
+    ({"json": {"a": 1}}, {}, "one turn, not a list of them"),
+    (["ok"], {"cycle": "no"}, "cycle must be True or False, got 'no'"),  # bool("no") is True
+    (["ok"], {"name": 5}, "name must be a non-empty str, got 5"),
+    (["ok"], {"name": ""}, "name must be a non-empty str, got ''"),
 ])
 def test_a_malformed_script_is_refused_when_the_model_is_made(script, kw, match):
     with pytest.raises(ConfigError, match=match):
