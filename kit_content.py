@@ -183,12 +183,19 @@ def block_from_json(obj: Mapping[str, Any]) -> ContentBlock:
     return cls(**{n: obj[n] for n in names})
 
 
+_BYTES = (bytes, bytearray, memoryview)  # iterable, but of ints
+
+
 def as_blocks(value: str | ContentBlock | Iterable[ContentBlock]) -> tuple[ContentBlock, ...]:
     """Coerce agent input: a ``str`` is one ``TextBlock``; otherwise every item must be a block."""
     if isinstance(value, str):
         return (TextBlock(value),)
     if isinstance(value, BLOCK_TYPES):
         return (value,)  # type: ignore[return-value]
+    if isinstance(value, _BYTES):  # not a list of blocks: of ints
+        raise ContentError(f"agent input must be a str or a list of content blocks, got "
+                           f"{type(value).__name__}: decode text; binary content is an "
+                           "ImageBlock or AudioBlock of its base64")
     if isinstance(value, Mapping) or not isinstance(value, Iterable):
         raise ContentError(f"agent input must be a str or a list of content blocks, "
                            f"got {type(value).__name__}")
@@ -235,7 +242,7 @@ def as_history(value: Iterable[HistoryMessage] | None) -> tuple[HistoryMessage, 
     """Coerce ``history=``: None or an iterable of ``HistoryMessage`` (``ContentError`` else)."""
     if value is None:
         return ()
-    if isinstance(value, (str, Mapping)) or not isinstance(value, Iterable):
+    if isinstance(value, (str, Mapping, *_BYTES)) or not isinstance(value, Iterable):
         raise ContentError(f"history must be a list of HistoryMessage, got {type(value).__name__}")
     history = tuple(value)
     for i, m in enumerate(history):

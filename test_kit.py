@@ -163,6 +163,14 @@ def test_block_json_round_trip_and_input_coercion():
         kit.as_blocks(["hi"])
     with pytest.raises(ContentError, match="empty"):
         kit.as_blocks([])
+    # bytes were read as a list of ints: "agent input item 0 is a int, not a content block"
+    for raw in (b"hi", bytearray(b"hi"), memoryview(b"hi")):
+        with pytest.raises(ContentError, match=f"a str or a list of content blocks, got "
+                                               f"{type(raw).__name__}.*decode"):
+            kit.as_blocks(raw)
+        with pytest.raises(ContentError, match=f"history must be a list of HistoryMessage, got "
+                                               f"{type(raw).__name__}"):
+            kit.as_history(raw)
 
 
 # -------------------------------------------------------------------------------- events ----
