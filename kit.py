@@ -159,10 +159,13 @@ class Deck:
         arguments go to the constructor (``skills=`` or ``mcp=`` replace what was found).
         Python that no bundle loads (``agents/chat.py``, a bundle directory without its
         ``agent.py``) is a warning naming it, on the ``kit.project`` logger. Raises
-        ``ConfigError`` for a missing directory, naming the file of a bundle that fails to
-        import, lacks its object, is not a regular file or shares its name with another, and as
-        ``Skills`` and ``MCP`` do.
+        ``ConfigError`` for a ``path`` that is no str or Path, a missing directory, naming the
+        file of a bundle that fails to import, lacks its object, is not a regular file or shares
+        its name with another, and as ``Skills`` and ``MCP`` do.
         """
+        if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+            raise ConfigError(f"Deck.from_project(path=...) takes a directory's path (a str or a "
+                              f"Path), got {type(path).__name__}")
         root = Path(path)
         if not root.is_dir():
             raise ConfigError(f"no kit project at {str(root)!r} (a directory with agents/ and "

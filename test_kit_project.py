@@ -203,6 +203,11 @@ def test_what_would_be_skipped_or_hang_is_a_config_error_naming_the_file(tmp_pat
 def test_a_missing_project_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no kit project"):
         Deck.from_project(tmp_path / "nowhere")
+    # an unset setting (os.environ.get(...)): "expected str, bytes or os.PathLike object"
+    for path in (None, 5, b"/tmp"):
+        with pytest.raises(ConfigError, match=rf"from_project\(path=...\) takes a directory's "
+                                              rf"path \(a str or a Path\), got {type(path).__name__}"):
+            Deck.from_project(path)
 
 
 async def test_the_example_project_runs_offline(tmp_path, monkeypatch):
