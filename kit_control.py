@@ -471,7 +471,9 @@ class RunControl:
                     result = await self._tick_thread(due, interrupt_id, namespace, woke)
             except (RunNotWaitingError, SessionBusyError):
                 continue  # another ticker (or a live run) has this thread
-            except Exception as exc:
+            except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # a user's BaseException that failed the run, too
                 failed.append(exc)
                 continue
             if result is not _SKIPPED:

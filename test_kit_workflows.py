@@ -535,10 +535,17 @@ async def test_tick_wakes_only_due_threads_once(store):
         assert [t.thread_id for t in later] == ["later"]
 
 
-async def test_a_thread_that_fails_on_waking_does_not_hold_up_the_others(store):
+class Exploded(BaseException):
+    """A user's exception that is no ``Exception``."""
+
+
+@pytest.mark.parametrize("error", [ValueError, Exploded])
+async def test_a_thread_that_fails_on_waking_does_not_hold_up_the_others(store, error):
+    """(A ``BaseException`` that is no ``Exception`` left the tick at once: the threads after
+    the failed one were not woken.)"""
     async def fragile(state: State) -> dict:
         if "explode" in state["log"]:
-            raise ValueError("node exploded")
+            raise error("node exploded")
         return {"log": ["done"]}
     sleeper = Workflow("sleeper", graph(plan, nap, fragile), durable=True)
     async with Deck(workflows=[sleeper], store=store) as deck:
@@ -547,7 +554,7 @@ async def test_a_thread_that_fails_on_waking_does_not_hold_up_the_others(store):
             await deck.run("sleeper", {"log": log, "wake_at": wake_at}, session_id=thread)
         # the longest overdue first: the doomed one wakes (and fails) before the fine one
         assert [d.thread_id for d in await deck.due_resumes(NOW)] == ["doomed", "fine"]
-        with pytest.raises(ValueError, match="node exploded"):
+        with pytest.raises(error, match="node exploded"):
             await deck.tick(NOW)
         assert await deck.due_resumes(NOW) == []  # "fine" woke in the same tick
         assert {i.session_id: i.status for i in await store.runs()} == {
