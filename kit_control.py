@@ -35,7 +35,7 @@ from kit_core import (
     CheckpointMissingError, ControlRequest, ControlRequested, Due, Event, LogConflictError,
     ModelCompleted, Pending, RunCancelled, RunInfo, RunInterrupted, RunNotWaitingError,
     RunResumed, RunSleeping, RunStatus, SessionBusyError, StoreUnavailableError, Ticked,
-    UnknownNameError, UnknownRunError, check_id, check_text,
+    UnknownNameError, UnknownRunError, check_id, check_text, stops,
 )
 from kit_storebase import replay
 
@@ -471,7 +471,7 @@ class RunControl:
                     result = await self._tick_thread(due, interrupt_id, namespace, woke)
             except (RunNotWaitingError, SessionBusyError):
                 continue  # another ticker (or a live run) has this thread
-            except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+            except stops():
                 raise
             except BaseException as exc:  # a user's BaseException that failed the run, too
                 failed.append(exc)

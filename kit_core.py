@@ -743,6 +743,15 @@ class InvocableSpec:
 
 #: Error messages recorded in run.failed are cut to this length.
 MAX_ERROR_CHARS = 2000
+
+
+def stops() -> tuple[type[BaseException], ...]:
+    """What stops a task or the process rather than failing a run: the backend's cancellation,
+    ``KeyboardInterrupt`` and ``SystemExit``. Anything else a run raises is its failure, a
+    user's ``BaseException`` too, recorded as ``run.failed`` and answered as one by the surfaces
+    (``except stops(): raise`` before ``except BaseException``)."""
+    import anyio  # (not at import: `import kit` stays light)
+    return anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit
 #: What a run handle hands its events to: ``deliver(handle, event)`` returns at once,
 #: ``commit(handle, event)`` once the event (None: all the handle recorded) is durable (raising
 #: what refused it).

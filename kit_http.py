@@ -66,7 +66,7 @@ from kit_core import (
     CheckpointMissingError, ConfigError, ContentError, DeckStateError, Event, InterruptResult,
     LogConflictError, RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError,
     StoreUnavailableError, UnknownNameError, UnknownRunError, block_from_json, control_refusal,
-    new_run_id, printable, switch_setting,
+    new_run_id, printable, stops, switch_setting,
 )
 from kit_guard import Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_playground import load as load_playground
@@ -442,7 +442,7 @@ class App:
             with anyio.CancelScope(shield=True):
                 req.run_id = None if await self.deck.status(run_id) is None else run_id
             raise
-        except (KeyboardInterrupt, SystemExit):
+        except stops():
             raise
         except BaseException as exc:  # a user's BaseException that failed the run, too
             status = await self.deck.status(run_id)

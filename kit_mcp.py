@@ -80,7 +80,7 @@ from mcp.shared.exceptions import McpError
 from kit_core import (
     VERSION, ConfigError, Event, InterruptResult, KitError, NodeUpdated, RunCancelled,
     RunCompleted, RunFailed, RunInterrupted, RunPaused, RunSleeping, RunStoppedError, TextDelta,
-    UnknownNameError, UnknownRunError, jsonable,
+    UnknownNameError, UnknownRunError, jsonable, stops,
 )
 
 if typing.TYPE_CHECKING:
@@ -341,7 +341,7 @@ class MCPSurface:
                                     token = None  # the client left: the run plays on to its end
                     finally:
                         self._playing.discard(reading)
-        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+        except stops():
             raise
         except BaseException:  # a user's BaseException that failed the run, too
             if end is None or not isinstance(end.payload, RunFailed):

@@ -60,7 +60,7 @@ from kit_control import BACKOFF_MAX, RunControl
 from kit_core import (
     Claim, ConfigError, DeckStateError, Event, InvocableSpec, LogConflictError, NewRunId,
     RunCancelled, RunHandle, RunStarted, RunStatus, StoreUnavailableError, as_blocks, as_history,
-    check_id, check_name, count_setting, new_run_id,
+    check_id, check_name, count_setting, new_run_id, stops,
 )
 from kit_pg import store_from_url
 from kit_runs import Run, result_of
@@ -844,7 +844,7 @@ class Runtime(RunControl):
     async def _play_in_background(self, run: Run, job: Callable[[], Any]) -> None:
         try:
             await self._play(run, job)
-        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+        except stops():
             raise  # (the process is stopping: the deck's owner hears of it)
         except BaseException:  # a failure, of any type, reaches the stream's consumer
             pass  # (run.error), never the deck's task group: that would cancel every run

@@ -39,7 +39,7 @@ import orjson
 
 from kit_core import (
     Event, NodeUpdated, RunCancelled, RunCompleted, RunFailed, RunInterrupted, RunPaused,
-    RunSleeping, RunStoppedError, TextDelta,
+    RunSleeping, RunStoppedError, TextDelta, stops,
 )
 
 __all__ = (
@@ -220,7 +220,7 @@ async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: Fra
                         await out.send(frame)
                 stream.finished = stream.finished or ev.payload.ends is not None
             stream.finished = True
-        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+        except stops():
             raise
         except BaseException as exc:  # a user's BaseException that failed the run, too
             if not stream.finished:  # Deck.stream raises a failed run's error after run.failed
