@@ -63,7 +63,7 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-from kit_core import ConfigError, Event, EventSinkPort, RunInfo
+from kit_core import ConfigError, Event, EventSinkPort, RunInfo, stops
 
 __all__ = (
     "QUEUE_SIZE", "BATCH_MAX", "LOOP_BATCH_MAX", "DISABLE_AFTER", "RETRY_MIN", "RETRY_MAX",
@@ -370,7 +370,9 @@ class ObserverHub:
         with anyio.move_on_after(CLOSE_TIMEOUT) as scope:
             try:
                 await self._call(slot, "close")
-            except Exception:
+            except stops():
+                raise
+            except BaseException:  # a user's BaseException too: it costs this observer alone
                 _log.exception("observer %s: close() raised", slot.stats.observer)
         if scope.cancelled_caught:
             _log.warning("observer %s: close() took more than %s s; abandoned",

@@ -274,23 +274,25 @@ class Runtime(RunControl):
         await self._teardown()
 
     async def _teardown(self) -> None:
-        with anyio.CancelScope(shield=True):
-            await self._stop_mcp()  # before the task group ends: the holder task lives there
-            if getattr(self, "writer", None) is not None:
-                await self._drain_mail()
-                with anyio.move_on_after(CLOSE_TIMEOUT):  # a store that is down: the lease tells
-                    await self.writer.flush()
-            if self.hub is not None:
-                await self.hub.close()  # before the task group: its drains deliver the backlog
-        # The task group must be left from the scope it was entered in, so outside any shield;
-        # leaving it raises the cancellation of a cancelled open or lifespan: the rest still runs.
         try:
-            if self._tg is not None:
-                tg, self._tg = self._tg, None
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-        finally:
-            await self._release()
+            with anyio.CancelScope(shield=True):
+                await self._stop_mcp()  # before the task group ends: the holder task lives there
+                if getattr(self, "writer", None) is not None:
+                    await self._drain_mail()
+                    with anyio.move_on_after(CLOSE_TIMEOUT):  # a store down: the lease tells
+                        await self.writer.flush()
+                if self.hub is not None:
+                    await self.hub.close()  # before the task group: its drains deliver the backlog
+        finally:  # The task group is left whatever that raised, from the scope it was entered
+            # in, so outside any shield; leaving it raises the cancellation of a cancelled open
+            # or lifespan: the rest still runs.
+            try:
+                if self._tg is not None:
+                    tg, self._tg = self._tg, None
+                    tg.cancel_scope.cancel()
+                    await tg.__aexit__(None, None, None)
+            finally:
+                await self._release()
 
     async def _release(self) -> None:
         """What outlives the task group: sessions, graphs, the bridge, the store kit built."""

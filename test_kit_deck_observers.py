@@ -76,6 +76,37 @@ async def test_an_observer_whose_start_raises_refuses_the_open():
     await deck.aclose()
 
 
+class Unwound(BaseException):
+    """What an observer's close() may raise that is no ``Exception``."""
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["close", "async close"])
+async def test_an_observer_whose_close_raises_a_base_exception_still_lets_the_deck_close(
+        asynchronous, caplog):
+    """The exception left the hub's close, so the deck's close never left the Runtime's task
+    group: its lease and control watchers ran on over a closed store (trio: "Nursery stack
+    corrupted"). Now it is logged as a close() that raised, and the next observer is closed."""
+    log: list[str] = []
+
+    class Breaking(Recorder):
+        if asynchronous:
+            async def close(self) -> None:
+                raise Unwound("cannot close")
+        else:
+            def close(self) -> None:
+                raise Unwound("cannot close")
+
+    agents_, _ = catalog()
+    async with MemoryStore() as store:
+        async with Deck(agents_, store=store, observers=[Recorder("first", log), Breaking("second")]) as deck:
+            await deck.run("a", "1+2?")
+        assert log == ["start first", "close first"]
+        async with Deck(agents_, store=store, observers=()) as deck:  # the slot is free
+            assert (await deck.run("a", "1+2?")).output == "three words here"
+    assert "close() raised" in caplog.text
+    assert "failed" not in caplog.text  # no watcher of the closed deck's ran on
+
+
 def test_build_checks_observers():
     deck = Deck(observers=[object()])
     with pytest.raises(kit.ConfigError, match="observers"):
