@@ -13,9 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -1287,6 +1288,18 @@ class Deafening:
         await listener.serve(handle)
 
 
+@contextlib.asynccontextmanager
+async def through(proxy: Any, postgres_url: str) -> AsyncIterator[str]:
+    """``postgres_url`` by way of ``proxy`` (``Deafening``, or one that serves as it does) on
+    a loopback port of its own, for as long as the block lasts."""
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            anyio.create_task_group() as outer:
+        outer.start_soon(proxy.serve, listener, 5432)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        yield postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
+        outer.cancel_scope.cancel()
+
+
 async def test_a_listener_whose_connection_stops_answering_is_replaced(postgres_url, monkeypatch):
     """A listener whose connection went silent (a NAT or a firewall that forgot it, a peer gone
     without a reset) waited on its ping for as long as TCP took to give up (~15 min): every
@@ -1295,12 +1308,8 @@ async def test_a_listener_whose_connection_stops_answering_is_replaced(postgres_
     monkeypatch.setattr(kit_pg, "LISTEN_CHECK", 0.2)
     proxy = Deafening()
     got: list[Event] = []
-    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
-            anyio.create_task_group() as outer:
-        outer.start_soon(proxy.serve, listener, 5432)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        async with store_from_url(postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")) \
-                as reader, store_from_url(postgres_url) as writer:
+    async with through(proxy, postgres_url) as url:
+        async with store_from_url(url) as reader, store_from_url(postgres_url) as writer:
             async def collect() -> None:
                 async for e in reader.follow("r1"):
                     got.append(e)
@@ -1312,7 +1321,6 @@ async def test_a_listener_whose_connection_stops_answering_is_replaced(postgres_
                     proxy.deaf.set()
                     await anyio.sleep(0.5)  # its ping is held now
                     await writer.append([started("r1"), ev("r1", 1, kit.RunCompleted("a"))])
-        outer.cancel_scope.cancel()
     assert [e.seq for e in got] == [0, 1]
 
 
@@ -1325,12 +1333,8 @@ async def test_a_commit_whose_connection_stops_answering_is_retried_on_another(p
     the writer's retry commits it on another connection, once."""
     monkeypatch.setattr(kit_pg, "WRITE_TIMEOUT", 0.5)
     proxy = Deafening(b"kit-write")
-    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
-            anyio.create_task_group() as outer:
-        outer.start_soon(proxy.serve, listener, 5432)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        async with store_from_url(postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")) \
-                as store:
+    async with through(proxy, postgres_url) as url:
+        async with store_from_url(url) as store:
             with anyio.fail_after(20):
                 await store.append([started("r1")])
                 proxy.deaf.set()
@@ -1338,7 +1342,6 @@ async def test_a_commit_whose_connection_stops_answering_is_retried_on_another(p
                     await store.append([ev("r1", 1, kit.RunCompleted("a"))])
                 await store.append([ev("r1", 1, kit.RunCompleted("a"))])
                 assert kinds(await store.read("r1")) == ["run.started", "run.completed"]
-        outer.cancel_scope.cancel()
 
 async def test_a_read_whose_connection_stops_answering_is_retried_on_another(postgres_url,
                                                                             monkeypatch):
@@ -1348,19 +1351,14 @@ async def test_a_read_whose_connection_stops_answering_is_retried_on_another(pos
     again on another connection."""
     monkeypatch.setattr(kit_pg, "READ_TIMEOUT", 0.5)
     proxy = Deafening(b"kit:test_")  # the readers' pool (``kit:<schema>``)
-    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
-            anyio.create_task_group() as outer:
-        outer.start_soon(proxy.serve, listener, 5432)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        async with store_from_url(postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")) \
-                as store:
+    async with through(proxy, postgres_url) as url:
+        async with store_from_url(url) as store:
             with anyio.fail_after(15):
                 await store.append([started("r1"), ev("r1", 1, kit.RunCompleted("a"))])
                 assert kinds(await store.read("r1")) == ["run.started", "run.completed"]
                 proxy.deaf.set()  # the reader's pooled connection goes silent
                 assert kinds(await store.read("r1")) == ["run.started", "run.completed"]
                 assert (await store.run_info("r1")).status is RunStatus.COMPLETED
-        outer.cancel_scope.cancel()
 
 
 async def test_postgres_a_retried_batch_that_committed_is_not_written_twice(postgres_url):

@@ -1761,16 +1761,12 @@ async def test_a_checkpoint_call_whose_connection_stops_answering_is_tried_on_an
     CHECK_TIMEOUT (the pool takes the next), a call after CHECKPOINT_TIMEOUT, tried once more
     on another connection."""
     import kit_pgpool
-    from test_kit_store import Deafening
+    from test_kit_store import Deafening, through
     monkeypatch.setattr(kit_threads, "CHECKPOINT_TIMEOUT", 1.0, raising=False)
     monkeypatch.setattr(kit_pgpool, "CHECK_TIMEOUT", 0.3, raising=False)
     proxy = (Deafening(b"kit-checkpoints") if gone == "checked"
              else SilentOnce(b"approval::t1"))  # (the thread's key: in its checkpoint queries)
-    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
-            anyio.create_task_group() as outer:
-        outer.start_soon(proxy.serve, listener, 5432)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        url = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
+    async with through(proxy, postgres_url) as url:
         async with store_from_url(url) as store, Deck(workflows=[durable_approval()],
                                                       store=store) as deck:
             with anyio.fail_after(30):
@@ -1780,7 +1776,6 @@ async def test_a_checkpoint_call_whose_connection_stops_answering_is_tried_on_an
             assert state["log"] == ["plan", "answer=yes", "done"]
             assert await deck.status(parked.run_id) is RunStatus.COMPLETED
             assert gone == "checked" or proxy.held
-        outer.cancel_scope.cancel()
 
 
 async def test_a_thread_lock_whose_connection_stops_answering_is_taken_on_another(
@@ -1788,14 +1783,11 @@ async def test_a_thread_lock_whose_connection_stops_answering_is_taken_on_anothe
     """A ticker's thread lock taken on a connection gone silent waited for as long as TCP
     took to give up (~15 min): the tick hung, and the thread with it. The lock's statement
     gives up after CHECKPOINT_TIMEOUT and is tried once more, on another connection."""
+    from test_kit_store import through
     monkeypatch.setattr(kit_threads, "CHECKPOINT_TIMEOUT", 1.0, raising=False)
     await orphans(postgres_url, "o1")
     proxy = SilentOnce(b"kit:thread:sleeper::o1")  # (the lock's name)
-    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
-            anyio.create_task_group() as outer:
-        outer.start_soon(proxy.serve, listener, 5432)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        url = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
+    async with through(proxy, postgres_url) as url:
         async with store_from_url(url) as store, Deck(workflows=[durable_sleeper()],
                                                       store=store) as deck:
             proxy.armed.set()
@@ -1804,7 +1796,6 @@ async def test_a_thread_lock_whose_connection_stops_answering_is_taken_on_anothe
             assert ticked.result["log"][-2:] == [f"woke at {NOW.isoformat()}", "done"]
             assert proxy.held and [r.status for r in await store.runs()] == [
                 RunStatus.COMPLETED]
-        outer.cancel_scope.cancel()
 
 
 async def test_postgres_checkpoints_outlive_the_server_dropping_their_connections(
