@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--turns", type=int, default=1_000)
-    p.add_argument("--streams", type=int, default=100)  # ~0.6 s windows: 40 spread to 50%
+    p.add_argument("--streams", type=int, default=300)  # ~2 s windows (100 spread 28%)
     p.add_argument("--workflows", type=int, default=600)
     p.add_argument("--growth", type=int, default=20_000,
                    help="stateless workflow runs and fresh sessions of the RSS growth rows")
