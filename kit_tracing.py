@@ -2,18 +2,19 @@
 
 Owns: ``TracingObserver`` (an ``EventSinkPort``): kit events (semantic layer) and the agents SDK's
 own traces (raw layer, ``sdk_spans=True``) as OpenTelemetry spans named and attributed after the
-GenAI semantic conventions and Langfuse's OTLP attributes (CONVENTIONS B4), exported with
-OTLP/HTTP protobuf to ``{host}/api/public/otel/v1/traces``.
+GenAI semantic conventions and Langfuse's OTLP attributes (CONVENTIONS B4), handed to
+``kit_otlp.SpanExport``, which exports them to ``{host}/api/public/otel/v1/traces``; the settings
+(keys, host) and the headers the export sends.
 
 Must never: import OpenTelemetry at import or construction (``start`` does: it is the
-``observability`` extra); wait on the network in ``emit`` (spans leave through ``_Export``, a
-bounded queue drained by a thread of its own); lose a span uncounted (``stats``, and a warning
-on ``kit.observers``); write the application context or any content (it renders event fields
-only: names, ids, counts, times, statuses; inputs, replies, tool arguments and results stay out,
-as GenAI's opt-in content attributes do); touch OpenTelemetry's global tracer provider (it owns
-a private one); take the application's settings for its own OpenTelemetry: send Langfuse its
-headers (``OTEL_EXPORTER_OTLP_HEADERS``: its collector's credentials) or client certificate, trust
-its collector's CA, or sample runs away (``OTEL_TRACES_SAMPLER``).
+``observability`` extra); wait on the network in ``emit`` (spans leave through
+``kit_otlp.SpanExport``, a bounded queue drained by a thread of its own); lose a span uncounted
+(``stats``, and a warning on ``kit.observers``); write the application context or any content
+(it renders event fields only: names, ids, counts, times, statuses; inputs, replies, tool
+arguments and results stay out, as GenAI's opt-in content attributes do); touch OpenTelemetry's global tracer provider (it owns
+a private one); take the application's settings for its own OpenTelemetry: sample runs away
+(``OTEL_TRACES_SAMPLER``), or send Langfuse its headers, client certificate or CA (``kit_otlp``
+mends OpenTelemetry's exporter so it does not).
 
 Theory of operation
 -------------------
@@ -53,31 +54,26 @@ Raw layer (``sdk_spans=True``): ``sdk_processor()`` is an ``agents.tracing.Traci
 Each SDK trace becomes a second, separate OTLP trace (the SDK's trace id), its spans nested as
 the SDK nests them, tagged ``kit.layer=sdk`` and ``kit.run_id`` from the trace metadata.
 
-Export. Ended spans go to ``_Export``: OpenTelemetry's ``BatchSpanProcessor`` policy (a queue of
-``QUEUE_SIZE`` that drops its oldest when full, batches of ``BATCH_SIZE`` sent by a daemon thread
-every ``EXPORT_DELAY_MS`` or when a batch is ready), which also counts what it loses: the SDK's
-processor counts nothing and logs "Queue full" once per 20 s, and its flush ignores its timeout.
-``stats`` counts spans exported, refused or unanswered (``failed``), and ``dropped`` (pushed out,
-or still queued when ``close`` gives up after ``FLUSH_TIMEOUT``); the first loss is logged when it
-happens, then at most once per ``REPORT_EVERY``, and ``close`` logs the total.
+Export (``kit_otlp``): ended spans go to the provider's one span processor, ``SpanExport``, a
+bounded queue sent in batches by a thread of its own, which counts the spans exported, failed and
+dropped (``stats``) and says when spans start being lost, then at most once a minute, and the
+total at close. Its settings (``QUEUE_SIZE``, ``FLUSH_TIMEOUT``, ...) are ``kit_otlp``'s, and
+are set there; this module re-exports them to read.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
 import json
-import logging
 import os
 import random
 import re
 import threading
 import time
 import types
-from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from collections import OrderedDict
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import urlsplit
 
 from agents.tracing import TracingProcessor
 
@@ -86,34 +82,20 @@ from kit_core import (
     RunFailed, RunInterrupted, RunResumed, RunStarted, SkillLoaded, ToolCompleted, ToolStarted,
 )
 
+from kit_otlp import (  # re-exported to read; set in kit_otlp
+    BATCH_SIZE, EXPORT_DELAY_MS, EXPORT_TIMEOUT, FLUSH_TIMEOUT, OTLP_PATH, QUEUE_SIZE,
+    REPORT_EVERY, SpanExport, TracingStats,
+)
+
 __all__ = ("DEFAULT_HOST", "OTLP_PATH", "QUEUE_SIZE", "BATCH_SIZE", "EXPORT_DELAY_MS",
-           "EXPORT_TIMEOUT", "FLUSH_TIMEOUT", "REPORT_EVERY", "MAX_OPEN_RUNS", "TracingStats",
-           "TracingObserver")
+           "EXPORT_TIMEOUT", "FLUSH_TIMEOUT", "REPORT_EVERY", "MAX_OPEN_RUNS", "TracingObserver")
 
 #: Langfuse cloud (EU); ``KIT_TRACING_HOST`` or ``host=`` selects another (CONVENTIONS B4).
 DEFAULT_HOST = "https://cloud.langfuse.com"
-#: Langfuse's OTLP/HTTP traces endpoint, below the host.
-OTLP_PATH = "/api/public/otel/v1/traces"
-#: Spans waiting for export, and per request: OpenTelemetry's defaults (CONVENTIONS A9). A full
-#: queue drops its oldest span (the SDK's policy, counted) rather than ever blocking ``emit``.
-QUEUE_SIZE = 2048
-BATCH_SIZE = 512
-#: Spans wait at most this long before their batch is sent (ms, the SDK's default).
-EXPORT_DELAY_MS = 5000
-#: One export request, retries included (seconds).
-EXPORT_TIMEOUT = 10.0
-#: How long ``close`` waits for the queued spans to leave (seconds); what is still queued then is
-#: counted dropped. Below ``kit_observers.CLOSE_TIMEOUT``, so the loss is told before a deck's
-#: close gives up on the observer.
-FLUSH_TIMEOUT = 5.0
-#: While spans are being lost, at most one warning per this many seconds (``close`` tells the
-#: total).
-REPORT_EVERY = 60.0
 #: Runs (and SDK traces) whose end has not arrived. Past it the oldest is ended where it stands
 #: (``kit.unfinished``): an observer that misses runs' ends (dropped events) must not grow forever.
 MAX_OPEN_RUNS = 10_000
 
-_log = logging.getLogger("kit.observers")
 _SDK_TRACE = re.compile(r"^trace_([0-9a-f]{32})\Z")
 _CONTENT = frozenset({"input", "output", "type"})  # SDK span fields never exported as attributes
 #: The model settings a generation span's ``model_config`` may export: the SDK fills it with all
@@ -123,8 +105,6 @@ _MODEL_SETTINGS = frozenset({"temperature", "top_p", "frequency_penalty", "prese
                              "tool_choice", "parallel_tool_calls", "truncation", "max_tokens",
                              "reasoning", "verbosity", "store", "top_logprobs"})
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-#: The most of a collector's answer read (bytes): OTLP's is a few bytes, and only its status counts.
-_ANSWER_MAX = 65536
 
 
 def _ns(at: datetime | str | None) -> int:
@@ -142,170 +122,6 @@ def _hash_id(key: str) -> int:
 
 def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
-
-
-def _http_session(requests: Any, headers: dict[str, str]) -> Any:
-    """The exporter's ``requests`` session, mending what OpenTelemetry's exporter does with it:
-    it sends ``headers`` and the body's own only (the exporter adds the application's
-    ``OTEL_EXPORTER_OTLP[_TRACES]_HEADERS``, its own collector's credentials); it reads at most
-    ``_ANSWER_MAX`` of an answer (``requests`` would read one whole, however long); a redirect is
-    an error naming where it points, without query or credentials (the exporter follows none and
-    takes a 3xx for success: spans no collector took, counted exported)."""
-    keep = {*map(str.lower, headers), "content-type", "content-encoding", "content-length",
-            "user-agent", "accept", "accept-encoding", "connection"}
-
-    class Session(requests.Session):  # type: ignore[misc, name-defined]
-        def send(self, request: Any, **kwargs: Any) -> Any:
-            for name in [n for n in request.headers if n.lower() not in keep]:
-                del request.headers[name]
-            response = super().send(request, **{**kwargs, "stream": True})
-            if len(response.raw.read(_ANSWER_MAX + 1, decode_content=False)) > _ANSWER_MAX:
-                response.close()  # (an answer read to its end frees its connection for reuse)
-            if 300 <= response.status_code < 400:
-                to = urlsplit(response.headers.get("Location", ""))
-                raise requests.HTTPError(
-                    f"the collector answered {response.status_code}, a redirect to {to.scheme}://"
-                    f"{to.netloc.rpartition('@')[2]}{to.path}: point KIT_TRACING_HOST there")
-            return response
-    return Session()
-
-
-@dataclass(slots=True)
-class TracingStats:
-    """The tracing observer's spans (a snapshot from ``TracingObserver.stats``).
-
-    ``spans`` were rendered and queued for export. Of those, the collector took ``exported``;
-    ``failed`` were in requests it refused or never answered, retries included (a 4xx, a 5xx, a
-    redirect, or no answer until ``EXPORT_TIMEOUT``, no connection); ``dropped`` never left:
-    pushed out of the full queue (``QUEUE_SIZE``), or still queued when ``close`` gave up. The
-    rest are queued or in flight.
-    """
-    spans: int = 0
-    exported: int = 0
-    failed: int = 0
-    dropped: int = 0
-
-    def _lost(self) -> str:
-        return (f"dropped from a full queue or at close: {self.dropped}; refused or unanswered "
-                f"by the collector: {self.failed}")
-
-
-class _Export:
-    """The provider's one span processor (OpenTelemetry's ``SpanProcessor`` interface, duck-typed:
-    the SDK is imported at ``start`` only): a bounded queue, drained in batches by a daemon
-    thread of its own, that counts what it loses. Every call but ``shutdown`` returns at once."""
-
-    def __init__(self, exporter: Any, success: Any) -> None:
-        self._exporter, self._success = exporter, success
-        self.stats = TracingStats()
-        self._queue: deque[Any] = deque()
-        self._cond = threading.Condition()  # the queue, the counts, the batch in flight
-        self._sending = 0
-        self._flushing = False  # send every span queued, not only whole batches
-        self._closed = False
-        self._told: float | None = None  # when a loss was last logged
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kit tracing export", daemon=True)
-        self._thread.start()
-
-    def on_start(self, span: Any, parent_context: Any = None) -> None:
-        pass
-
-    def _on_ending(self, span: Any) -> None:
-        pass
-
-    def on_end(self, span: Any) -> None:
-        with self._cond:
-            self.stats.spans += 1
-            if self._closed:
-                self.stats.dropped += 1
-                return
-            lost = len(self._queue) >= QUEUE_SIZE
-            if lost:
-                self._queue.popleft()
-                self.stats.dropped += 1
-            self._queue.append(span)
-            if len(self._queue) >= BATCH_SIZE:
-                self._wake.set()
-        if lost:
-            self._tell()
-
-    def force_flush(self, timeout_millis: int = 0) -> bool:
-        """Send what is queued now; wait at most ``timeout_millis`` (none by default: the agents
-        SDK calls this on the engine loop, which must never wait on the collector)."""
-        self._flushing = True
-        self._wake.set()
-        with self._cond:
-            return self._cond.wait_for(self._idle, timeout_millis / 1000)
-
-    def shutdown(self) -> None:
-        """Send what is queued, for at most ``FLUSH_TIMEOUT``; count what is left dropped, stop
-        the exporter (an export still in flight gives up its retries), log what was lost."""
-        self._flushing = True
-        self._wake.set()
-        with self._cond:
-            if self._closed:
-                return
-            self._cond.wait_for(self._idle, FLUSH_TIMEOUT)
-            self._closed = True
-            self.stats.dropped += len(self._queue)
-            self._queue.clear()
-            stats, sending = replace(self.stats), self._sending
-        self._wake.set()
-        try:
-            self._exporter.shutdown()
-        finally:
-            if stats.spans > stats.exported:
-                _log.warning("tracing: %d of %d spans were not exported (%s; in flight at "
-                             "close: %d)", stats.spans - stats.exported, stats.spans,
-                             stats._lost(), sending)
-
-    def _idle(self) -> bool:
-        return not self._queue and not self._sending
-
-    def _run(self) -> None:
-        while not self._closed:  # woken by a whole batch queued, a flush, or the delay's end
-            delay_ended = not self._wake.wait(EXPORT_DELAY_MS / 1000)
-            self._wake.clear()
-            while self._send(whole=not delay_ended):
-                pass
-
-    def _send(self, whole: bool) -> bool:
-        """Export one batch, if any is queued (only a whole one when ``whole``, unless a flush
-        asks for everything); count how it went."""
-        with self._cond:
-            if not self._queue:
-                self._flushing = False
-            if self._closed or not self._queue or (
-                    whole and not self._flushing and len(self._queue) < BATCH_SIZE):
-                return False
-            batch = [self._queue.popleft() for _ in range(min(BATCH_SIZE, len(self._queue)))]
-            self._sending = len(batch)
-        try:
-            ok = self._exporter.export(batch) == self._success
-        except Exception:  # the exporter logged it, or it is a bug of its: the batch is lost
-            ok = False
-        with self._cond:
-            self._sending = 0
-            if ok:
-                self.stats.exported += len(batch)
-            else:
-                self.stats.failed += len(batch)
-            self._cond.notify_all()
-        if not ok:
-            self._tell()
-        return True
-
-    def _tell(self) -> None:
-        """Log the loss: at once the first time, then at most once per ``REPORT_EVERY``."""
-        now = time.monotonic()
-        with self._cond:
-            if self._closed or (self._told is not None and now - self._told < REPORT_EVERY):
-                return
-            self._told, stats = now, replace(self.stats)
-        _log.warning("tracing: spans are being lost: %d of %d so far (%s); "
-                     "TracingObserver.stats counts them", stats.dropped + stats.failed,
-                     stats.spans, stats._lost())
 
 
 class _TraceIds:
@@ -361,7 +177,7 @@ class TracingObserver:
         self._ids = _TraceIds()
         self._provider: Any = None
         self._tracer: Any = None
-        self._export: _Export | None = None
+        self._export: SpanExport | None = None
         self._o: Any = None  # the OpenTelemetry names used, bound at start()
         self._runs: OrderedDict[str, _Segment] = OrderedDict()
         self._parked: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -376,8 +192,7 @@ class TracingObserver:
         """A snapshot of the spans rendered, exported and lost (all zero before ``start``)."""
         if self._export is None:
             return TracingStats()
-        with self._export._cond:
-            return replace(self._export.stats)
+        return self._export.snapshot()
 
     @staticmethod
     def trace_id(run_id: str) -> str:
@@ -403,13 +218,9 @@ class TracingObserver:
         if not host.startswith(("http://", "https://")):
             raise ConfigError(f"KIT_TRACING_HOST must be an http(s) URL, got {host!r}")
         try:
-            import requests
             from opentelemetry import context, trace
-            from opentelemetry.exporter.otlp.proto.http import Compression
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import SpanExportResult
             from opentelemetry.sdk.trace.sampling import ALWAYS_ON
         except ImportError as exc:
             raise ConfigError("the tracing observer needs the observability extra: "
@@ -417,16 +228,11 @@ class TracingObserver:
         auth = base64.b64encode(f"{pk}:{sk}".encode()).decode()
         headers = {"Authorization": f"Basic {auth}", "x-langfuse-ingestion-version": "4",
                    "x-langfuse-public-key": pk, "x-langfuse-sdk-name": "kit"}
-        session = _http_session(requests, headers)
-        exporter = OTLPSpanExporter(
-            endpoint=host + OTLP_PATH, timeout=EXPORT_TIMEOUT, compression=Compression.Gzip,
-            session=session, headers=headers)
-        # It set the application's OTEL_EXPORTER_OTLP_CERTIFICATE and _CLIENT_* (its collector's).
-        session.verify, session.cert = True, None
+        export = SpanExport(host + OTLP_PATH, headers)  # ConfigError without the extra
         provider = TracerProvider(resource=Resource.create({"service.name": "kit"}),
                                   sampler=ALWAYS_ON,  # every run, whatever OTEL_TRACES_SAMPLER says
                                   id_generator=self._ids, shutdown_on_exit=False)  # type: ignore[arg-type]
-        self._export = _Export(exporter, SpanExportResult.SUCCESS)
+        self._export = export
         provider.add_span_processor(self._export)  # type: ignore[arg-type]
         self._o = types.SimpleNamespace(
             empty=context.Context(), in_context=trace.set_span_in_context,
@@ -449,7 +255,7 @@ class TracingObserver:
                 self._end(self._runs.popitem(last=False)[1], now, unfinished=True)
             if self._processor is not None:
                 self._processor.end_all(now)
-        provider.shutdown()  # _Export.shutdown: the flush, bounded
+        provider.shutdown()  # SpanExport.shutdown: the flush, bounded
 
     def sdk_processor(self) -> TracingProcessor:
         """The raw layer: an ``agents.tracing.TracingProcessor`` writing each SDK trace as its own

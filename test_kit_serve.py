@@ -535,8 +535,8 @@ workflow = kit.Workflow("modules", graph.set_entry_point("write").set_finish_poi
 #: .mcp.json) and server side (no mcp surface), Postgres, Redis, SQLAlchemy sessions, tracing,
 #: genai-prices (a ScriptedModel has no price), trio (the asyncio worker), the OpenAPI document
 #: (no GET /openapi.json).
-_UNUSED = ("kit_mcp_servers", "agents.mcp.server", "kit_mcp", "kit_tracing", "psycopg",
-           "psycopg_pool", "redis", "sqlalchemy", "genai_prices", "trio", "kit_openapi")
+_UNUSED = ("kit_mcp_servers", "agents.mcp.server", "kit_mcp", "kit_tracing", "kit_otlp",
+           "psycopg", "psycopg_pool", "redis", "sqlalchemy", "genai_prices", "trio", "kit_openapi")
 
 
 @pytest.mark.parametrize("kind", ["example", "workflows"])

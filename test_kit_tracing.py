@@ -1,4 +1,5 @@
-"""Tests of the tracing observer (kit_tracing) against a local OTLP/HTTP receiver on 127.0.0.1."""
+"""Tests of the tracing observer (kit_tracing) and its span export (kit_otlp) against a local OTLP/HTTP
+receiver on 127.0.0.1."""
 from __future__ import annotations
 
 import base64
@@ -36,7 +37,7 @@ from kit import (
 from kit_bridge import on_asyncio
 from kit_observers import ObserverHub
 from kit_store import MemoryStore, SQLiteStore
-import kit_tracing
+import kit_otlp
 from kit_tracing import OTLP_PATH, TracingObserver, TracingStats
 
 pytestmark = pytest.mark.anyio
@@ -658,7 +659,7 @@ async def test_spans_pushed_out_of_the_full_queue_are_counted_and_reported(
         receiver, monkeypatch, caplog):
     """Runs faster than the collector fill the span queue, which drops its oldest: OpenTelemetry
     logged "Queue full, dropping Span." at most once per 20 s and counted nothing."""
-    monkeypatch.setattr(kit_tracing, "QUEUE_SIZE", 4)
+    monkeypatch.setattr(kit_otlp, "QUEUE_SIZE", 4)
     observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
     with caplog.at_level(logging.WARNING, logger="kit.observers"), anyio.fail_after(10):
         await play(observer, turn("r1", calls=9))  # within the export delay: nothing left yet
@@ -672,7 +673,7 @@ async def test_close_gives_up_on_a_collector_that_never_answers_and_says_so(monk
     """A collector that takes the connection and never answers: close waited on each batch's
     export for EXPORT_TIMEOUT, retries included (OpenTelemetry's flush ignores its timeout), so
     the hub abandoned it at CLOSE_TIMEOUT before anything was told of the spans lost."""
-    monkeypatch.setattr(kit_tracing, "FLUSH_TIMEOUT", 0.5)
+    monkeypatch.setattr(kit_otlp, "FLUSH_TIMEOUT", 0.5)
     silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts nor answers
     host = f"http://127.0.0.1:{silent.getsockname()[1]}"
     try:
