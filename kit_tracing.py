@@ -14,7 +14,7 @@ Must never: import OpenTelemetry at import or construction (``start`` does: it i
 arguments and results stay out, as GenAI's opt-in content attributes do); touch OpenTelemetry's global tracer provider (it owns
 a private one); take the application's settings for its own OpenTelemetry: sample runs away
 (``OTEL_TRACES_SAMPLER``), or send Langfuse its headers, client certificate or CA (``kit_otlp``
-mends OpenTelemetry's exporter so it does not).
+sends kit's requests, not OpenTelemetry's exporter).
 
 Theory of operation
 -------------------

@@ -27,7 +27,7 @@ import openai
 import pytest
 from langgraph.graph import END, START, StateGraph
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
+    ExportTracePartialSuccess, ExportTraceServiceRequest, ExportTraceServiceResponse,
 )
 
 from kit import (
@@ -51,6 +51,9 @@ class Receiver:
     def __init__(self) -> None:
         self.requests: list[tuple[str, Any, ExportTraceServiceRequest]] = []
         self.status = 200  # what it answers: 400 for a collector that refuses what it is sent
+        self.answers: list[int] = []  # what it answers first, one status a request (a 503 says
+        # Retry-After: 0), before ``status``
+        self.reply = ExportTraceServiceResponse()  # a 2xx's body (a partial_success, say)
         self.location: str | None = None  # a Location header to answer with (a redirect's)
         self.garbage = 0  # bytes of garbage to answer with instead, no length: until it closes
         self.garbage_sent = 0  # of those, what the client took
@@ -63,8 +66,11 @@ class Receiver:
                     body = gzip.decompress(body)
                 receiver.requests.append((self.path, self.headers,  # case-insensitive
                                           ExportTraceServiceRequest.FromString(body)))
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(receiver.status)
+                reply = receiver.reply.SerializeToString()
+                status = receiver.answers.pop(0) if receiver.answers else receiver.status
+                self.send_response(status)
+                if status == 503:
+                    self.send_header("Retry-After", "0")
                 if receiver.garbage:
                     self.end_headers()
                     try:
@@ -692,6 +698,37 @@ async def test_close_gives_up_on_a_collector_that_never_answers_and_says_so(monk
         silent.close()  # the request in flight fails now: the export thread ends within the test
         if observer._export is not None:
             observer._export._thread.join(5)
+
+
+async def test_spans_a_collectors_partial_success_rejects_are_counted_failed_and_its_message_logged(
+        receiver, caplog):
+    """A collector that takes the request (a 200) but says in its OTLP answer that it rejected
+    some of its spans (``partial_success.rejected_spans``, with why in ``error_message``): every
+    span was counted exported, and the collector's reason was never read."""
+    receiver.reply = ExportTraceServiceResponse(partial_success=ExportTracePartialSuccess(
+        rejected_spans=2, error_message="span attribute value too long" + "!" * 5000))
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with caplog.at_level(logging.WARNING), anyio.fail_after(10):
+        await play(observer, turn("r1", calls=3))
+    assert len(receiver.requests) == 1  # protobuf, as kit sends: no retry of a 200
+    assert observer.stats == TracingStats(spans=4, exported=2, failed=2, dropped=0)
+    said = losses(caplog)
+    assert any("rejected 2 of 4 spans" in m and "span attribute value too long" in m
+               for m in said)
+    assert not any("!" * (kit_otlp.MESSAGE_MAX + 1) in m for m in said)  # its length capped
+    assert any("2 of 4 spans were not exported" in m for m in said)
+
+
+async def test_a_busy_collectors_503_is_retried_and_its_spans_exported(receiver, caplog):
+    """A 503 (with ``Retry-After``) is retried within ``EXPORT_TIMEOUT``: the spans arrive, and
+    nothing is said of a failure."""
+    receiver.answers = [503, 503]
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with caplog.at_level(logging.WARNING), anyio.fail_after(10):
+        await play(observer, turn("r1", calls=1))
+    assert len(receiver.requests) == 3  # the same request, thrice
+    assert observer.stats == TracingStats(spans=2, exported=2, failed=0, dropped=0)
+    assert not caplog.records
 
 
 def test_start_refuses_missing_keys_and_a_bad_host(monkeypatch):
