@@ -11,7 +11,7 @@ uncounted; count a span exported that the collector did not take (a redirect, a
 ``partial_success`` rejecting it); take the application's settings for its own OpenTelemetry
 (``OTEL_EXPORTER_OTLP_*``: its collector's headers, client certificate, CA, endpoint: the
 requests are kit's own, not OpenTelemetry's exporter's); log a request's headers (they carry the
-collector's credentials).
+collector's credentials), or a line per failed export.
 
 Theory of operation
 -------------------
@@ -29,9 +29,11 @@ its ``partial_success``: the spans it says it rejected are counted ``failed`` an
 ``error_message`` is logged (at most ``MESSAGE_MAX`` characters). A 3xx is a failure naming where
 it points (OpenTelemetry's exporter took one for success).
 
-What is said, on ``kit.observers``: the first loss (a full queue, a failed export, and why) at
-once, then at most once per ``REPORT_EVERY``; spans a collector rejected likewise, with its
-message; and ``shutdown`` logs the total.
+What is said, on ``kit.observers``, as ``kit_observers`` says an observer's drops: when exports
+start failing (and why), then at most once per ``REPORT_EVERY`` with the running count of failed
+exports and spans lost, once when they recover; spans pushed out of the full queue, and spans a
+collector rejected, likewise at once, then at most once per ``REPORT_EVERY``; and ``shutdown``
+logs the total. A collector down for an hour is a few dozen lines, not one per export.
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ EXPORT_TIMEOUT = 10.0
 #: is counted dropped. Below ``kit_observers.CLOSE_TIMEOUT``, so the loss is told before a deck's
 #: close gives up on the observer.
 FLUSH_TIMEOUT = 5.0
-#: While spans are being lost, at most one warning per this many seconds (``shutdown`` tells the
-#: total).
+#: While exports fail or spans are lost, at most one warning per this many seconds, with the
+#: counts so far (``kit_observers.REPORT_EVERY``'s rule); ``shutdown`` tells the total.
 REPORT_EVERY = 60.0
 #: The most of a collector's ``partial_success.error_message`` logged (characters): it is the
 #: collector's text, of any length.
@@ -210,7 +212,8 @@ class SpanExport:
     thread of its own, that counts what it loses. Every call but ``shutdown`` returns at once.
 
     ``url`` is the collector's traces endpoint and ``headers`` all the headers its requests
-    carry besides the body's own. Raises ``ConfigError`` when the ``observability`` extra is not installed.
+    carry besides the body's own. Raises ``ConfigError`` when the ``observability`` extra is
+    not installed.
     """
 
     def __init__(self, url: str, headers: dict[str, str]) -> None:
@@ -221,7 +224,9 @@ class SpanExport:
         self._sending = 0
         self._flushing = False  # send every span queued, not only whole batches
         self._closed = False
-        self._told: dict[str, float] = {}  # what was last logged when: "lost", "rejected"
+        self._failing = 0  # exports failed in a row (0: they go through)
+        self._down_told = False  # this outage was told (so its end will be; export thread only)
+        self._told: dict[str, float] = {}  # what was last logged when: "down", "queue", "rejected"
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kit tracing export", daemon=True)
         self._thread.start()
@@ -251,7 +256,7 @@ class SpanExport:
             if len(self._queue) >= BATCH_SIZE:
                 self._wake.set()
         if lost:
-            self._tell("lost", "spans are being lost")
+            self._tell("queue", "spans are being lost")
 
     def force_flush(self, timeout_millis: int = 0) -> bool:
         """Send what is queued now; wait at most ``timeout_millis`` (none by default: the agents
@@ -273,15 +278,16 @@ class SpanExport:
             self._closed = True
             self.stats.dropped += len(self._queue)
             self._queue.clear()
-            stats, sending = replace(self.stats), self._sending
+            stats, sending, failing = replace(self.stats), self._sending, self._failing
         self._wake.set()
         try:
             self._post.shutdown()
         finally:
             if stats.spans > stats.exported:
                 _log.warning("tracing: %d of %d spans were not exported (%s; in flight at "
-                             "close: %d)", stats.spans - stats.exported, stats.spans,
-                             stats._lost(), sending)
+                             "close: %d)%s", stats.spans - stats.exported, stats.spans,
+                             stats._lost(), sending,
+                             f"; exports were failing: {failing} in a row" if failing else "")
 
     def _idle(self) -> bool:
         return not self._queue and not self._sending
@@ -312,21 +318,30 @@ class SpanExport:
             self._sending = 0
             self.stats.exported += len(batch) - lost
             self.stats.failed += lost
+            failing, self._failing = self._failing, 0 if answered else self._failing + 1
             self._cond.notify_all()
-        if lost:
-            self._tell("rejected" if answered else "lost",
-                       why if answered else f"spans are being lost ({why})")
+        if not answered:  # an outage told when it begins, unless one was told this minute
+            # (a collector that flaps): then with the running count, once per REPORT_EVERY
+            self._down_told |= self._tell("down", f"exports to the collector are failing "
+                                                  f"({why}): {failing + 1} failed in a row")
+        elif failing and self._down_told:
+            self._down_told = False
+            self._tell("up", f"exports to the collector recovered after {failing} failed in a "
+                             "row", first=True)
+        if answered and lost:
+            self._tell("rejected", why or "")
         return True
 
-    def _tell(self, what: str, said: str) -> None:
-        """Log ``said`` with the counts so far: at once the first time of its kind, then at most
-        once per ``REPORT_EVERY``."""
+    def _tell(self, what: str, said: str, *, first: bool = False) -> bool:
+        """Log ``said`` with the counts so far: at once when ``first`` or the first time of its
+        kind, then at most once per ``REPORT_EVERY``. Whether it did."""
         now = time.monotonic()
         with self._cond:
             told = self._told.get(what)
-            if self._closed or not (told is None or now - told >= REPORT_EVERY):
-                return
+            if self._closed or not (first or told is None or now - told >= REPORT_EVERY):
+                return False
             self._told[what], stats = now, replace(self.stats)
         _log.warning("tracing: %s; spans lost so far: %d of %d (%s); TracingObserver.stats "
                      "counts them", said, stats.dropped + stats.failed, stats.spans,
                      stats._lost())
+        return True

@@ -56,8 +56,8 @@ the SDK nests them, tagged ``kit.layer=sdk`` and ``kit.run_id`` from the trace m
 
 Export (``kit_otlp``): ended spans go to the provider's one span processor, ``SpanExport``, a
 bounded queue sent in batches by a thread of its own, which counts the spans exported, failed and
-dropped (``stats``) and says when spans start being lost, then at most once a minute, and the
-total at close. Its settings (``QUEUE_SIZE``, ``FLUSH_TIMEOUT``, ...) are ``kit_otlp``'s, and
+dropped (``stats``) and says when exports start failing, at most once a minute while they do, and
+when they recover; the total lost at close. Its settings (``QUEUE_SIZE``, ``FLUSH_TIMEOUT``, ...) are ``kit_otlp``'s, and
 are set there; this module re-exports them to read.
 """
 from __future__ import annotations

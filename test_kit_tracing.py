@@ -7,6 +7,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import ssl
@@ -717,6 +718,61 @@ async def test_spans_a_collectors_partial_success_rejects_are_counted_failed_and
                for m in said)
     assert not any("!" * (kit_otlp.MESSAGE_MAX + 1) in m for m in said)  # its length capped
     assert any("2 of 4 spans were not exported" in m for m in said)
+
+
+def refused_host() -> str:
+    """A loopback URL where nothing listens: every connection is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_a_collector_that_is_down_is_told_once_not_once_per_export(monkeypatch, caplog):
+    """While the collector was down, every export said so, OpenTelemetry's exporter up to
+    three lines each (its retries, then its failure): some 2,000 lines an hour. Now: one line
+    when exports start failing (and why), the count at close, and nothing from OpenTelemetry."""
+    monkeypatch.setattr(kit_otlp, "BATCH_SIZE", 1)  # one export per span
+    monkeypatch.setattr(kit_otlp, "EXPORT_TIMEOUT", 0.5)  # no time to retry: fails at once
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=refused_host())
+    with caplog.at_level(logging.WARNING), anyio.fail_after(10):
+        await play(observer, turn("r1", calls=5))
+    assert observer.stats == TracingStats(spans=6, exported=0, failed=6, dropped=0)
+    said = [r.getMessage() for r in caplog.records]
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+    assert len(said) == 2  # when it began, and the total at close: no line per export
+    assert "exports to the collector are failing" in said[0] and "1 failed in a row" in said[0]
+    assert "Connection refused" in said[0]  # why
+    assert "6 of 6 spans were not exported" in said[1] and "6 in a row" in said[1]
+
+
+async def test_while_exports_fail_each_report_tells_the_running_count(monkeypatch, caplog):
+    """Past ``REPORT_EVERY`` (here at once) a failing collector is told again, with the count."""
+    monkeypatch.setattr(kit_otlp, "BATCH_SIZE", 1)
+    monkeypatch.setattr(kit_otlp, "EXPORT_TIMEOUT", 0.5)
+    monkeypatch.setattr(kit_otlp, "REPORT_EVERY", 0.0)
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=refused_host())
+    with caplog.at_level(logging.WARNING, logger="kit.observers"), anyio.fail_after(10):
+        await play(observer, turn("r1", calls=2))
+    failing = [m for m in losses(caplog) if "exports to the collector are failing" in m]
+    assert [re.search(r"(\d+) failed in a row", m)[1] for m in failing] == ["1", "2", "3"]
+    assert "spans lost so far: 3 of 3" in failing[-1]
+
+
+async def test_a_collector_that_recovers_is_told_once_when_it_does(receiver, monkeypatch, caplog):
+    """A collector that refuses two exports, then takes the rest: one line when exports start
+    failing, one when they recover (with how many failed), none for the exports between."""
+    monkeypatch.setattr(kit_otlp, "BATCH_SIZE", 1)
+    receiver.answers = [400, 400]
+    observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
+    with caplog.at_level(logging.WARNING), anyio.fail_after(10):
+        await play(observer, turn("r1", calls=4))
+    assert len(receiver.requests) == 5
+    assert observer.stats == TracingStats(spans=5, exported=3, failed=2, dropped=0)
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "exports to the collector are failing" in m]) == 1
+    [back] = [m for m in said if "recovered" in m]
+    assert "recovered after 2 failed in a row" in back and "spans lost so far: 2 of" in back
+    assert len(said) == 3  # failing, recovered, the total at close
 
 
 async def test_a_busy_collectors_503_is_retried_and_its_spans_exported(receiver, caplog):
