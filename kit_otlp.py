@@ -25,7 +25,8 @@ encoder), gzipped, POSTed with the headers the observer gives (and ``requests``'
 ``User-Agent``, ``Accept``, ...), never the application's OTLP headers. A 429, 502, 503,
 504 or no connection is retried after 1, 2, 4, ... s (20% jitter; a ``Retry-After`` wins) while
 ``EXPORT_TIMEOUT`` allows; other answers are final. A 2xx is read (at most ``_ANSWER_MAX``) for
-its ``partial_success``: the spans it says it rejected are counted ``failed`` and its
+its ``partial_success`` (protobuf, or OTLP/JSON when the answer says JSON, as Langfuse's does):
+the spans it says it rejected are counted ``failed`` and its
 ``error_message`` is logged (at most ``MESSAGE_MAX`` characters). A 3xx is a failure naming where
 it points (OpenTelemetry's exporter took one for success).
 
@@ -38,6 +39,7 @@ logs the total. A collector down for an hour is a few dozen lines, not one per e
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import random
 import threading
@@ -166,18 +168,27 @@ class _Post:
 
     def _rejected(self, answer: bytes, headers: Any, sent: int) -> tuple[int, str | None]:
         """How many spans a 2xx answer's ``partial_success`` rejected, and its message; none
-        of an answer that is not an ``ExportTraceServiceResponse`` (the 2xx took them)."""
+        of an answer that is not an ``ExportTraceServiceResponse`` (the 2xx took them). The
+        answer is protobuf, or OTLP/JSON when it says so (Langfuse answers JSON whatever it
+        was sent; JSON's int64 is a string)."""
         try:
             if "gzip" in headers.get("Content-Encoding", ""):
                 answer = zlib.decompressobj(wbits=31).decompress(answer, _ANSWER_MAX)
-            part = self._answer.FromString(answer).partial_success
-        except Exception:  # garbage, or protobuf's DecodeError: nothing said against the spans
+            if "json" in headers.get("Content-Type", ""):
+                obj = json.loads(answer)
+                part = obj.get("partialSuccess", obj.get("partial_success")) or {}
+                rejected = int(part.get("rejectedSpans", part.get("rejected_spans")) or 0)
+                message = str(part.get("errorMessage", part.get("error_message")) or "")
+            else:
+                part = self._answer.FromString(answer).partial_success
+                rejected, message = part.rejected_spans, part.error_message
+        except Exception:  # garbage, a DecodeError, JSON of another shape: nothing against them
             return 0, None
-        rejected = min(max(part.rejected_spans, 0), sent)
+        rejected = min(max(rejected, 0), sent)
         if not rejected:
             return 0, None
         return rejected, (f"the collector rejected {rejected} of {sent} spans: "
-                          f"{part.error_message[:MESSAGE_MAX]!r}")
+                          f"{message[:MESSAGE_MAX]!r}")
 
 
 def _no_answer(exc: Exception) -> str:

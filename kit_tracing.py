@@ -11,10 +11,10 @@ Must never: import OpenTelemetry at import or construction (``start`` does: it i
 ``kit_otlp.SpanExport``, a bounded queue drained by a thread of its own); lose a span uncounted
 (``stats``, and a warning on ``kit.observers``); write the application context or any content
 (it renders event fields only: names, ids, counts, times, statuses; inputs, replies, tool
-arguments and results stay out, as GenAI's opt-in content attributes do); touch OpenTelemetry's global tracer provider (it owns
-a private one); take the application's settings for its own OpenTelemetry: sample runs away
-(``OTEL_TRACES_SAMPLER``), or send Langfuse its headers, client certificate or CA (``kit_otlp``
-sends kit's requests, not OpenTelemetry's exporter).
+arguments and results stay out, as GenAI's opt-in content attributes do); touch OpenTelemetry's
+global tracer provider (it owns a private one); take the application's settings for its own
+OpenTelemetry: sample runs away (``OTEL_TRACES_SAMPLER``), or send Langfuse its headers, client
+certificate or CA (``kit_otlp`` sends kit's requests, not OpenTelemetry's exporter).
 
 Theory of operation
 -------------------
@@ -56,9 +56,9 @@ the SDK nests them, tagged ``kit.layer=sdk`` and ``kit.run_id`` from the trace m
 
 Export (``kit_otlp``): ended spans go to the provider's one span processor, ``SpanExport``, a
 bounded queue sent in batches by a thread of its own, which counts the spans exported, failed and
-dropped (``stats``) and says when exports start failing, at most once a minute while they do, and
-when they recover; the total lost at close. Its settings (``QUEUE_SIZE``, ``FLUSH_TIMEOUT``, ...) are ``kit_otlp``'s, and
-are set there; this module re-exports them to read.
+dropped (``stats``) and says when exports start failing, at most once a minute while they do,
+and when they recover; the total lost at close. Its settings (``QUEUE_SIZE``, ``FLUSH_TIMEOUT``,
+...) are ``kit_otlp``'s, and are set there; this module re-exports them to read.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Tests of the tracing observer (kit_tracing) and its span export (kit_otlp) against a local OTLP/HTTP
-receiver on 127.0.0.1."""
+"""Tests of the tracing observer (kit_tracing) and its span export (kit_otlp) against a local
+OTLP/HTTP receiver on 127.0.0.1."""
 from __future__ import annotations
 
 import base64
@@ -55,6 +55,7 @@ class Receiver:
         self.answers: list[int] = []  # what it answers first, one status a request (a 503 says
         # Retry-After: 0), before ``status``
         self.reply = ExportTraceServiceResponse()  # a 2xx's body (a partial_success, say)
+        self.reply_json: dict | None = None  # else this, as OTLP/JSON (as Langfuse answers)
         self.location: str | None = None  # a Location header to answer with (a redirect's)
         self.garbage = 0  # bytes of garbage to answer with instead, no length: until it closes
         self.garbage_sent = 0  # of those, what the client took
@@ -67,7 +68,10 @@ class Receiver:
                     body = gzip.decompress(body)
                 receiver.requests.append((self.path, self.headers,  # case-insensitive
                                           ExportTraceServiceRequest.FromString(body)))
-                reply = receiver.reply.SerializeToString()
+                reply, content_type = receiver.reply.SerializeToString(), "application/x-protobuf"
+                if receiver.reply_json is not None:
+                    reply = json.dumps(receiver.reply_json).encode()
+                    content_type = "application/json"
                 status = receiver.answers.pop(0) if receiver.answers else receiver.status
                 self.send_response(status)
                 if status == 503:
@@ -83,7 +87,7 @@ class Receiver:
                     return
                 if receiver.location is not None:
                     self.send_header("Location", receiver.location)
-                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)
@@ -701,17 +705,23 @@ async def test_close_gives_up_on_a_collector_that_never_answers_and_says_so(monk
             observer._export._thread.join(5)
 
 
+@pytest.mark.parametrize("answer", ["protobuf", "json"])
 async def test_spans_a_collectors_partial_success_rejects_are_counted_failed_and_its_message_logged(
-        receiver, caplog):
+        receiver, caplog, answer):
     """A collector that takes the request (a 200) but says in its OTLP answer that it rejected
     some of its spans (``partial_success.rejected_spans``, with why in ``error_message``): every
-    span was counted exported, and the collector's reason was never read."""
-    receiver.reply = ExportTraceServiceResponse(partial_success=ExportTracePartialSuccess(
-        rejected_spans=2, error_message="span attribute value too long" + "!" * 5000))
+    span was counted exported, and the collector's reason was never read. Its answer is
+    protobuf, as kit's request, or OTLP/JSON (Langfuse answers JSON; int64 as a string)."""
+    message = "span attribute value too long" + "!" * 5000
+    if answer == "json":
+        receiver.reply_json = {"partialSuccess": {"rejectedSpans": "2", "errorMessage": message}}
+    else:
+        receiver.reply = ExportTraceServiceResponse(partial_success=ExportTracePartialSuccess(
+            rejected_spans=2, error_message=message))
     observer = TracingObserver(public_key=PK, secret_key=SK, host=receiver.host)
     with caplog.at_level(logging.WARNING), anyio.fail_after(10):
         await play(observer, turn("r1", calls=3))
-    assert len(receiver.requests) == 1  # protobuf, as kit sends: no retry of a 200
+    assert len(receiver.requests) == 1  # (protobuf, as kit sends) no retry of a 200
     assert observer.stats == TracingStats(spans=4, exported=2, failed=2, dropped=0)
     said = losses(caplog)
     assert any("rejected 2 of 4 spans" in m and "span attribute value too long" in m
