@@ -29,7 +29,7 @@ import re
 import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -41,8 +41,8 @@ from kit_content import (
     block_to_json,
 )
 from kit_errors import (
-    CheckpointMissingError, ConfigError, ContentError, ContextTypeError, DeckStateError, KitError,
-    LogConflictError, MCPServerError, RunNotWaitingError, RunStoppedError, SessionBusyError,
+    CheckpointMissingError, ConfigError, ContentError, ContextTypeError, CorruptEventError,
+    DeckStateError, KitError, LogConflictError, MCPServerError, RunNotWaitingError, RunStoppedError, SessionBusyError,
     StoreUnavailableError, UnknownNameError, UnknownRunError, error_text,
 )
 
@@ -51,7 +51,7 @@ __all__ = (
     "KitError", "ConfigError", "ContextTypeError", "ContentError", "DeckStateError",
     "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "RunStoppedError",
     "SessionBusyError", "LogConflictError", "StoreUnavailableError", "MCPServerError",
-    "CheckpointMissingError",
+    "CheckpointMissingError", "CorruptEventError",
     # content
     "TextBlock", "ImageBlock", "AudioBlock", "ResourceBlock", "DataBlock", "ContentBlock",
     "MAX_INLINE_BYTES", "as_blocks", "block_to_json", "block_from_json", "HistoryMessage",
@@ -330,12 +330,13 @@ class RunCancelled(Payload):
 
 @dataclass(frozen=True, slots=True)
 class UnknownEvent(Payload):
-    """The payload of a kind this version does not know; ``data`` is the raw JSON payload."""
+    """The payload of a kind this version does not know; ``data`` is the raw JSON payload, any
+    JSON value (a newer kit's, or a hand-written row's), written back exactly as it was read."""
     kind: str  # type: ignore[misc]
     data: Any = None
 
-    def to_json(self) -> dict[str, Any]:
-        return self.data if isinstance(self.data, dict) else {"data": self.data}
+    def to_json(self) -> Any:  # type: ignore[override]
+        return self.data
 
 
 def utcnow() -> datetime:
@@ -394,13 +395,72 @@ class Event:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Event:
-        """Parse ``to_json`` output; an unknown kind gives an ``UnknownEvent`` payload, never raises."""
-        kind, data = obj["kind"], obj.get("payload")
-        ptype = KINDS.get(kind)
-        payload = ptype.from_json(data or {}) if ptype else UnknownEvent(kind, data)
-        at = obj.get("at")
-        return cls(obj["run_id"], int(obj["seq"]), payload, obj.get("origin") or "",
-                   obj.get("message_id"), datetime.fromisoformat(at) if at else utcnow())
+        """Parse ``to_json`` output; an unknown kind gives an ``UnknownEvent`` payload, never
+        raises for it. Raises ``CorruptEventError`` naming the run, seq, kind and field for what
+        is not an event of its kind (a known kind's payload without a field it needs, or with
+        one of the wrong shape; no run id, seq or kind)."""
+        try:
+            kind, data = obj["kind"], obj.get("payload")
+            ptype = KINDS.get(kind)
+            payload = ptype.from_json(data or {}) if ptype else UnknownEvent(kind, data)
+            at = obj.get("at")
+            return cls(obj["run_id"], int(obj["seq"]), payload, obj.get("origin") or "",
+                       obj.get("message_id"), datetime.fromisoformat(at) if at else utcnow())
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            # Explained here, on the failure path: the valid path checks nothing more.
+            raise unreadable(obj, exc) from None
+
+
+def unreadable(obj: Any, exc: Exception) -> CorruptEventError:
+    """Why ``obj`` is not an event ``Event.from_json`` can read (``exc``, what it raised)."""
+    if not isinstance(obj, Mapping):
+        return CorruptEventError(None, None, None, None,
+                                 f"it is a JSON {type(obj).__name__}, not an object")
+    run_id, seq, kind = obj.get("run_id"), obj.get("seq"), obj.get("kind")
+    for name, value in (("run_id", run_id), ("seq", seq), ("kind", kind)):
+        if value is None:
+            return CorruptEventError(run_id, seq, kind, name, f"it has no {name}")
+    envelope = _envelope_fault(obj)
+    if envelope is not None:
+        return CorruptEventError(run_id, seq, kind, *envelope)
+    data, ptype = obj.get("payload") or {}, KINDS.get(kind)
+    if ptype is None:
+        return CorruptEventError(run_id, seq, kind, None, f"it is malformed ({type(exc).__name__}"
+                                 f": {exc})"[:MAX_ERROR_CHARS])
+    if not isinstance(data, Mapping):
+        return CorruptEventError(run_id, seq, kind, "payload",
+                                 f"its payload is a JSON {type(data).__name__}, not an object")
+    required = [f.name for f in fields(ptype) if f.default is f.default_factory is MISSING]
+    for name in required:
+        if name not in data:
+            return CorruptEventError(run_id, seq, kind, name, f"its payload has no {name!r}")
+    base = {n: data[n] for n in required}
+    for name in ptype._fields:  # the first field that fails the payload's own parsing
+        if name in data and name not in base:
+            try:
+                ptype.from_json({**base, name: data[name]})
+            except (TypeError, KeyError, ValueError, AttributeError) as err:
+                return CorruptEventError(run_id, seq, kind, name, f"its payload's {name!r} is "
+                                         f"malformed ({type(err).__name__}: {err})"[:MAX_ERROR_CHARS])
+    return CorruptEventError(run_id, seq, kind, None, f"it is malformed ({type(exc).__name__}: "
+                             f"{exc})"[:MAX_ERROR_CHARS])
+
+
+def _envelope_fault(obj: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(field, problem)`` for an event whose envelope (not its payload) is malformed."""
+    try:
+        int(obj["seq"])
+    except (TypeError, ValueError):
+        return "seq", "its seq is not an integer"
+    at = obj.get("at")
+    try:
+        if at:
+            datetime.fromisoformat(at)
+    except (TypeError, ValueError):
+        return "at", "its time is not an ISO 8601 time"
+    if not isinstance(obj["kind"], str):
+        return "kind", "its kind is not a string"
+    return None
 
 
 _set_run_id, _set_seq, _set_payload, _set_origin, _set_message_id, _set_at = (

@@ -3,7 +3,8 @@ ground floor, below every other module).
 
 Owns: ``KitError`` and its subclasses, each naming what was wrong and, where it helps, what to do
 next; ``type_name`` for messages that name a type, ``error_text`` for those that quote an
-exception that may not be kit's. ``kit_core`` re-exports all of it, so
+exception that may not be kit's, ``quoted`` for those that quote a value given from outside
+(cut to ``MAX_QUOTED_CHARS``). ``kit_core`` re-exports all of it, so
 ``kit.ConfigError`` and ``from kit_core import ConfigError`` are the ways in.
 
 Must never: import a sibling module or an engine SDK, do I/O or read the environment.
@@ -25,7 +26,7 @@ __all__ = (
     "KitError", "ConfigError", "ContextTypeError", "ContentError", "DeckStateError",
     "UnknownNameError", "UnknownRunError", "RunNotWaitingError", "RunStoppedError",
     "SessionBusyError", "LogConflictError", "StoreUnavailableError", "MCPServerError",
-    "CheckpointMissingError",
+    "CheckpointMissingError", "CorruptEventError",
 )
 
 class KitError(Exception):
@@ -129,6 +130,27 @@ class LogConflictError(KitError):
                              "when this writer's lease lapsed")
 
 
+class CorruptEventError(KitError, ValueError):
+    """An event kit cannot read: the log holds a row of a kind this version knows whose payload
+    lacks a field or holds one of the wrong shape (a row edited by hand, or written by another
+    program), or one that is not an event at all. ``run_id``, ``seq``, ``kind`` and ``field``
+    say where (each None when the row does not say it); ``problem`` says what is wrong.
+
+    Contrast with ``ContentError`` (a caller's input is malformed: fix the call) and with a kind
+    this version does not know, which is no error (it reads as ``UnknownEvent``): here the log
+    itself holds what kit cannot read; fix or delete that row.
+    """
+
+    def __init__(self, run_id: object, seq: object, kind: object, field: str | None,
+                 problem: str) -> None:
+        self.run_id, self.seq, self.kind, self.field = run_id, seq, kind, field
+        self.problem = problem
+        where = ("an event" if seq is None else f"the event at seq {quoted(seq)}") + (
+            "" if run_id is None else f" of run {quoted(run_id)}")
+        what = f" ({quoted(kind)})" if kind is not None else ""
+        super().__init__(f"{where}{what} cannot be read: {problem}")
+
+
 class UnknownRunError(KitError, LookupError):
     """The log has no run with that id."""
 
@@ -224,6 +246,24 @@ class StoreUnavailableError(KitError):
                      "store recovers (do not play it again)",
             "not started": f"run {run_id} was not started: {down}; nothing of it is recorded",
         }[outcome])
+
+
+#: The most characters of a value given from outside (a name, an id, a header) an error message
+#: quotes: enough to recognise it, while a megabyte-long one does not make a megabyte message
+#: (nor a log line, nor an HTTP answer).
+MAX_QUOTED_CHARS = 200
+
+
+def quoted(value: object, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``repr(value)`` for an error message, its first ``limit`` characters and how many more
+    were cut when longer. Never raises: a value whose ``repr`` does is shown by its type."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit:,} more characters)"
 
 
 def type_name(t: object) -> str:

@@ -45,9 +45,9 @@ from typing import Any
 
 import orjson
 
-from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunFailed,
-                      RunInfo, RunStarted, RunStatus, SessionBusyError, fold_status,
-                      iso_time)
+from kit_core import (Claim, ConfigError, ControlRequest, CorruptEventError, Event,
+                      LogConflictError, RunFailed, RunInfo, RunStarted, RunStatus,
+                      SessionBusyError, fold_status, iso_time)
 from kit_storebase import NotJSONError, StoreBase
 
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
@@ -197,7 +197,12 @@ def event_of(body: str) -> Event:
             return Event.from_json(orjson.loads(body))
         except orjson.JSONDecodeError:
             pass
-    return Event.from_json(json.loads(body))
+    try:
+        obj = json.loads(body)
+    except ValueError as exc:  # a row edited by hand, or written by another program
+        raise CorruptEventError(None, None, None, None, f"its stored body is not JSON ({exc})") \
+            from None
+    return Event.from_json(obj)
 
 
 def runs_query(status: RunStatus | None, name: str | None, session_id: str | None,

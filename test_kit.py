@@ -2085,3 +2085,48 @@ async def test_a_call_whose_caller_is_cancelled_already_cancels_its_task_after_i
     finally:
         await bridge.stop()
     assert seen == ["cancelled"]
+
+
+@pytest.mark.parametrize("data", [[1, 2], "text", 3, None, {"data": [1]}, {"z": {"y": [None]}}])
+def test_an_unknown_kinds_payload_of_any_json_value_round_trips_unchanged(data):
+    # A row of a newer kit's kind (or a hand-written one) holds whatever JSON its writer chose:
+    # a list or a string came back wrapped as {"data": ...}.
+    ev = Event.from_json({"run_id": "r", "seq": 3, "kind": "x.new", "payload": data})
+    assert ev.payload == kit.UnknownEvent("x.new", data)
+    again = Event.from_json(json.loads(json.dumps(ev.to_json())))
+    assert again.payload == ev.payload and again.to_json()["payload"] == data
+
+
+@pytest.mark.parametrize("obj, field, says", [
+    ({"kind": "text.delta", "payload": {}}, "text", "its payload has no 'text'"),
+    ({"kind": "text.delta", "payload": {"txt": "a"}}, "text", "its payload has no 'text'"),
+    ({"kind": "text.delta", "payload": [1, 2]}, "payload", "its payload is a JSON list"),
+    ({"kind": "tool.started", "payload": "call"}, "payload", "its payload is a JSON str"),
+    ({"kind": "run.completed", "payload": {"usage": {"input_tokens": "many"}}}, "usage",
+     "its payload's 'usage' is malformed"),
+    ({"kind": "run.completed", "payload": {"usage": [1]}}, "usage", "'usage' is malformed"),
+    ({"kind": "run.started", "payload": {"name": "a", "invocable": "agent", "input": [5]}},
+     "input", "its payload's 'input' is malformed"),
+    ({"kind": "text.delta", "payload": {"text": "a"}, "at": "yesterday"}, "at", "its time"),
+    ({"kind": "text.delta", "payload": {"text": "a"}, "seq": "first"}, "seq", "its seq"),
+])
+def test_a_known_kind_with_a_missing_or_mistyped_field_names_run_seq_kind_and_field(obj, field, says):
+    # Was a bare TypeError ("TextDelta.__init__() missing 1 required positional argument"),
+    # a ValueError or an AttributeError from deep inside the payload's constructor.
+    with pytest.raises(kit.CorruptEventError) as info:
+        Event.from_json({"run_id": "run-7", "seq": 4, **obj})
+    err = info.value
+    assert isinstance(err, kit.KitError) and isinstance(err, ValueError)
+    assert (err.run_id, err.kind, err.field) == ("run-7", obj["kind"], field)
+    assert "run 'run-7'" in str(err) and obj["kind"] in str(err) and says in str(err), str(err)
+    if field != "seq":
+        assert "the event at seq 4 " in str(err)
+
+
+def test_an_event_without_its_envelope_says_what_it_lacks():
+    with pytest.raises(kit.CorruptEventError, match="it has no kind"):
+        Event.from_json({"run_id": "r", "seq": 0, "payload": {}})
+    with pytest.raises(kit.CorruptEventError, match="of run 'r' .* it has no seq"):
+        Event.from_json({"run_id": "r", "kind": "text.delta", "payload": {"text": "a"}})
+    with pytest.raises(kit.CorruptEventError, match="it is a JSON list, not an object"):
+        Event.from_json([1])

@@ -1905,3 +1905,42 @@ async def test_all_names_the_public_surface():
     assert isinstance(MemoryStore(), kit.EventStorePort)
     assert isinstance(SQLiteStore(os.devnull), kit.EventStorePort)
 # appended to test_kit_store.py for probing
+
+
+async def test_an_unknown_kinds_payload_of_any_json_value_survives_the_store(store):
+    # A newer kit's row (or a hand-written one) whose payload is a list, a string or a number
+    # came back wrapped as {"data": ...}: the log no longer held what was written.
+    values = [[1, 2], "text", 3, None, {"data": 1}]
+    unknown = [Event.from_json({"run_id": "r1", "seq": i + 1, "kind": "x.new", "payload": v,
+                                "at": (T0 + timedelta(seconds=i)).isoformat()})
+               for i, v in enumerate(values)]
+    await store.append([started("r1"), *unknown])
+    read = await store.read("r1")
+    assert [e.payload for e in read[1:]] == [kit.UnknownEvent("x.new", v) for v in values]
+    assert [e.to_json()["payload"] for e in read[1:]] == values
+
+
+async def test_a_hand_edited_row_names_its_run_seq_and_field(tmp_path, anyio_backend):
+    # A row edited by hand: reading the run raised a bare TypeError from TextDelta's
+    # constructor (or json's decoder for a body that is not JSON), naming no run nor seq.
+    path = tmp_path / "kit.db"
+    async with SQLiteStore(path) as store:
+        await store.append([started("r1"), ev("r1", 1, kit.TextDelta("He")),
+                            ev("r1", 2, kit.RunCompleted("He"))])
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("UPDATE events SET body = replace(body, '\"text\"', '\"txt\"') "
+                   "WHERE run_id = 'r1' AND seq = 1")
+    async with SQLiteStore(path) as store:
+        deck = kit.Deck([kit.Agent("bot", model=kit.ScriptedModel(["x"]))], store=store)
+        async with deck:
+            with pytest.raises(kit.CorruptEventError) as info:
+                await deck.store.read("r1")
+            assert (info.value.run_id, info.value.seq, info.value.field) == ("r1", 1, "text")
+            assert str(info.value) == ("the event at seq 1 of run 'r1' ('text.delta') cannot be "
+                                       "read: its payload has no 'text'")
+            assert [r.run_id for r in await deck.store.runs()] == ["r1"]  # the index is intact
+            assert await deck.status("r1") is RunStatus.COMPLETED
+            with contextlib.closing(sqlite3.connect(path)) as db, db:
+                db.execute("UPDATE events SET body = 'not json' WHERE run_id = 'r1' AND seq = 2")
+            with pytest.raises(kit.CorruptEventError, match="its stored body is not JSON"):
+                await deck.store.read("r1", after=1)
