@@ -69,7 +69,7 @@ __all__ = (
     "QUEUE_SIZE", "BATCH_MAX", "LOOP_BATCH_MAX", "DISABLE_AFTER", "RETRY_MIN", "RETRY_MAX",
     "DRAIN_TIMEOUT", "CLOSE_TIMEOUT", "SEEN_MAX", "RUN_INFO_TIMEOUT", "REPORT_EVERY",
     "ObserverStats", "ObserverHub", "resolve_observers",
-    "check_observers",
+    "check_observers", "observer_name",
 )
 
 #: Events waiting for one observer: references to events the log holds anyway (~64 KiB). Past
@@ -139,12 +139,13 @@ def check_observers(observers: Sequence[EventSinkPort] | None) -> None:
     if observers is None:
         return
     if isinstance(observers, EventSinkPort) and not isinstance(observers, type):
-        raise ConfigError(f"observers= takes a sequence of observers; wrap it: observers=[{observers!r}]")
+        raise ConfigError("observers= takes a sequence of observers; wrap it: "
+                          f"observers=[{observer_name(observers)}(...)]")
     if isinstance(observers, (str, bytes)) or not isinstance(observers, Sequence):
         raise ConfigError(f"observers= takes a sequence (list or tuple) of observers, "
                           f"got {type(observers).__name__}")
     for i, obs in enumerate(observers):
-        where = f"observers[{i}] ({obs!r})"
+        where = f"observers[{i}] ({observer_name(obs)})"
         if isinstance(obs, type):
             raise ConfigError(f"{where} is a class; pass an instance: {obs.__name__}(...)")
         if not isinstance(obs, EventSinkPort) or not callable(obs.emit):
@@ -156,12 +157,20 @@ def check_observers(observers: Sequence[EventSinkPort] | None) -> None:
                                   "that does in-memory work only (SPEC 4.6)")
 
 
+def observer_name(observer: object) -> str:
+    """How messages and log lines name an observer: its type's name (a class's own name). Never
+    the observer's ``repr``/``str``: a user's may raise, be megabytes long, or show what it
+    holds (a key, a client)."""
+    t = observer if isinstance(observer, type) else type(observer)
+    return getattr(t, "__qualname__", None) or t.__name__
+
+
 @dataclass(slots=True)
 class ObserverStats:
     """One observer's counters (a snapshot from ``ObserverHub.stats``).
 
-    ``emitted`` events entered its queue and ``dropped`` did not (queue full, or the hub closed).
-    Of those emitted, ``delivered`` were taken by its ``emit``, ``errors`` made it raise,
+    ``observer`` is its name in log lines (``observer_name``: its type's). ``emitted`` events
+    entered its queue and ``dropped`` did not (queue full, or the hub closed). Of those emitted, ``delivered`` were taken by its ``emit``, ``errors`` made it raise,
     ``skipped`` arrived while it was disabled, and ``abandoned`` were still queued or in flight
     when close gave up on it (an observer stuck in ``emit``); until close, the rest are queued.
     ``disabled`` counts the times it was disabled.
@@ -181,7 +190,7 @@ class _Slot:
 
     def __init__(self, observer: EventSinkPort) -> None:
         self.observer = observer
-        self.stats = ObserverStats(repr(observer))
+        self.stats = ObserverStats(observer_name(observer))
         self.failures = 0
         self.backoff = RETRY_MIN
         self.retry_at: float | None = None  # set while disabled

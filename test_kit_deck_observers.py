@@ -246,3 +246,32 @@ async def test_a_cancelled_tools_sdk_span_stays_the_decks(receiver):  # noqa: F8
         assert "kit.unfinished" not in {a.key for a in tool.attributes}
     finally:
         agents.set_trace_processors(before)
+
+
+async def test_an_observer_whose_repr_raises_is_accepted_and_named_by_its_type(caplog):
+    """kit named observers by their ``repr`` (the check at build, the stats, the log lines and
+    thread names), so one whose ``__repr__`` raises (or ``__str__``) made the deck refuse to
+    open with that error. Now it is named by its type: it gets every event, and its failures are
+    logged naming its type, never its repr (which may raise, be huge, or show a key)."""
+
+    class NoRepr(Recorder):
+        def __repr__(self) -> str:
+            raise RuntimeError("repr is broken")
+
+        __str__ = __repr__
+
+    class FailingNoRepr(NoRepr):
+        def emit(self, event: kit.Event) -> None:
+            raise ValueError("emit is broken")
+
+    seen, failing = NoRepr(), FailingNoRepr()
+    agents_, _ = catalog()
+    with anyio.fail_after(30):
+        async with MemoryStore() as store:
+            async with Deck(agents_, store=store, observers=[seen, failing]) as deck:
+                result = await deck.run("a", "1+2?")
+            logged = [e.kind for e in await store.read(result.run_id)]
+    assert [e.kind for e in seen.seen] == logged and logged[-1] == "run.completed"
+    said = [r.getMessage() for r in caplog.records if r.name == "kit.observers"]
+    assert any("FailingNoRepr" in m and "raised" in m for m in said), said
+    assert all("repr is broken" not in m for m in said)

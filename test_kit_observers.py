@@ -106,11 +106,11 @@ def test_check_observers_names_the_bad_entry():
         async def run_info(self, info):
             pass
 
-    for bad, message in [([Recorder(), 42], r"observers\[1\] \(42\) is not an observer"),
+    for bad, message in [([Recorder(), 42], r"observers\[1\] \(int\) is not an observer"),
                          ([AsyncRunInfo()], r"async run_info"),
                          ([TracingObserver], r"is a class; pass an instance: TracingObserver"),
                          ([AsyncEmit()], r"async emit"),
-                         (Recorder(), r"wrap it: observers=\[rec\]"),
+                         (Recorder(), r"wrap it: observers=\[Recorder\(...\)\]"),
                          ("tracing", r"sequence"),
                          ({"a": Recorder()}, r"sequence")]:
         with pytest.raises(ConfigError, match=message):
