@@ -309,15 +309,16 @@ class PostgresStore(StoreBase):
     ``SELECT`` will do): nothing is created or upgraded, a schema without kit's tables is a
     ``ConfigError``, and the writing methods raise ``KitError``. Other processes' commits wake
     this one's followers through LISTEN/NOTIFY, never a poll. Raises ``ConfigError`` for a
-    malformed URL, or on open without the postgres extra or for a newer schema; opening raises
-    psycopg's errors when the server cannot be reached, its ``ConnectionTimeout`` naming the URL
-    (masked) when it does not answer (``kit_pgpool.CONNECT_TIMEOUT``).
+    malformed URL, or on open without the postgres extra or for a newer schema, and when the
+    server cannot be reached, refuses the connection or has no such database, or does not
+    answer (``kit_pgpool.CONNECT_TIMEOUT``): naming ``setting`` (where the URL came from, as
+    ``store_from_url`` passes it), the host, port and database, never the password.
     """
 
-    def __init__(self, url: str, *, read_only: bool = False) -> None:
+    def __init__(self, url: str, *, read_only: bool = False, setting: str | None = None) -> None:
         super().__init__()
         self._conninfo, self.schema = pg_url(url)
-        self.url, self.read_only = url, bool(read_only)
+        self.url, self.read_only, self.setting = url, bool(read_only), setting
         self.channel = f"kit:{self.schema}"
         self._pool: Any = None  # the readers'
         self._writes: Any = None  # the writers' (``WRITE_POOL``)
@@ -382,7 +383,8 @@ class PostgresStore(StoreBase):
                                                             errors.ProgramLimitExceeded))
 
     async def _connect(self) -> Any:
-        pool = await open_pool(self._conninfo, self.schema, create=not self.read_only)
+        pool = await open_pool(self._conninfo, self.schema, create=not self.read_only,
+                               setting=self.setting)
         try:
             async with pool.connection() as conn:
                 await self._clock(conn, "")
@@ -730,7 +732,7 @@ def store_from_url(url: str, *, sqlite_sync: str | None = None, read_only: bool 
         return SQLiteStore(url[len("sqlite:///"):], synchronous=synchronous, read_only=read_only)
     if url.startswith(("postgresql://", "postgres://")):
         try:
-            return PostgresStore(url, read_only=read_only)
+            return PostgresStore(url, read_only=read_only, setting=setting)
         except ConfigError as exc:  # which setting's URL it is (a session URL may be one too)
             raise ConfigError(f"{setting or 'store URL'}: {exc}") from None
     raise ConfigError(f"{setting + ': ' if setting else ''}unsupported store URL {masked(url)!r}: "

@@ -25,7 +25,7 @@ import anyio
 from kit_core import ConfigError
 from kit_storebase import masked
 
-__all__ = ("pg_url", "open_pool", "setup_lock", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT",
+__all__ = ("pg_url", "open_pool", "setup_lock", "unreachable", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT",
            "CONNECT_TIMEOUT", "CHECK_TIMEOUT")
 
 #: The schema a ``postgresql://`` URL without ``?schema=`` uses.
@@ -50,6 +50,8 @@ CHECK_TIMEOUT = 10.0
 #: creating the tables takes well under a second).
 _LOCK_RETRY = 0.05
 _LOCK_PATIENCE = 60.0
+#: The most of libpq's reason an ``unreachable`` error quotes (one line; its own is a few lines).
+_REASON_CHARS = 500
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,58}\Z")
 
 
@@ -102,7 +104,8 @@ def bounded(conninfo: str) -> dict[str, Any]:
 
 
 async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, create: bool = True,
-                    name: str = "kit", check: bool = False, **kwargs: Any) -> Any:
+                    name: str = "kit", check: bool = False, setting: str | None = None,
+                    **kwargs: Any) -> Any:
     """On asyncio: an open ``psycopg_pool.AsyncConnectionPool`` of autocommit connections whose
     ``search_path`` is ``schema`` (created if missing, unless ``create`` is false), named
     ``<name>:<schema>`` in ``pg_stat_activity`` (the log's pools are ``kit:<schema>`` and
@@ -114,9 +117,9 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, cre
     goes unanswered for ``CHECK_TIMEOUT``, silent, is replaced too). For callers with no
     retry of their own; the log's reads and writes retry instead, so they pay nothing until a
     connection fails.
-    Raises ``ConfigError`` without the postgres extra; psycopg's ``OperationalError`` when the
-    server cannot be reached (libpq's messages name the host, never the password), its
-    ``ConnectionTimeout`` naming ``conninfo`` (masked) when the server does not answer in time."""
+    Raises ``ConfigError`` without the postgres extra, and when the server cannot be reached or
+    refuses the connection (``unreachable``: named by ``setting``, where the URL came from, its
+    host, port and database, never its password)."""
     psycopg = psycopg_module()
     from psycopg import sql
     from psycopg_pool import AsyncConnectionPool
@@ -128,8 +131,8 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, cre
 
     try:
         first = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, **bound)
-    except psycopg.errors.ConnectionTimeout as exc:  # libpq's other errors name the host
-        raise type(exc)(f"cannot connect to {masked(conninfo)!r}: {exc}") from None
+    except psycopg.OperationalError as exc:  # refused, timed out, no such database or role
+        raise unreachable(conninfo, exc, setting) from None
     async with first as conn:
         if create:
             async with conn.transaction():  # locked: concurrent CREATE SCHEMA IF NOT EXISTS collide
@@ -156,6 +159,28 @@ async def open_pool(conninfo: str, schema: str, *, max_size: int = POOL_MAX, cre
                                        "application_name": f"{name}:{schema}"[:63]})
     await pool.open(wait=True, timeout=POOL_TIMEOUT)
     return pool
+
+
+def unreachable(conninfo: str, exc: BaseException, setting: str | None = None) -> ConfigError:
+    """The error for a Postgres server that ``conninfo`` names and a connect could not use
+    (``exc``, psycopg's): ``setting`` (where the URL came from: ``KIT_STORE``, ``--store``), the
+    server's host, port and database, the URL masked and libpq's reason on one line, the
+    password in none of them. Raised ``from None``: psycopg's own error, printed below it by
+    default, would repeat the reason on several lines."""
+    from psycopg.conninfo import conninfo_to_dict
+    try:
+        parts = conninfo_to_dict(conninfo)
+    except Exception:  # (pg_url has read it already; never fail the explanation)
+        parts = {}
+    host = parts.get("host") or os.environ.get("PGHOST") or "localhost"
+    port = parts.get("port") or os.environ.get("PGPORT") or "5432"
+    database = parts.get("dbname") or os.environ.get("PGDATABASE") or parts.get("user") or "?"
+    reason = " ".join(str(exc).split())[:_REASON_CHARS]
+    if password := parts.get("password"):
+        reason = reason.replace(str(password), "***")
+    return ConfigError(f"{setting + ': ' if setting else ''}cannot connect to the Postgres "
+                       f"server at {host}:{port}, database {database!r} ({masked(conninfo)!r}): "
+                       f"{reason}; check that the server runs there and the database exists")
 
 
 async def _try_lock(conn: Any, what: str, xact: str = "") -> None:

@@ -1656,13 +1656,13 @@ def silent_server() -> Iterator[int]:
 
 
 async def test_postgres_that_never_answers_fails_the_open_in_bounded_time_naming_it(anyio_backend):
-    psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed")
+    pytest.importorskip("psycopg", reason="the postgres extra is not installed")
     with silent_server() as port:
         for query, bound in (("", kit_pgpool.CONNECT_TIMEOUT), ("&connect_timeout=2", 2)):
             store = store_from_url(f"postgresql://kit:s3cret@127.0.0.1:{port}/test?schema=s{query}")
             started = time.monotonic()
             with anyio.fail_after(kit_pgpool.CONNECT_TIMEOUT + 5), \
-                    pytest.raises(psycopg.errors.ConnectionTimeout) as info:
+                    pytest.raises(kit.ConfigError, match="timeout") as info:
                 async with store:
                     pass
             took = time.monotonic() - started
@@ -1944,3 +1944,45 @@ async def test_a_hand_edited_row_names_its_run_seq_and_field(tmp_path, anyio_bac
                 db.execute("UPDATE events SET body = 'not json' WHERE run_id = 'r1' AND seq = 2")
             with pytest.raises(kit.CorruptEventError, match="its stored body is not JSON"):
                 await deck.store.read("r1", after=1)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (one just bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_an_unreachable_postgres_or_missing_database_is_a_config_error_naming_where(
+        monkeypatch, postgres_url, anyio_backend):
+    """A deck opening on KIT_STORE=postgresql://... whose server refuses the connection, or
+    whose database does not exist, failed with psycopg's raw OperationalError (libpq's message
+    over several lines, naming no setting). Now: a ConfigError naming KIT_STORE, the host, port
+    and database, on one line, the password nowhere, not even in what a traceback prints."""
+    import traceback
+    port = closed_port()
+    missing_db = postgres_url.replace("postgresql://postgres@", "postgresql://postgres:secret@") \
+        .replace("/test?", "/kit_no_such_database?")
+    cases = [(f"postgresql://bob:secret@127.0.0.1:{port}/test", f"127.0.0.1:{port}",
+              "'test'", "refused"),
+             (missing_db, "127.0.0.1:5432", "'kit_no_such_database'", "does not exist")]
+    for url, where, database, reason in cases:
+        monkeypatch.setenv("KIT_STORE", url)
+        with anyio.fail_after(30), pytest.raises(kit.ConfigError) as info:
+            async with kit.Deck([kit.Agent("a", model=kit.ScriptedModel(["hi"]))]):
+                pass
+        said = str(info.value)
+        assert said.startswith(f"KIT_STORE: cannot connect to the Postgres server at {where}, "
+                               f"database {database}"), said
+        assert reason in said and "\n" not in said and ":***@" in said, said
+        printed = "".join(traceback.format_exception(info.value))
+        assert "secret" not in printed and "OperationalError" not in printed, printed
+        store = store_from_url(url)  # opened by its user: named by its host, not a setting
+        with anyio.fail_after(30), pytest.raises(kit.ConfigError, match=f"^cannot connect .*{where}"):
+            async with store:
+                pass
+        assert not store.opened
+    monkeypatch.delenv("KIT_STORE")
+    code, err = await kit_runs_list(cases[0][0])
+    assert code == 1 and f"--store: cannot connect to the Postgres server at {cases[0][1]}" in err
+    assert "secret" not in err and "Traceback" not in err, err
