@@ -53,7 +53,7 @@ from kit_core import (
     AudioBlock, ConfigError, ContentError, Context, ControlRequested, DataBlock, Event,
     HistoryMessage, ImageBlock, InvocableSpec, MessageCompleted, ModelCompleted, ResourceBlock,
     RunCancelled, RunCompleted, RunHandle, RunPaused, TextBlock, TextDelta, ToolCompleted,
-    ToolStarted, as_blocks, check_limit, jsonable,
+    ToolStarted, as_blocks, check_limit, jsonable, quoted,
 )
 from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
 from kit_tools import (
@@ -699,7 +699,8 @@ def _within_window(items: Any) -> Any:
 def use_api(api: str | None) -> None:
     """Apply ``KIT_OPENAI_API`` (``responses`` or ``chat_completions``); raises ``ConfigError``."""
     if api is not None and api not in ("responses", "chat_completions"):
-        raise ConfigError(f"KIT_OPENAI_API must be 'responses' or 'chat_completions', got {api!r}")
+        raise ConfigError("KIT_OPENAI_API must be 'responses' or 'chat_completions', got "
+                          f"{quoted(api)}")
     if api is not None:
         sdk.set_default_openai_api(api)  # type: ignore[arg-type]
 

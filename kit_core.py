@@ -43,7 +43,7 @@ from kit_content import (
 from kit_errors import (
     CheckpointMissingError, ConfigError, ContentError, ContextTypeError, CorruptEventError,
     DeckStateError, KitError, LogConflictError, MCPServerError, RunNotWaitingError, RunStoppedError, SessionBusyError,
-    StoreUnavailableError, UnknownNameError, UnknownRunError, error_text,
+    StoreUnavailableError, UnknownNameError, UnknownRunError, error_text, quoted,
 )
 
 __all__ = (
@@ -654,7 +654,7 @@ def check_name(what: str, name: object) -> str:
     raises ``ConfigError`` naming ``what`` otherwise."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigError(f"{what} name must be 1-128 characters of letters, digits, '_', '.' or '-' "
-                          f"starting with a letter or digit (it appears in URLs), got {name!r}")
+                          f"starting with a letter or digit (it appears in URLs), got {quoted(name)}")
     return name
 
 
@@ -676,7 +676,7 @@ def check_id(what: str, value: object) -> str:
     run or session could never be named over HTTP). Raises ``ConfigError`` naming ``what``
     otherwise, before anything is written."""
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{what} must be a non-empty str, got {value!r}")
+        raise ConfigError(f"{what} must be a non-empty str, got {quoted(value)}")
     if value in (".", ".."):
         raise ConfigError(f"{what} must not be {value!r}: HTTP clients resolve it away in a URL")
     if len(value) > MAX_ID_CHARS:
@@ -716,7 +716,7 @@ def check_limit(what: str, value: object) -> int | None:
     naming ``what`` and the value otherwise."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return value  # type: ignore[return-value]
-    raise ConfigError(f"{what} must be a positive int or None, got {value!r}")
+    raise ConfigError(f"{what} must be a positive int or None, got {quoted(value)}")
 
 
 def count_setting(name: str, raw: str | None) -> int | None:
@@ -726,7 +726,7 @@ def count_setting(name: str, raw: str | None) -> int | None:
     if not text:
         return None
     if not text.isdecimal() or int(text) < 1:  # isdigit takes '²', which int() refuses
-        raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
+        raise ConfigError(f"{name} must be a positive integer, got {quoted(raw)}")
     return int(text)
 
 
@@ -741,7 +741,8 @@ def switch_setting(name: str, raw: str | None, default: bool) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{name} must be 1, true, yes or on, or 0, false, no or off, got {raw!r}")
+    raise ConfigError(f"{name} must be 1, true, yes or on, or 0, false, no or off, got "
+                      f"{quoted(raw)}")
 
 
 def aware(now: datetime | None) -> datetime:
@@ -749,7 +750,7 @@ def aware(now: datetime | None) -> datetime:
     if now is None:
         return utcnow()
     if not isinstance(now, datetime) or now.tzinfo is None or now.utcoffset() is None:
-        raise ConfigError(f"now must be a timezone-aware datetime, got {now!r}")
+        raise ConfigError(f"now must be a timezone-aware datetime, got {quoted(now)}")
     return now
 
 
@@ -801,8 +802,18 @@ class InvocableSpec:
     engine: Any = field(default=None, repr=False, compare=False)
 
 
-#: Error messages recorded in run.failed are cut to this length.
+#: Error messages recorded in run.failed, and a tool's error text for the model and its
+#: tool.completed (``clipped``), are cut to this length.
 MAX_ERROR_CHARS = 2000
+
+
+def clipped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text``, or its first ``limit`` characters and how many more were cut: a tool's error
+    text, which the model reads and the log keeps, need not be the megabytes an exception
+    may carry."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit:,} more characters cut)"
 
 
 def stops() -> tuple[type[BaseException], ...]:

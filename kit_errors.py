@@ -93,7 +93,7 @@ class UnknownNameError(KitError, LookupError):
     def __init__(self, name: str, known: Iterable[str], *, what: str = "agent or workflow",
                  hint: str | None = None) -> None:
         self.name, self.known = name, sorted(known)
-        super().__init__(f"no {what} named {name!r}" + (f" ({hint})" if hint else "")
+        super().__init__(f"no {what} named {quoted(name)}" + (f" ({hint})" if hint else "")
                          + f"; known: {', '.join(self.known) or '(none)'}")
 
 
@@ -106,8 +106,8 @@ class SessionBusyError(KitError):
 
     def __init__(self, session_id: str, run_id: str, namespace: str | None = None) -> None:
         self.session_id, self.run_id, self.namespace = session_id, run_id, namespace
-        where = f" in namespace {namespace!r}" if namespace else ""
-        super().__init__(f"session {session_id!r}{where} is busy: run {run_id} holds it")
+        where = f" in namespace {quoted(namespace)}" if namespace else ""
+        super().__init__(f"session {quoted(session_id)}{where} is busy: run {run_id} holds it")
 
 
 class LogConflictError(KitError):
@@ -156,7 +156,7 @@ class UnknownRunError(KitError, LookupError):
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        super().__init__(f"the log has no run {run_id!r}")
+        super().__init__(f"the log has no run {quoted(run_id)}")
 
 
 class RunNotWaitingError(KitError):

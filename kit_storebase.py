@@ -34,7 +34,7 @@ import anyio
 import anyio.lowlevel
 
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError,
-                      RunInfo, RunStatus, UnknownRunError, check_limit)
+                      RunInfo, RunStatus, UnknownRunError, check_limit, quoted)
 
 __all__ = ("StoreBase", "unstorable", "NotJSONError", "masked", "replay", "pages", "READ_PAGE",
            "BUSY_WAIT", "BUSY_FIRST_SLEEP", "BUSY_MAX_SLEEP")
@@ -390,12 +390,12 @@ class StoreBase:
         ``UnknownRunError`` when the log has no run ``before``.
         """
         if limit is not None and (type(limit) is not int or limit < 1):  # (True is an int)
-            raise ConfigError(f"limit must be a positive int, got {limit!r}")
+            raise ConfigError(f"limit must be a positive int, got {quoted(limit)}")
         if before is not None and (not isinstance(before, str) or not before):
-            raise ConfigError(f"before must be a non-empty str (a run id), got {before!r}")
+            raise ConfigError(f"before must be a non-empty str (a run id), got {quoted(before)}")
         for what, value in (("name", name), ("session_id", session_id), ("namespace", namespace)):
             if value is not None and not isinstance(value, str):
-                raise ConfigError(f"{what} must be a str, got {value!r}")
+                raise ConfigError(f"{what} must be a str, got {quoted(value)}")
         found = await self._call(self._runs, None if status is None else RunStatus(status), name,
                                  session_id, limit, before, namespace)
         # An empty page is also what an unknown cursor gives: only then is it looked up.
@@ -438,7 +438,7 @@ class StoreBase:
         action.
         """
         if action not in ("pause", "cancel", "resume"):
-            raise ConfigError(f"a control request is pause, cancel or resume, got {action!r}")
+            raise ConfigError(f"a control request is pause, cancel or resume, got {quoted(action)}")
         self._check_writable("record a control request")
         if await self._call(self._run_info, run_id) is None:
             raise UnknownRunError(run_id)

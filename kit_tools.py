@@ -14,7 +14,8 @@ it carries as the SDK's run context), import kit_agents or anything above it, or
 application context anywhere (a tool gets it by reference: ``Context(run.data)``, or an SDK
 tool's ``ctx.context`` while it runs).
 
-A tool's failure goes back to the model as an error string, never a failed run, and its call's
+A tool's failure goes back to the model as an error string (cut to ``kit_core.MAX_ERROR_CHARS``,
+saying so: ``clipped``), never a failed run, and its call's
 ``tool.completed`` says ``is_error`` (``failed``: the call's id, ``call_id``, is added to
 ``run.tool_errors``, which the hooks read, and clear, when they record the call). An SDK tool
 built to fail the run instead (no failure error function, a timeout that raises) does; its call,
@@ -44,7 +45,7 @@ from agents.function_schema import function_schema
 from kit_context import is_context
 from kit_core import (
     ConfigError, Context, MCPServerError, RunFailed, RunHandle, SkillLoaded, ToolCompleted,
-    ToolStarted, error_text,
+    ToolStarted, clipped, error_text, quoted,
 )
 
 if TYPE_CHECKING:
@@ -200,7 +201,7 @@ def _invoker(fn: Callable[..., Any], schema: Any, ctx_names: list[str]
         except Exception as exc:
             if isinstance(run, RunHandle):
                 failed(run, tool_ctx)
-            return f"error: {type(exc).__name__}: {error_text(exc)}"
+            return clipped(f"error: {type(exc).__name__}: {error_text(exc)}")
 
     return invoke
 
@@ -242,7 +243,8 @@ def skill_tool(agent: str, skills: Sequence[Skill]) -> sdk.FunctionTool:
                 failed(run, tool_ctx)
             why = "skill names never carry a path" if isinstance(name, str) and (
                 "/" in name or "\\" in name or ".." in name) else "no such skill for this agent"
-            return f"error: refused {name!r}: {why}; the skills are {', '.join(sorted(by_name))}"
+            return (f"error: refused {quoted(name)}: {why}; the skills are "
+                    f"{', '.join(sorted(by_name))}")
         if isinstance(run, RunHandle):
             digest = hashlib.sha256(skill.body.encode("utf-8")).hexdigest()
             run.emit(SkillLoaded(skill.name, digest))
@@ -342,7 +344,8 @@ def _flag_errors(tool: sdk.FunctionTool) -> sdk.FunctionTool:
             run = _run_of(ctx)  # (a failure's function runs inside the tool: _as_callers)
             if run is not None:
                 failed(run, ctx)
-            return say(ctx, error)  # the SDK awaits an awaitable answer
+            said = say(ctx, error)  # the SDK awaits an awaitable answer
+            return clipped(said) if isinstance(said, str) else said
         return flag
 
     tool = copy.copy(tool)
@@ -400,4 +403,5 @@ def mcp_tool_error(ctx: Any, error: Exception) -> str:
     if isinstance(run, RunHandle):
         failed(run, ctx)
     died = next((e for e in (error, error.__cause__) if isinstance(e, MCPServerError)), None)
-    return f"error: {died}" if died is not None else sdk.default_tool_error_function(ctx, error)
+    return clipped(f"error: {died}" if died is not None else
+                   sdk.default_tool_error_function(ctx, error))

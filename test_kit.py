@@ -2130,3 +2130,46 @@ def test_an_event_without_its_envelope_says_what_it_lacks():
         Event.from_json({"run_id": "r", "kind": "text.delta", "payload": {"text": "a"}})
     with pytest.raises(kit.CorruptEventError, match="it is a JSON list, not an object"):
         Event.from_json([1])
+
+
+async def test_an_error_quoting_a_megabyte_name_stays_short_and_names_its_start():
+    # The unknown name (or setting, or id) was quoted whole: a 1 MB name made a 1 MB message,
+    # log line and HTTP answer.
+    big = "agent-" + "x" * 1_000_000
+    async with Deck([Agent("a", model=ScriptedModel(["hi"]))]) as deck:
+        with pytest.raises(kit.UnknownNameError) as unknown:
+            await deck.run(big, "hi")
+        with pytest.raises(ConfigError) as session:
+            await deck.run("a", "hi", session_id=[big])
+    with pytest.raises(ConfigError) as name:
+        Agent(big)
+    with pytest.raises(ConfigError) as limit:
+        Deck([Agent("a")], history_limit=big)
+    with pytest.raises(ConfigError) as count:
+        kit.core.count_setting("KIT_SESSION_MAX", big)
+    for info in (unknown, session, name, limit, count):
+        said = str(info.value)
+        assert len(said) < 4000 and "'agent-xxxx" in said, said[:300]
+        assert "more characters)" in said, said[-300:]
+    assert unknown.value.name == big  # the fact itself, for a program, is whole
+    assert len(str(kit.SessionBusyError(big, "r1", big))) < 4000
+    assert len(str(kit.UnknownRunError(big))) < 4000
+
+
+async def test_a_tools_megabyte_error_is_cut_for_the_model_and_its_tool_completed_row():
+    # A tool's exception message went whole to the model and into the log's tool.completed.
+    def explode() -> str:
+        """Fail with a huge message."""
+        raise ValueError("boom " + "y" * 1_000_000)
+
+    model = ScriptedModel([{"tool": "explode", "args": {}}, "it failed"])
+    async with MemoryStore() as store:
+        async with Deck([Agent("a", tools=[explode], model=model)], store=store) as deck:
+            with anyio.fail_after(30):
+                result = await deck.run("a", "go")
+        [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+    assert result.output == "it failed" and done.payload.is_error
+    said = done.payload.output
+    assert said.startswith("error: ValueError: boom yyyy") and len(said) < 2100, said[:100]
+    assert said.endswith(f"... ({len('error: ValueError: boom ') + 1_000_000 - 2000:,} more "
+                         "characters cut)"), said[-100:]
