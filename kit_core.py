@@ -434,8 +434,8 @@ def unreadable(obj: Any, exc: Exception) -> CorruptEventError:
         return CorruptEventError(run_id, seq, kind, *envelope)
     data, ptype = obj.get("payload") or {}, KINDS.get(kind)
     if ptype is None:
-        return CorruptEventError(run_id, seq, kind, None, f"it is malformed ({type(exc).__name__}"
-                                 f": {exc})"[:MAX_ERROR_CHARS])
+        return CorruptEventError(run_id, seq, kind, None,
+                                 clipped(f"it is malformed ({type(exc).__name__}: {exc})"))
     if not isinstance(data, Mapping):
         return CorruptEventError(run_id, seq, kind, "payload",
                                  f"its payload is a JSON {type(data).__name__}, not an object")
@@ -450,9 +450,9 @@ def unreadable(obj: Any, exc: Exception) -> CorruptEventError:
                 ptype.from_json({**base, name: data[name]})
             except (TypeError, KeyError, ValueError, AttributeError) as err:
                 problem = f"its payload's {name!r} is malformed ({type(err).__name__}: {err})"
-                return CorruptEventError(run_id, seq, kind, name, problem[:MAX_ERROR_CHARS])
-    return CorruptEventError(run_id, seq, kind, None, f"it is malformed ({type(exc).__name__}: "
-                             f"{exc})"[:MAX_ERROR_CHARS])
+                return CorruptEventError(run_id, seq, kind, name, clipped(problem))
+    return CorruptEventError(run_id, seq, kind, None,
+                             clipped(f"it is malformed ({type(exc).__name__}: {exc})"))
 
 
 def _envelope_fault(obj: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -813,7 +813,7 @@ class RunHandle:
 
     def failure(self, exc: BaseException) -> RunFailed:
         """The ``run.failed`` payload that records ``exc``."""
-        return RunFailed(type(exc).__name__, error_text(exc)[:MAX_ERROR_CHARS])
+        return RunFailed(type(exc).__name__, clipped(error_text(exc)))
 
     def ending(self) -> Payload | None:
         """What a run that was cancelled mid-play records as its end: ``run.failed`` when the

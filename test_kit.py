@@ -2173,3 +2173,17 @@ async def test_a_tools_megabyte_error_is_cut_for_the_model_and_its_tool_complete
     assert said.startswith("error: ValueError: boom yyyy") and len(said) < 2100, said[:100]
     assert said.endswith(f"... ({len('error: ValueError: boom ') + 1_000_000 - 2000:,} more "
                          "characters cut)"), said[-100:]
+
+
+async def test_a_runs_megabyte_failure_is_recorded_cut_saying_so():
+    # run.failed kept the first 2,000 characters of a huge message without saying it was cut.
+    model = ScriptedModel([SystemError("boom " + "z" * 1_000_000)])
+    async with MemoryStore() as store:
+        async with Deck([Agent("a", model=model)], store=store) as deck:
+            with anyio.fail_after(30), pytest.raises(SystemError):  # the caller's, whole
+                await deck.run("a", "go", run_id="r-huge")
+        failed = (await store.read("r-huge"))[-1]
+    assert failed.kind == "run.failed" and failed.payload.error == "SystemError"
+    said = failed.payload.message
+    assert said.startswith("boom zzz") and len(said) < 2100, said[:100]
+    assert said.endswith(f"... ({len('boom ') + 1_000_000 - 2000:,} more characters cut)"), said[-100:]
