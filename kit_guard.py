@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
-from kit_core import HTTP_TOKEN, ConfigError, KitError
+from kit_core import HTTP_TOKEN, ConfigError, KitError, quoted
 
 __all__ = (
     "Guard", "HostNotAllowedError", "OriginNotAllowedError",
@@ -67,7 +67,7 @@ class HostNotAllowedError(KitError):
 
     def __init__(self, host: str, allowed: Iterable[str]) -> None:
         self.host, self.allowed = host, tuple(allowed)
-        super().__init__(f"this server does not answer for Host {host!r}; it answers for "
+        super().__init__(f"this server does not answer for Host {quoted(host)}; it answers for "
                          f"{', '.join(self.allowed)} (set KIT_ALLOWED_HOSTS to add names)")
 
 
@@ -76,7 +76,7 @@ class OriginNotAllowedError(KitError):
 
     def __init__(self, origin: str) -> None:
         self.origin = origin
-        super().__init__(f"requests from pages of origin {origin!r} are refused; list it in "
+        super().__init__(f"requests from pages of origin {quoted(origin)} are refused; list it in "
                          "KIT_CORS_ORIGINS to allow it")
 
 

@@ -66,7 +66,7 @@ from kit_core import (
     CheckpointMissingError, ConfigError, ContentError, DeckStateError, Event, InterruptResult,
     LogConflictError, RunNotWaitingError, RunStatus, RunStoppedError, SessionBusyError,
     StoreUnavailableError, UnknownNameError, UnknownRunError, block_from_json, control_refusal,
-    new_run_id, printable, stops, switch_setting,
+    new_run_id, printable, quoted, stops, switch_setting,
 )
 from kit_guard import Guard, HostNotAllowedError, OriginNotAllowedError
 from kit_playground import load as load_playground
@@ -395,7 +395,7 @@ class App:
                 allowed.append("HEAD")  # answered as a GET, above
         if allowed:
             raise MethodNotAllowedError(method, allowed)
-        raise RouteNotFoundError(f"no route {path!r}")
+        raise RouteNotFoundError(f"no route {quoted(path)}")
 
     async def _fail(self, req: Request, exc: Exception) -> None:
         """Answer an exception from the table; log what the table does not know."""
@@ -570,7 +570,7 @@ class App:
         header, query = req.header(b"last-event-id"), (req.query.get("after") or [""])[-1]
         for raw in (header or "", query):  # strictly what kit_openapi documents, not all int() takes
             if not _SEQ.fullmatch(raw):
-                raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {raw!r}")
+                raise MalformedRequestError(f"Last-Event-ID / after must be an event seq, got {quoted(raw)}")
         raw = header or query  # an empty Last-Event-ID (no id seen yet) leaves ?after= its say
         after = int(raw) if raw else -1
         status = await self.deck.status(run_id)

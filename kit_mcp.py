@@ -80,7 +80,7 @@ from mcp.shared.exceptions import McpError
 from kit_core import (
     VERSION, ConfigError, Event, InterruptResult, KitError, NodeUpdated, RunCancelled,
     RunCompleted, RunFailed, RunInterrupted, RunPaused, RunSleeping, RunStoppedError, TextDelta,
-    UnknownNameError, UnknownRunError, jsonable, stops,
+    UnknownNameError, UnknownRunError, jsonable, quoted, stops,
 )
 
 if typing.TYPE_CHECKING:
@@ -142,7 +142,7 @@ def refusal(message: Any) -> dict[str, Any] | None:
                           "an integer (never null)")
     model = _REQUESTS.get(method)
     if model is None:
-        return _rpc_error(request_id, types.METHOD_NOT_FOUND, f"Method not found: {method!r}")
+        return _rpc_error(request_id, types.METHOD_NOT_FOUND, f"Method not found: {quoted(method)}")
     try:  # validated as the package validates it (mcp.shared.session), to say what is wrong
         request = types.JSONRPCRequest.model_validate(message)
         model.model_validate(request.model_dump(by_alias=True, mode="json", exclude_none=True))
@@ -172,7 +172,7 @@ def _arguments(args: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
         jsonschema.validate(args, schema)
     except jsonschema.ValidationError as exc:
         if exc.path:  # the package's message names the value, not where it is
-            exc.message = f"argument {exc.path[0]!r}: {exc.message}"
+            exc.message = f"argument {quoted(exc.path[0])}: {exc.message}"
         raise
     return args
 

@@ -69,7 +69,7 @@ from typing import Any
 from kit_core import (
     HISTORY_ROLES, AudioBlock, ConfigError, ContentBlock, ContentError, Event, HistoryMessage,
     ImageBlock, KitError, RunCancelled, RunCompleted, RunFailed, RunPaused, RunStarted,
-    RunStoppedError, TextBlock, TextDelta, Usage, check_id, jsonable,
+    RunStoppedError, TextBlock, TextDelta, Usage, check_id, jsonable, quoted,
 )
 
 __all__ = ("ChatTurn", "ChatRequestError", "Chunks", "DONE", "SESSION_HEADER", "MESSAGE_BREAK",
@@ -171,7 +171,7 @@ def _message(index: int, message: Mapping[str, Any]) -> HistoryMessage:
     try:
         role = message.get("role")
         if role not in HISTORY_ROLES:
-            raise ChatRequestError(f"kit cannot carry a {role!r} message: kit agents call their "
+            raise ChatRequestError(f"kit cannot carry a {quoted(role)} message: kit agents call their "
                                    "own tools; send system, developer, user and assistant messages")
         dropped = _sent(message, _CARRIED)  # (a field sent empty carries nothing)
         if dropped:
@@ -230,7 +230,7 @@ def _block(part: Any) -> ContentBlock:
             raise ChatRequestError("an input_audio part's input_audio.data carries no data")
         fmt = {"mp3": "mpeg"}.get(audio["format"], audio["format"])
         return AudioBlock(f"audio/{fmt}", audio.get("data"))
-    raise ChatRequestError(f"kit cannot carry a content part of type {kind!r}; "
+    raise ChatRequestError(f"kit cannot carry a content part of type {quoted(kind)}; "
                            "send text, image_url (data: URL) or input_audio parts")
 
 

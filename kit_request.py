@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, quote_from_bytes, unquote, unquote_to_bytes
 
 import anyio
 
-from kit_core import ConfigError, KitError, check_id
+from kit_core import ConfigError, KitError, check_id, quoted
 from kit_sse import Message, Receive, Send, dumps, run_id_header
 
 __all__ = (
@@ -294,7 +294,7 @@ class Request:
         coding = (self.header(b"content-encoding") or "identity").strip().lower()
         if coding != "identity":  # read first: the connection serves the client's next request
             raise UnsupportedMediaTypeError(f"kit reads bodies without a Content-Encoding, got "
-                                            f"{coding!r}: send the JSON as it is")
+                                            f"{quoted(coding)}: send the JSON as it is")
         return b"".join(chunks)
 
     async def drain(self) -> None:
@@ -323,12 +323,12 @@ class Request:
             return {}
         if media != "application/json" and not (media.startswith("application/") and
                                                 media.endswith("+json")):
-            raise UnsupportedMediaTypeError(f"the body must be application/json, got {content_type!r}")
+            raise UnsupportedMediaTypeError(f"the body must be application/json, got {quoted(content_type)}")
         obj = parse_object(body)
         for key in obj if keys is not None else ():
             if key not in keys:  # type: ignore[operator]
                 takes = ", ".join(repr(k) for k in keys) or "no keys"
-                raise MalformedRequestError(f"unknown key {key!r} in the body; this route takes {takes}")
+                raise MalformedRequestError(f"unknown key {quoted(key)} in the body; this route takes {takes}")
         for key in required:
             if key not in obj:
                 raise MalformedRequestError(f"the body needs {key!r}")
@@ -401,7 +401,7 @@ def param(key: str, value: str) -> str:
         return unquote(value, errors="strict")
     except UnicodeDecodeError:
         raise MalformedRequestError(f"{key} must be UTF-8 text once percent-decoded, got "
-                                    f"{value!r}") from None
+                                    f"{quoted(value)}") from None
 
 
 def with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:

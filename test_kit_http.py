@@ -1279,3 +1279,26 @@ async def test_a_quiet_stream_pings_a_disconnect_ends_it_and_a_body_is_counted_a
                       odd.receive, odd.send)
             assert odd.sent[0]["status"] == 400 and b"Content-Length" in odd.sent[1]["body"]
             life.push({"type": "lifespan.shutdown"})
+
+
+async def test_a_megabyte_value_a_client_sent_is_quoted_short_in_the_error():
+    """A 400 quoted what the client sent whole: a 1 MB unknown key, role, content part type or
+    MCP method made a 1 MB error message (and as much in any log line that showed it)."""
+    big = "k" * 1_000_000
+    head = {"accept": "application/json, text/event-stream"}
+    async with served(catalog(), surfaces=("openai", "mcp")) as (client, _):
+        r = await client.post("/agents/echo/chat", json={"message": "hi", big: 1})
+        said = [(r.status_code, r.json()["message"])]
+        r = await client.post("/v1/chat/completions", json={"model": "echo", "messages": [
+            {"role": big, "content": "hi"}, {"role": "user", "content": "hi"}]})
+        said.append((r.status_code, r.json()["error"]["message"]))
+        r = await client.post("/v1/chat/completions", json={
+            "model": "echo", "messages": [{"role": "user", "content": [{"type": big}]}]})
+        said.append((r.status_code, r.json()["error"]["message"]))
+        r = await client.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": big}, headers=head)
+        rpc = json.loads(r.text.partition("data: ")[2].partition("\n")[0]) if (
+            r.headers.get("content-type", "").startswith("text/event-stream")) else r.json()
+        said.append((rpc["error"]["code"], rpc["error"]["message"]))
+    for status, message in said:
+        assert status in (400, -32601) and len(message) < 1000, (status, message[:200])
+        assert "'kkkk" in message and "more characters)" in message, message
