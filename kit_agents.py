@@ -299,7 +299,7 @@ class _TapModel(sdk.Model):
         # server other than OpenAI's, without ModelSettings(include_usage=True)): the cost is
         # unknown, not zero.
         reported = u.input_tokens or u.output_tokens
-        cached = getattr(u.input_tokens_details, "cached_tokens", None) or 0
+        cached = min(getattr(u.input_tokens_details, "cached_tokens", None) or 0, u.input_tokens)
         if (play := _PLAY.get(None)) is not None:
             play[3] += cached
         url = getattr(getattr(self.inner(), "_client", None), "base_url", None)
@@ -307,7 +307,7 @@ class _TapModel(sdk.Model):
                      str(url) if url else None) if reported else None
         run.add_usage(u.input_tokens, u.output_tokens, usd)
         run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd,
-                                answered if answered != model else None), origin=origin)
+                                answered if answered != model else None, cached), origin=origin)
 
     async def stream_response(self, system_instructions: Any, input: Any, *args: Any,
                               **kw: Any) -> AsyncIterator[Any]:
@@ -394,7 +394,7 @@ def _record_untapped(run: RunHandle, context: Any, agent: Any, tool: Any) -> Non
     if not (extra_in or extra_out):
         return
     cached = getattr(usage.input_tokens_details, "cached_tokens", None) or 0
-    extra_cached, play[3] = max(cached - play[3], 0), max(cached, play[3])
+    extra_cached, play[3] = min(max(cached - play[3], 0), extra_in), max(cached, play[3])
     inner = getattr(tool, "_agent_instance", None)
     model = getattr(inner, "model", None)
     name = get_default_model() if model is None else model if isinstance(model, str) else str(
@@ -402,7 +402,8 @@ def _record_untapped(run: RunHandle, context: Any, agent: Any, tool: Any) -> Non
     nested = any(getattr(t, "_is_agent_tool", False) for t in getattr(inner, "tools", ()))
     usd = _price(name, extra_in, extra_out, extra_cached) if alone and not nested else None
     run.add_usage(extra_in, extra_out, usd)
-    run.emit(ModelCompleted(name, extra_in, extra_out, usd), origin=tool_origin(run, agent, tool))
+    run.emit(ModelCompleted(name, extra_in, extra_out, usd, None, extra_cached),
+             origin=tool_origin(run, agent, tool))
 
 
 _HOOKS = _KitHooks()

@@ -249,11 +249,19 @@ class ModelCompleted(Payload):
     output_tokens: int = 0
     usd: float | None = None
     response_model: str | None = None  # the one the response says answered, when another
+    cached_input_tokens: int = 0  # of input_tokens, those read from the provider's prompt cache
 
     def to_json(self) -> dict[str, Any]:
-        out = Payload.to_json(self)
-        if self.response_model is None:  # most calls: their rows stay as they were
-            del out["response_model"]
+        # Spelled out (a model call's path): Payload.to_json's keys, in its order, less the two
+        # most calls leave unset, so their rows stay as they were and rows before them read.
+        m = self.model
+        out = {"model": m if type(m) is str else jsonable(m),
+               "input_tokens": jsonable(self.input_tokens),
+               "output_tokens": jsonable(self.output_tokens), "usd": jsonable(self.usd)}
+        if (r := self.response_model) is not None:
+            out["response_model"] = r if type(r) is str else jsonable(r)
+        if self.cached_input_tokens:
+            out["cached_input_tokens"] = jsonable(self.cached_input_tokens)
         return out
 
 

@@ -479,3 +479,74 @@ async def test_a_models_client_serves_one_deck_after_another(stub, tmp_path):
     finally:
         await on_asyncio(client.close)
     assert outputs == ["one", "two"] and len(stub.requests) == 2
+
+
+def model_rows(db) -> list[dict]:
+    """The ``model.completed`` rows of an SQLite log, their payloads as the log holds them."""
+    import sqlite3
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        bodies = [b for (b,) in con.execute(
+            "SELECT body FROM events WHERE kind = 'model.completed' ORDER BY run_id, seq")]
+    return [json.loads(b)["payload"] for b in bodies]
+
+
+@pytest.mark.parametrize("model_cls", MODELS)
+async def test_a_model_calls_cached_input_is_recorded_in_its_row(stub, store, model_cls, tmp_path):
+    """The input tokens OpenAI read from its prompt cache were priced at the cached rate and
+    then forgotten: ``model.completed`` could not say how much of the input was cached. Its row
+    now says so (``cached_input_tokens``, part of ``input_tokens``); a call with none cached
+    writes the row it always did, no new key."""
+    from genai_prices import Usage as PriceUsage, calc_price
+    stub.script += [text("Hi.", usage=(100_000, 100, 90_000)), text("Hi.", usage=(1200, 40))]
+    with anyio.fail_after(10):
+        async with open_deck(stub, model_cls, store) as deck:
+            results = [await deck.run("bot", "hi"), await deck.run("bot", "hi")]
+    [cached] = [e.payload for e in await store.read(results[0].run_id) if e.kind == "model.completed"]
+    [plain] = [e.payload for e in await store.read(results[1].run_id) if e.kind == "model.completed"]
+    price = calc_price(PriceUsage(input_tokens=100_000, output_tokens=100, cache_read_tokens=90_000),
+                       model_ref="gpt-4o", provider_id="openai").total_price
+    assert (cached.input_tokens, cached.cached_input_tokens) == (100_000, 90_000)
+    assert cached.usd == pytest.approx(float(price), rel=1e-9)
+    assert plain.cached_input_tokens == 0
+    # Usage (and so the wire's done frame) keeps its three fields.
+    assert results[0].usage == kit.Usage(100_000, 100, cached.usd)
+    rows = {row["input_tokens"]: row for row in model_rows(tmp_path / "kit.db")}
+    assert rows[100_000]["cached_input_tokens"] == 90_000
+    assert list(rows[1200]) == ["model", "input_tokens", "output_tokens", "usd"]
+    assert json.dumps(rows[1200]) == json.dumps({"model": "gpt-4o", "input_tokens": 1200,
+                                                 "output_tokens": 40, "usd": plain.usd})
+
+
+def test_a_model_completed_row_without_cached_input_reads_as_none_cached():
+    """A row written before ``cached_input_tokens`` (none in it) reads back as 0 cached, and
+    writes back the same; one with it round-trips."""
+    old = {"run_id": "r1", "seq": 2, "kind": "model.completed", "at": "2026-01-01T00:00:00+00:00",
+           "origin": "bot", "message_id": None,
+           "payload": {"model": "gpt-4o", "input_tokens": 10, "output_tokens": 2, "usd": 0.5}}
+    event = kit.Event.from_json(old)
+    assert event.payload.cached_input_tokens == 0 and event.to_json() == old
+    new = {**old, "payload": {**old["payload"], "response_model": "gpt-4o-2024-08-06",
+                              "cached_input_tokens": 8}}
+    assert kit.Event.from_json(new).payload.cached_input_tokens == 8
+    assert kit.Event.from_json(new).to_json() == new
+
+
+async def test_an_agent_tools_cached_input_is_recorded_in_its_row(stub, store):
+    """An SDK agent played as a tool: the ``model.completed`` kit logs for its model's calls
+    says how much of their input was cached, as a call of the agent's own model does."""
+    stub.script += [call("helper", {"input": "q"}, usage=(50, 5)),
+                    text("inner says", usage=(100_000, 100, 90_000)), text("done.", usage=(60, 4))]
+    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
+    inner = agents.Agent(name="helper", instructions="Help.",
+                         model=agents.OpenAIResponsesModel("gpt-4o", client))
+    agent = kit.Agent("bot", "Ask.", tools=[inner.as_tool("helper", "Helps.")],
+                      model=agents.OpenAIResponsesModel("gpt-4o", client))
+    try:
+        with anyio.fail_after(10):
+            async with kit.Deck([agent], store=store) as deck:
+                result = await deck.run("bot", "hi")
+    finally:
+        await on_asyncio(client.close)
+    calls = [e for e in await store.read(result.run_id) if e.kind == "model.completed"]
+    assert [(e.origin, e.payload.cached_input_tokens) for e in calls] == \
+        [("bot", 0), ("bot/helper", 90_000), ("bot", 0)]
