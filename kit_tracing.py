@@ -28,7 +28,9 @@ and links to its root); each step becomes its child:
 
 - ``model.completed`` -> ``chat <model>`` (CLIENT; ``gen_ai.request.model``, the model asked
   for; ``gen_ai.response.model``, the one the response says answered, else the one asked for;
-  ``gen_ai.usage.*``, Langfuse ``usage_details``/``cost_details``). The log records a model
+  ``gen_ai.usage.*``, Langfuse ``usage_details``/``cost_details``; input read from the prompt
+  cache as ``gen_ai.usage.cache_read.input_tokens`` and ``input_cached_tokens``, Langfuse's
+  ``input`` then the rest, as its OpenAI integration counts them). The log records a model
   call's end only, so its span starts where the previous step ended (run start, last model
   call, tool or node).
 - ``tool.started`` .. ``tool.completed`` -> ``execute_tool <tool>`` (ERROR when the tool erred).
@@ -298,8 +300,11 @@ class TracingObserver:
         if seg.meta["invocable"] is None and _invocable(p) is not None:
             self._kind(seg, _invocable(p))
         if isinstance(p, ModelCompleted):
-            usage = {"input": p.input_tokens, "output": p.output_tokens,
+            cached = p.cached_input_tokens  # Langfuse's OpenAI keys: "input" is the rest
+            usage = {"input": p.input_tokens - cached, "output": p.output_tokens,
                      "total": p.input_tokens + p.output_tokens}
+            if cached:
+                usage["input_cached_tokens"] = cached
             attrs = {"gen_ai.operation.name": "chat", "gen_ai.request.model": p.model,
                      "gen_ai.response.model": p.response_model or p.model,
                      "gen_ai.usage.input_tokens": p.input_tokens,
@@ -307,6 +312,8 @@ class TracingObserver:
                      "langfuse.observation.type": "generation",
                      "langfuse.observation.model.name": p.model,
                      "langfuse.observation.usage_details": _json(usage)}
+            if cached:
+                attrs["gen_ai.usage.cache_read.input_tokens"] = cached
             if p.usd is not None:
                 attrs["langfuse.observation.cost_details"] = _json({"total": p.usd})
             self._step(seg, f"chat {p.model}", o.CLIENT, at, attrs, ev.origin)

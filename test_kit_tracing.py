@@ -910,3 +910,38 @@ async def test_sdk_spans_tell_the_model_asked_for_from_the_one_that_answered(rec
     assert "gen_ai.request.model" not in answered
     [asked] = [attrs(s) for s in raw if s.name == "chat gpt-4o-mini"]
     assert asked["gen_ai.request.model"] == "gpt-4o-mini" and "gen_ai.response.model" not in asked
+
+
+async def test_a_model_calls_cached_input_reaches_its_generation_span(receiver):
+    """A model call's input read from the prompt cache showed nowhere in the trace: Langfuse
+    counted all of it as uncached input. Its generation span now carries
+    ``gen_ai.usage.cache_read.input_tokens`` and Langfuse's ``input_cached_tokens`` (its
+    ``input`` the uncached rest); a call with none cached has neither."""
+    from test_kit_openai import Stub, text
+    stub = Stub()
+    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
+    stub.script += [text("hi there", usage=(100_000, 100, 90_000)), text("hi there", usage=(1200, 40))]
+    try:
+        with anyio.fail_after(10):
+            async with MemoryStore() as store:
+                agent = Agent("a", "Answer.", model=agents.OpenAIResponsesModel("gpt-4o", client))
+                async with Deck([agent], store=store) as deck:
+                    cached, plain = (await deck.run("a", "hi")).run_id, (await deck.run("a", "hi")).run_id
+                    logged = await store.read(cached) + await store.read(plain)
+                    await on_asyncio(client.close)
+            await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), logged)
+    finally:
+        stub.server.shutdown()
+        stub.server.server_close()
+    traces = receiver.traces()
+    _, [call] = root_and_children(traces[TracingObserver.trace_id(cached)])
+    a = attrs(call)
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 90_000
+    assert a["gen_ai.usage.input_tokens"] == 100_000
+    assert json.loads(a["langfuse.observation.usage_details"]) == {
+        "input": 10_000, "input_cached_tokens": 90_000, "output": 100, "total": 100_100}
+    _, [call] = root_and_children(traces[TracingObserver.trace_id(plain)])
+    a = attrs(call)
+    assert "gen_ai.usage.cache_read.input_tokens" not in a
+    assert json.loads(a["langfuse.observation.usage_details"]) == {
+        "input": 1200, "output": 40, "total": 1240}
