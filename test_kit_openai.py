@@ -313,7 +313,8 @@ async def test_input_read_from_the_prompt_cache_is_priced_at_its_own_rate(stub, 
 async def test_an_agent_tools_cached_input_is_priced_at_its_own_rate(stub, store):
     """An SDK agent played as a tool calls its own model, which kit prices from what the SDK
     counted beyond kit's own calls: its cached input tokens were priced at the uncached rate
-    (90% cached: five times what the call cost)."""
+    (90% cached: five times what the call cost); and its ``model.completed`` row says how much
+    of its input was cached, as a call of the agent's own model does."""
     from genai_prices import Usage as PriceUsage, calc_price
     stub.script += [call("helper", {"input": "q"}, usage=(50, 5)),
                     text("inner says", usage=(100_000, 100, 90_000)), text("done.", usage=(60, 4))]
@@ -328,7 +329,10 @@ async def test_an_agent_tools_cached_input_is_priced_at_its_own_rate(stub, store
                 result = await deck.run("bot", "hi")
     finally:
         await on_asyncio(client.close)
-    [_, helper, _] = [e for e in await store.read(result.run_id) if e.kind == "model.completed"]
+    calls = [e for e in await store.read(result.run_id) if e.kind == "model.completed"]
+    assert [(e.origin, e.payload.cached_input_tokens) for e in calls] == \
+        [("bot", 0), ("bot/helper", 90_000), ("bot", 0)]
+    helper = calls[1]
     price = calc_price(PriceUsage(input_tokens=100_000, output_tokens=100, cache_read_tokens=90_000),
                        model_ref="gpt-4o", provider_id="openai").total_price
     assert helper.origin == "bot/helper" and helper.payload.input_tokens == 100_000
@@ -529,24 +533,3 @@ def test_a_model_completed_row_without_cached_input_reads_as_none_cached():
                               "cached_input_tokens": 8}}
     assert kit.Event.from_json(new).payload.cached_input_tokens == 8
     assert kit.Event.from_json(new).to_json() == new
-
-
-async def test_an_agent_tools_cached_input_is_recorded_in_its_row(stub, store):
-    """An SDK agent played as a tool: the ``model.completed`` kit logs for its model's calls
-    says how much of their input was cached, as a call of the agent's own model does."""
-    stub.script += [call("helper", {"input": "q"}, usage=(50, 5)),
-                    text("inner says", usage=(100_000, 100, 90_000)), text("done.", usage=(60, 4))]
-    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
-    inner = agents.Agent(name="helper", instructions="Help.",
-                         model=agents.OpenAIResponsesModel("gpt-4o", client))
-    agent = kit.Agent("bot", "Ask.", tools=[inner.as_tool("helper", "Helps.")],
-                      model=agents.OpenAIResponsesModel("gpt-4o", client))
-    try:
-        with anyio.fail_after(10):
-            async with kit.Deck([agent], store=store) as deck:
-                result = await deck.run("bot", "hi")
-    finally:
-        await on_asyncio(client.close)
-    calls = [e for e in await store.read(result.run_id) if e.kind == "model.completed"]
-    assert [(e.origin, e.payload.cached_input_tokens) for e in calls] == \
-        [("bot", 0), ("bot/helper", 90_000), ("bot", 0)]
