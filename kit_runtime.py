@@ -262,7 +262,10 @@ class Runtime(RunControl):
         """Cancel the runs still playing (they record ``run.cancelled``), flush, release all."""
         self._closing = True  # no run starts or is taken over from now on (``_new_run``)
         with anyio.CancelScope(shield=True):
-            runs = list(self.active.values())
+            # ... and those whose start is being committed (``_fence``) are cancelled too: they
+            # play into their cancelled scope once it commits, and end as the others do.
+            runs = list({id(r): r for r in [*self.active.values(), *self._fenced.values()]
+                         if r is not None}.values())
             for run in runs:
                 run.closing = True  # each records that the deck closed, not that its caller left
                 if run.parent is None:  # children end with their parents
@@ -735,13 +738,19 @@ class Runtime(RunControl):
         if fenced or self.writer.pending >= BACKLOG_MAX:  # something to wait for: a bounded wait
             with anyio.move_on_after(self.down_limit) as waiting:
                 await self.writer.room()
+                if self._closing:  # the deck closed meanwhile: refused before any write
+                    raise DeckStateError("CLOSED", "start or resume a run")
                 if fenced:
-                    with self._fence(run.run_id, first, run):
+                    with self._fence(run.run_id, first, run):  # a closing deck sees it here
                         try:
                             await self._write(run, events, self._claim(run))
-                        except anyio.get_cancelled_exc_class():
-                            if not waiting.cancel_called:  # its caller's (an outage: below)
-                                await self._end_unplayed(run, last)
+                        except BaseException as exc:
+                            try:
+                                if isinstance(exc, anyio.get_cancelled_exc_class()) and not (
+                                        waiting.cancel_called):  # its caller's (an outage: below)
+                                    await self._end_unplayed(run, last)
+                            finally:
+                                run.finish()  # it never plays: a closing deck waits no more
                             raise
                         self._hold(run, last)
                     return

@@ -1704,3 +1704,57 @@ async def test_more_ticks_at_once_than_checkpoint_connections_each_resume_a_thre
         assert await deck.due_resumes(NOW) == []
     assert sorted(t.thread_id for t in ticked) == threads
     assert [t.result["log"][-1] for t in ticked] == ["done"] * len(threads)
+
+
+# ------------------------------------------------------------------- the edges of a run's life ----
+
+@pytest.mark.parametrize("call", ["run", "stream"])
+async def test_a_run_starting_while_the_deck_closes_is_cancelled_with_it(tmp_path, call):
+    """The deck closed while a turn's start (its claim and run.started) was being committed:
+    the close did not see the run (not playing yet), and the turn played on after it (asyncio)
+    or hung, then raised AttributeError (trio); the log kept it RUNNING with its session held
+    until its lease lapsed. It is cancelled with the deck now, as a run playing at close is."""
+    agent = Agent("a", model=ScriptedModel(["hello"], cycle=True))
+    got: list = []
+    async with FaultyStore(tmp_path / "kit.db") as store:
+        release = anyio.Event()
+
+        async def slow_store(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+            async with store.stall():
+                task_status.started()
+                await release.wait()
+
+        async def release_soon() -> None:
+            await anyio.sleep(0.2)
+            release.set()
+
+        async def turn(deck: Deck) -> None:
+            try:
+                if call == "run":
+                    got.append(await deck.run("a", "hi", session_id="s"))
+                else:
+                    got.extend([e async for e in deck.stream("a", "hi", session_id="s")])
+            except kit.KitError as exc:
+                got.append(exc)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                async with Deck([agent], store=store) as deck:
+                    await tg.start(slow_store)
+                    tg.start_soon(turn, deck)
+                    await store.stalled.wait()  # the turn's start is being committed
+                    tg.start_soon(release_soon)
+                # (the deck closes here, the start still in flight)
+        [info] = await store.runs(session_id="s")
+        log = await store.read(info.run_id)
+        assert log[0].kind == "run.started" and "run.completed" not in kinds(log), kinds(log)
+        assert log[-1].payload == kit.RunCancelled("the deck closed"), kinds(log)
+        assert seqs(log) == list(range(len(log))) and info.status is RunStatus.CANCELLED
+        if call == "run":
+            [error] = got
+            assert isinstance(error, kit.DeckStateError) and "CLOSED" in str(error), got
+        else:
+            assert kinds(got) == kinds(log), got
+        assert await store.session_holder("s") is None
+        async with Deck([agent], store=store) as deck:  # the session is free at once
+            assert (await deck.run("a", "again", session_id="s")).output == "hello"
+
