@@ -15,10 +15,13 @@ someone streams the run, into the run's live buffer (``feed``); each commit move
 ``committed`` seq on (``on_commit``). ``events`` yields from the live buffer up to the run's
 terminal or parking event: each event as it arrives, or, for a reader that acknowledges events
 outside the process (``committed=True``), each once it is durable (such a reader hurries the
-writer instead of waiting out its timer). A reader that falls ``LIVE_MAX`` events behind costs no
-memory: its buffer is dropped and it reads the rest from the log (``read``, which commits what
-is buffered first), which has every event: a page (``READ_PAGE``) at a time, each yielded
-before the next is read, then the live buffer again from where the last page ended.
+writer instead of waiting out its timer). A run has one reader, its stream: when it leaves (a
+consumer that stops iterating, an HTTP client gone), the run plays on into the log alone,
+neither buffering its events nor hurrying the writer for nobody. A reader that falls
+``LIVE_MAX`` events behind costs no memory: its buffer is dropped and it reads the rest from the
+log (``read``, which commits what is buffered first), which has every event: a page
+(``READ_PAGE``) at a time, each yielded before the next is read, then the live buffer again
+from where the last page ended.
 """
 from __future__ import annotations
 
@@ -108,44 +111,48 @@ class Run(RunHandle):
 
     async def events(self, after: int, committed: bool = False) -> AsyncIterator[Event]:
         """Kit side: this run's events after ``after``, live, until a terminal/parking one;
-        with ``committed``, each only once it is durable."""
+        with ``committed``, each only once it is durable. Once the reader leaves, the run keeps
+        no live buffer (its events go to the log alone)."""
         last, self.commit_reader = after, committed
 
         def ready() -> int:
             live = self.live
             return len(live) if not committed else _count_upto(live, self.committed)  # type: ignore[arg-type]
 
-        while True:
-            if self.lagged:
-                self.lagged = False
-                try:
-                    backlog = await self._read(self.run_id, last)
-                except StoreUnavailableError as exc:  # what its caller is told, if told already
-                    raise self.abort_error or exc from None
-                if len(backlog) >= READ_PAGE:  # a full page: the next one, once this is yielded
-                    self.lagged = True
-            else:
-                n = ready()
-                if not n:
-                    if self.over and (not self.live or self.abort_error is not None
-                                      or not self._writer.holds(self.run_id)):
-                        # The run is over and what is left will not commit now: an aborted
-                        # run's tail waits for the store; a refused one is not the log's.
+        try:
+            while True:
+                if self.lagged:
+                    self.lagged = False
+                    try:
+                        backlog = await self._read(self.run_id, last)
+                    except StoreUnavailableError as exc:  # what its caller was told, if so
+                        raise self.abort_error or exc from None
+                    if len(backlog) >= READ_PAGE:  # a full page: the next one, once this is yielded
+                        self.lagged = True
+                else:
+                    n = ready()
+                    if not n:
+                        if self.over and (not self.live or self.abort_error is not None
+                                          or not self._writer.holds(self.run_id)):
+                            # The run is over and what is left will not commit now: an aborted
+                            # run's tail waits for the store; a refused one is not the log's.
+                            return
+                        if self.live:
+                            self._writer.hurry()  # what is left waits for its commit: commit soon
+                        self.wake = anyio.Event()
+                        if not ready() and not (self.over and not self.live):
+                            await self.wake.wait()
+                        continue
+                    backlog = [self.live.popleft() for _ in range(n)]  # type: ignore[union-attr]
+                for ev in backlog:
+                    if ev.seq <= last:
+                        continue
+                    last = ev.seq
+                    yield ev
+                    if ev.payload.ends:
                         return
-                    if self.live:
-                        self._writer.hurry()  # what is left waits for its commit: commit soon
-                    self.wake = anyio.Event()
-                    if not ready() and not (self.over and not self.live):
-                        await self.wake.wait()
-                    continue
-                backlog = [self.live.popleft() for _ in range(n)]  # type: ignore[union-attr]
-            for ev in backlog:
-                if ev.seq <= last:
-                    continue
-                last = ev.seq
-                yield ev
-                if ev.payload.ends:
-                    return
+        finally:  # its reader left, or read to the end: nothing is kept, nor hurried, for it
+            self.live, self.commit_reader, self.wake = None, False, None
 
 
 def _count_upto(live: deque[Event], seq: int) -> int:

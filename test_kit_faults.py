@@ -1758,3 +1758,27 @@ async def test_a_run_starting_while_the_deck_closes_is_cancelled_with_it(tmp_pat
         async with Deck([agent], store=store) as deck:  # the session is free at once
             assert (await deck.run("a", "again", session_id="s")).output == "hello"
 
+
+async def test_a_committed_stream_left_early_keeps_nothing_for_its_gone_reader(tmp_path):
+    """A committed stream (what kit_http's SSE uses) left after its first event: the run played
+    on, as it should, but went on filling its live buffer (up to LIVE_MAX events) for the reader
+    that was gone, each event hurrying the writer for it."""
+    gate = Gate()
+    agent = Agent("a", tools=[gate.wait_tool()],
+                  model=ScriptedModel([{"tool": "wait", "args": {"step": 1}}, LONG]))
+    async with SQLiteStore(tmp_path / "kit.db") as store:
+        async with Deck([agent], store=store) as deck:
+            stream = deck.stream("a", "go", session_id="s", committed=True)
+            first = await stream.__anext__()
+            await stream.aclose()  # the reader leaves; the run goes on
+            await gate.until_entered()
+            run = deck._runtime.active[first.run_id]  # the run, as the deck holds it
+            gate.release.set()
+            with anyio.fail_after(10):
+                while await deck.status(first.run_id) is RunStatus.RUNNING:
+                    await anyio.sleep(0.01)
+            assert not run.live, f"{len(run.live)} events kept for a reader that left"
+            log = await store.read(first.run_id)
+            assert seqs(log) == list(range(len(log))) and log[-1].kind == "run.completed"
+            assert "".join(e.payload.text for e in log if e.kind == "text.delta") == LONG
+            assert log[-1].payload.output == LONG
