@@ -358,16 +358,21 @@ class Deck:
         if self._state != "OPEN":
             raise DeckStateError(self._state, action)
         if threading.get_ident() != self._thread:  # another loop: its tasks cannot touch ours
-            raise DeckStateError("OPEN", f"{action} from another thread than the event loop's "
-                                 "that opened the deck (call it there: anyio.from_thread.run)")
+            tool = self._runtime.for_tool()  # (under trio, a tool of a run on the engines' loop)
+            if tool is None:
+                raise DeckStateError("OPEN", f"{action} from another thread than the event "
+                                     "loop's that opened the deck (call it there: "
+                                     "anyio.from_thread.run)")
+            return tool
         return self._runtime
 
-    def _spec(self, action: str, name: str) -> InvocableSpec:
-        self._open(action)
+    def _spec(self, action: str, name: str) -> tuple[Any, InvocableSpec]:
+        """The Runtime (as ``_open`` gives it) and the invocable ``name``."""
+        runtime = self._open(action)
         spec = self._specs.get(name) if isinstance(name, str) else None  # (a list: unhashable)
         if spec is None:
             raise UnknownNameError(name, self._specs)
-        return spec
+        return runtime, spec
 
     async def run(self, name: str, input: Any, *, context: Any = None, session_id: str | None = None,
                   namespace: str | None = None, run_id: str | None = None,
@@ -390,9 +395,9 @@ class Deck:
         (nothing is written then), and whatever made the run fail (after ``run.failed`` is in
         the log).
         """
-        spec = self._spec("run", name)
-        return await self._runtime.run(spec, input, context=context, session_id=session_id,
-                                       namespace=namespace, run_id=run_id, history=history)
+        runtime, spec = self._spec("run", name)
+        return await runtime.run(spec, input, context=context, session_id=session_id,
+                                 namespace=namespace, run_id=run_id, history=history)
 
     def stream(self, name: str, input: Any, *, context: Any = None, session_id: str | None = None,
                namespace: str | None = None, run_id: str | None = None,
@@ -409,10 +414,10 @@ class Deck:
         The run belongs to the deck, not to the iterator: leaving the loop early ends the stream,
         never the run. Errors as for ``run``; a failed run yields ``run.failed`` and then raises.
         """
-        spec = self._spec("stream", name)
-        return self._runtime.stream(spec, input, context=context, session_id=session_id,
-                                    namespace=namespace, run_id=run_id, committed=committed,
-                                    history=history)
+        runtime, spec = self._spec("stream", name)
+        return runtime.stream(spec, input, context=context, session_id=session_id,
+                              namespace=namespace, run_id=run_id, committed=committed,
+                              history=history)
 
     @property
     def store(self) -> EventStorePort:

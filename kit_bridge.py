@@ -22,7 +22,8 @@ mailbox: ``post`` (engine side) appends and wakes the trio side at most once per
 ordinary item waits up to ``WAKE_DELAY`` so one wake-up carries many (about 0.4 us per item
 instead of 16-70 us per crossing, notes/PERF.md section 5); an urgent one wakes it at once.
 ``pump`` (trio side) hands each item to its handler in order. ``post_and_wait`` is ``post`` for
-an item whose handler must finish before the engine goes on.
+an item whose handler must finish before the engine goes on. ``call_trio`` is ``call`` the other
+way (a tool on the loop that calls the deck): the loop awaits a future the trio side resolves.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class Bridge:
     given ``host``, that bridge's loop, with a mailbox of its own (``stop`` leaves the loop).
 
     Make it and ``start()`` it on trio; ``call`` and ``pump`` from trio; ``post``,
-    ``post_and_wait`` and ``to_kit`` from the loop's thread; ``soon`` from trio.
+    ``post_and_wait``, ``call_trio`` and ``to_kit`` from the loop's thread; ``soon`` from trio.
     """
 
     def __init__(self, host: Bridge | None = None) -> None:
@@ -147,6 +148,62 @@ class Bridge:
             raise box["error"]
         return box["result"]
 
+    def on_loop(self) -> bool:
+        """Whether the caller runs on the loop's thread."""
+        return threading.get_ident() == self._thread.ident
+
+    async def call_trio(self, fn: Callable[[], Awaitable[Any]],
+                        start_soon: Callable[[Callable[[], Awaitable[None]]], None]) -> Any:
+        """Loop side: ``await fn()`` on the trio side, in a task ``start_soon`` starts there;
+        its result, or its exception re-raised. The loop is never blocked: what ``fn`` does may
+        need it (a blocking ``from_thread.run`` would deadlock a call that plays on this loop).
+        Cancelling the awaiting task cancels ``fn``'s and waits for it to end, bounded by
+        ``CANCEL_TIMEOUT``; ``fn`` cancelled on the trio side cancels the awaiting task."""
+        future: asyncio.Future[Any] = self.loop.create_future()
+        box: dict[str, Any] = {}
+
+        def reply(result: Any, error: BaseException | None) -> None:
+            self.loop.call_soon_threadsafe(_resolve, future, result, error)
+
+        async def play() -> None:  # trio side
+            with anyio.CancelScope() as scope:
+                box["scope"] = scope
+                if box.get("cancelled"):
+                    scope.cancel()
+                try:
+                    result = await fn()
+                except anyio.get_cancelled_exc_class():
+                    self.loop.call_soon_threadsafe(future.cancel)
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - the caller's, carried to the loop
+                    reply(None, exc)
+                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        raise
+                else:
+                    reply(result, None)
+
+        def start() -> None:  # trio side
+            try:
+                start_soon(play)
+            except BaseException as exc:  # noqa: BLE001 - (the task group has ended)
+                reply(None, exc)
+
+        def cancel() -> None:  # trio side
+            if "scope" in box:
+                box["scope"].cancel()
+            box["cancelled"] = True
+
+        self._token.run_sync_soon(start)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                self._token.run_sync_soon(cancel)
+                await asyncio.wait({future}, timeout=CANCEL_TIMEOUT)
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved: asyncio logs one nobody retrieves
+            raise
+
     def soon(self, fn: Callable[[], Any]) -> None:
         """Trio side: call ``fn()`` on the loop's thread, soon."""
         self.loop.call_soon_threadsafe(fn)
@@ -213,6 +270,14 @@ class Bridge:
             await self._wake.wait()  # type: ignore[union-attr]
             for item in self.take():
                 await handle(item)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
 
 
 def _settle(reply: asyncio.Future[Any], error: BaseException | None) -> None:

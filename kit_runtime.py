@@ -17,7 +17,9 @@ There are two sides. The *kit side* is the event loop that opened the deck (asyn
 owns the store, the writer and the streams. The *engine side* is where SDK objects live: the same
 loop under asyncio; under trio, the trio run's asyncio loop in a daemon thread (kit_bridge's
 ``shared``: it outlives the deck, as the caller's loop does under asyncio), because
-openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9).
+openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9). A tool that calls the
+deck under trio is on the engine side: its calls are played on the kit side (``_OnKit``), each
+the calling run's to cancel with it.
 
 An engine records a run through its handle: ``emit`` for an ordinary event, ``durable`` for one it
 must see committed before it goes on (``tool.started``; every end of a run, after what the run
@@ -40,6 +42,7 @@ is written (``check_id``); what kit reads back from its own log is not checked a
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -108,6 +111,44 @@ class _OnEngine:
         async def on_engine(*args: Any, **kwargs: Any) -> Any:
             return await self._on_engine(functools.partial(attr, *args, **kwargs))
         return on_engine
+
+
+#: Engine side, under trio: the run whose play the current asyncio task is part of (its tools'
+#: tasks inherit it): the run a tool's call of the deck is made for (``_OnKit``).
+_PLAYING: contextvars.ContextVar[Run | None] = contextvars.ContextVar("kit_playing", default=None)
+
+
+async def _playing(run: Run, job: Callable[[], Any]) -> Any:
+    """Engine side (trio): ``job()``, with ``run`` as the task's ``_PLAYING`` (``Bridge.call``
+    gives each call a context of its own)."""
+    _PLAYING.set(run)
+    return await job()
+
+
+class _OnKit:
+    """The Runtime as a tool of one of its runs reaches it under trio (``Runtime.for_tool``): the
+    tool plays on the engine's asyncio loop, and each coroutine method (``run``, ``status``,
+    ``answer``, ...) is awaited there while it runs on the kit side, in the deck's task group
+    (``Bridge.call_trio``: a run it starts plays on that same loop, never blocked meanwhile).
+    Anything else (a stream, the store, a session) is refused: its iterator or its objects
+    would live on the kit side, out of the tool's reach."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def __getattr__(self, name: str) -> Any:
+        attr, runtime = getattr(self._runtime, name), self._runtime
+        if not inspect.iscoroutinefunction(attr):
+            raise DeckStateError("OPEN", f"use deck.{name} from a tool under trio (a tool plays on "
+                                 "the engines' asyncio loop: it can await the deck's coroutine "
+                                 "methods, deck.run(...) among them; stream or read the log "
+                                 "outside the tool")
+
+        async def on_kit(*args: Any, **kwargs: Any) -> Any:
+            return await runtime.bridge.call_trio(  # type: ignore[union-attr]
+                functools.partial(attr, *args, **kwargs),
+                functools.partial(runtime._start_call, _PLAYING.get()))
+        return on_kit
 
 
 class _Cancel:
@@ -187,6 +228,7 @@ class Runtime(RunControl):
         self._reaped: set[str] = set()  # reaped runs whose end the observers are still owed
         self._closing = False
         self._streams: dict[str, Run] = {}  # streamed runs: their commits wake their readers
+        self._calls: dict[str, list[Any]] = {}  # trio: run id -> its tools' deck calls (scope, done)
         self._tg: Any = None
         self.graphs: dict[str, Any] = {}  # workflow name -> graph compiled with its checkpointer
         self._close_graphs: Any = None
@@ -343,6 +385,32 @@ class Runtime(RunControl):
         with anyio.move_on_after(CLOSE_TIMEOUT):
             await self._mcp_done.wait()
         self._mcp_done = None
+
+    def for_tool(self) -> _OnKit | None:
+        """Under trio, called on the engines' loop (a tool that calls the deck): the Runtime as
+        the tool may use it (``_OnKit``); elsewhere (another thread's loop) None."""
+        return _OnKit(self) if self.bridge is not None and self.bridge.on_loop() else None
+
+    def _start_call(self, parent: Run | None, fn: Callable[[], Any]) -> None:
+        """Kit side (trio): start ``fn()``, a call of the deck by a tool of ``parent``
+        (``_OnKit``), in the deck's task group. A cancelled caller of ``parent`` cancels it and
+        waits for its end (``_play``), as under asyncio, where the call is the tool's own."""
+        if self._tg is None:
+            raise DeckStateError("CLOSED", "start or resume a run")
+        scope, done = anyio.CancelScope(), anyio.Event()
+        calls = self._calls.setdefault(parent.run_id, []) if parent is not None else []
+        calls.append((scope, done))
+
+        async def call() -> None:
+            try:
+                with scope:
+                    await fn()
+            finally:
+                calls.remove((scope, done))
+                if not calls and parent is not None and self._calls.get(parent.run_id) is calls:
+                    del self._calls[parent.run_id]
+                done.set()
+        self._tg.start_soon(call)
 
     async def _on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Kit side: ``await fn(*args)`` on the engine side."""
@@ -800,6 +868,9 @@ class Runtime(RunControl):
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
                 for child in [r for r in self.active.values() if r.parent == run.run_id]:
                     await self._on_engine(child.wait_done)  # it ends on the engine side
+                for scope, done in list(self._calls.get(run.run_id, ())):  # (trio: _start_call)
+                    scope.cancel()
+                    await done.wait()
                 await self._drain_mail()
                 await self.writer.flush()
             raise
@@ -816,7 +887,7 @@ class Runtime(RunControl):
         run.ends_on_kit = True
         failed: BaseException | None = None
         try:
-            end = await self.bridge.call(job)  # type: ignore[union-attr]
+            end = await self.bridge.call(_playing, run, job)  # type: ignore[union-attr]
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:  # a user's BaseException too: its run.failed is posted

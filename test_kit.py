@@ -2187,3 +2187,76 @@ async def test_a_runs_megabyte_failure_is_recorded_cut_saying_so():
     said = failed.payload.message
     assert said.startswith("boom zzz") and len(said) < 2100, said[:100]
     assert said.endswith(f"... ({len('boom ') + 1_000_000 - 2000:,} more characters cut)"), said[-100:]
+
+
+async def test_a_tool_can_run_another_invocable_through_the_deck(store, anyio_backend):
+    """Under trio a tool plays on the engines' asyncio loop: its ``await deck.run(...)`` was
+    refused (DeckStateError) with a hint that it came from another thread's loop and should
+    call ``anyio.from_thread.run``, which would have deadlocked that loop. It runs the other
+    agent now, as under asyncio; what a tool cannot reach (a stream) is refused, saying so."""
+    deck: Deck
+    refused: list[str] = []
+
+    async def ask_helper(question: str) -> str:
+        """Ask the helper agent."""
+        try:
+            deck.stream("helper", question)
+        except kit.DeckStateError as exc:  # (under asyncio a tool may stream: same loop)
+            refused.append(str(exc))
+        result = await deck.run("helper", question, session_id="h")
+        return f"helper says: {result.output}"
+
+    main = Agent("main", tools=[ask_helper],
+                 model=ScriptedModel([{"tool": "ask_helper", "args": {"question": "hi"}}, "done"]))
+    helper = Agent("helper", model=ScriptedModel(["glad to help"], cycle=True))
+    async with Deck([main, helper], store=store) as deck:
+        with anyio.fail_after(20):
+            result = await deck.run("main", "go")
+        assert result.output == "done"
+        log = await store.read(result.run_id)
+        [done] = [e for e in log if e.kind == "tool.completed"]
+        assert done.payload.output == "helper says: glad to help"
+        [info] = await store.runs(name="helper")
+        assert info.session_id == "h" and info.status is RunStatus.COMPLETED
+        assert kinds(await store.read(info.run_id))[-1] == "run.completed"
+        assert (await deck.run("helper", "again", session_id="h")).output == "glad to help"
+    if anyio_backend == "trio":
+        [message] = refused
+        assert "from a tool under trio" in message and "deck.run(" in message, message
+    else:
+        assert refused == []
+
+
+async def test_a_cancelled_caller_goes_on_once_the_run_its_tool_started_is_cancelled(store):
+    """A run a tool starts through the deck ends with the tool's run when that run's caller is
+    cancelled, its run.cancelled in the log before the caller goes on (under trio the call
+    plays on the kit side, so its tool's run waits for it there)."""
+    entered, release = threading.Event(), threading.Event()
+    deck: Deck
+
+    def wait() -> str:
+        """Wait for the test."""
+        entered.set()
+        release.wait(10)
+        return "waited"
+
+    async def ask_helper(question: str) -> str:
+        """Ask the helper agent."""
+        return (await deck.run("helper", question)).output
+
+    main = Agent("main", tools=[ask_helper],
+                 model=ScriptedModel([{"tool": "ask_helper", "args": {"question": "hi"}}, "done"]))
+    helper = Agent("helper", tools=[wait], model=ScriptedModel([{"tool": "wait"}, "helped"]))
+    try:
+        async with Deck([main, helper], store=store) as deck:
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(functools.partial(deck.run, "main", "go", session_id="m"))
+                    assert await anyio.to_thread.run_sync(entered.wait, 10)
+                    tg.cancel_scope.cancel()
+            runs = {r.name: r.status for r in await store.runs()}  # read before anything else
+            release.set()
+            assert runs == {"main": RunStatus.CANCELLED, "helper": RunStatus.CANCELLED}, runs
+            assert (await deck.run("helper", "again")).output == "helped"
+    finally:
+        release.set()
