@@ -1,8 +1,11 @@
 """kit_control: run control and parked runs, the Runtime's second half.
 
 Owns: control requests (pause, cancel, resume: recorded, acted on here, followed from other
-processes), taking over a paused run, a parked run's cancel, and parked workflows (answer,
-pending, due, tick, the orphan scan); ``RunControl``, a mixin only ``kit_runtime.Runtime`` uses.
+processes), the fence around a write that races other writers of a run (``_fence``: a caller's
+run id, a take-over, a parked run's cancel), taking over a paused run, a parked run's cancel,
+parked workflows (answer, pending, due, tick, the orphan scan), and the deck's background loops
+(``_every``: lease renewal and reaping, the control watch); ``RunControl``, a mixin only
+``kit_runtime.Runtime`` uses.
 
 Must never: write to the store but through the Runtime's write path (``_write``, ``_take_over``
 here, the run's own ``_play``); speak HTTP or read argv; print, log or persist the application
@@ -15,15 +18,17 @@ becomes its writer by appending its next events fenced by seq (``_take_over``): 
 processes racing, the store's unique ``(run_id, seq)`` lets one write, and the other hears it was
 resumed by someone else. Requests written elsewhere reach this deck through ``_watch_requests``
 (the store's ``follow_requests``); one the store fails is met again when the watch starts over,
-``ACT_TRIES`` times at most. ``RunControl`` uses the Runtime's state and write path; it holds only
-the watch's own bookkeeping (``_init_control``).
+``ACT_TRIES`` times at most. The live runs' leases are renewed every third of a lease, and the
+runs whose owner stopped renewing are reaped (recorded abandoned) on the same beat. ``RunControl``
+uses the Runtime's state and write path; it holds only the bookkeeping of the fence, the reaper
+and the watch (``_init_control``).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +37,10 @@ import anyio
 import kit_threads
 import kit_workflows
 from kit_core import (
-    CheckpointMissingError, ControlRequest, ControlRequested, Due, Event, LogConflictError,
-    ModelCompleted, Pending, RunCancelled, RunInfo, RunInterrupted, RunNotWaitingError,
-    RunResumed, RunSleeping, RunStatus, SessionBusyError, StoreUnavailableError, Ticked,
-    UnknownNameError, UnknownRunError, check_id, check_text, stops,
+    CheckpointMissingError, ControlRequest, ControlRequested, DeckStateError, Due, Event,
+    LogConflictError, ModelCompleted, Pending, RunCancelled, RunInfo, RunInterrupted,
+    RunNotWaitingError, RunResumed, RunSleeping, RunStatus, SessionBusyError,
+    StoreUnavailableError, Ticked, UnknownNameError, UnknownRunError, check_id, check_text, stops,
 )
 from kit_storebase import replay
 
@@ -61,18 +66,100 @@ _SKIPPED = object()  # a due thread another ticker has
 _log = logging.getLogger("kit.runtime")
 
 
+class _Cancel:
+    """A parked run's cancel being written by this deck (``RunControl._fence``): a second cancel
+    meanwhile (the store down, the first retrying) waits for the first's outcome and has it."""
+
+    def __init__(self) -> None:
+        self.started, self.done = False, anyio.Event()
+        self.error: BaseException | None = None
+
+    async def outcome(self) -> None:
+        await self.done.wait()
+        if self.error is not None:  # (a first one cancelled: the deck is closing)
+            raise self.error if isinstance(self.error, Exception) else DeckStateError(
+                "CLOSED", "cancel the run")
+
+
 class RunControl:
     """The Runtime's run control and parked runs: a mixin of ``kit_runtime.Runtime``, whose
-    state it reads (``specs``, ``store``, ``writer``, ``active``, ``graphs``, ``sessions``) and
-    whose write path it writes through (``_new_run``, ``_begin``, ``_start_run``, ``_write``,
-    ``_fence``, ``_play``, ``_finish``, ``_streamed``, ``_on_engine``)."""
+    state it reads (``specs``, ``store``, ``writer``, ``active``, ``graphs``, ``sessions``,
+    ``owner``, ``lease``) and whose write path it writes through (``_new_run``, ``_begin``,
+    ``_start_run``, ``_write``, ``_committed``, ``_play``, ``_finish``, ``_streamed``,
+    ``_on_engine``)."""
 
     def _init_control(self) -> None:
+        # Run ids a fenced write is in flight for (``_fence``) -> the run it starts or takes
+        # over (None for a parked run's cancel): a request meanwhile is that run's.
+        self._fenced: dict[str, Run | None] = {}
+        self._cancels: dict[str, _Cancel] = {}  # parked runs whose cancel is written here
+        self._reaped: set[str] = set()  # reaped runs whose end the observers are still owed
         self._seen_request = 0  # the newest control request this deck has acted on
         self._handled: set[int] = set()  # requests made here, acted on already, not met yet
         self._failing = (0, 0)  # (request id, failed tries) of a request the store failed
         self._orphans: dict[str, str] = {}  # sleeping thread keys no log run parks -> workflow
         self._orphans_at = 0.0  # when tick next scans the checkpointers for them
+
+    # --------------------------------------------------------------- background loops --
+    async def _every(self, seconds: float, step: Callable[[], Any], what: str,
+                     most: float = BACKOFF_MAX) -> None:
+        """Call ``step`` every ``seconds``, forever. A failing step (a store that is down or
+        locked) is logged once per burst and retried with backoff, up to ``most`` apart; it
+        never ends the loop, and never the deck. A step that runs for good (the control watch)
+        and fails after working for longer than it last waited starts a new burst: its backoff
+        does not ratchet up to ``most`` over a process's life."""
+        delay = seconds
+        while True:
+            await anyio.sleep(delay)
+            started = anyio.current_time()
+            try:
+                await step()
+            except Exception as exc:
+                if anyio.current_time() - started > delay:  # it had been working again
+                    delay = seconds
+                if delay == seconds:
+                    _log.warning("%s failed (%s: %s); retrying with backoff", what,
+                                 type(exc).__name__, exc)
+                delay = min(max(delay * 2, 1.0), most)
+            else:
+                if delay != seconds:
+                    _log.warning("%s works again", what)
+                delay = seconds
+
+    async def _keep_leases(self) -> None:
+        """Renew the leases of the runs still played here (or with events still to commit),
+        and only those; reap runs whose owner stopped renewing; let go of conversations held
+        for runs paused here that went on elsewhere (``_let_go``)."""
+        started = anyio.current_time()
+        if started - self._renewed > self.lease:  # stalled past it: reaped elsewhere? (_flushed)
+            self._doubted = set(self.active)
+        live = set(self.active) | self.writer.pending_runs()
+        await self.store.renew(self.owner, self.lease, sorted(live))
+        self._renewed = started
+        await self._reap()
+        await self._let_go()
+
+    async def _let_go(self) -> None:
+        """Let go of the conversations held for runs paused here that the store shows moved
+        on (resumed or cancelled elsewhere: their end is never seen here), so they count toward
+        ``KIT_SESSION_MAX`` again: one run-index lookup each, a failing store asked next time."""
+        for run_id in self.sessions.holding() if self.sessions is not None else ():
+            if not self._playing(run_id):
+                with contextlib.suppress(Exception):
+                    info = await self.store.run_info(run_id)
+                    if (info is None or info.status is not RunStatus.PAUSED) and not (
+                            self._playing(run_id)):  # (taken over here meanwhile)
+                        self.sessions.release(run_id)  # type: ignore[union-attr]
+
+    async def _reap(self) -> None:
+        """Record the runs whose owner stopped renewing as abandoned (the store writes their
+        ``run.failed`` in the transaction that frees their claims); the observers get it too,
+        all in one read (``last_events``), at the next round if it fails (no reap repeats one)."""
+        self._reaped.update(await self.store.reap())
+        if reaped := sorted(self._reaped):
+            ends = await self.store.last_events(reaped)
+            self._reaped.difference_update(reaped)
+            self._committed([ends[run_id] for run_id in reaped if run_id in ends])
 
     # -------------------------------------------------------------------- run control --
     async def request(self, run_id: str, action: str, reason: str | None, source: str) -> None:
@@ -175,6 +262,29 @@ class RunControl:
         run = self._playing(req.run_id)
         if run is not None:
             run.request(req.action, req.reason, req.source)
+
+    @contextlib.contextmanager
+    def _fence(self, run_id: str, seq: int, run: Run | None = None) -> Iterator[None]:
+        """Around a fenced write (a caller's run id, a take-over, a parked run's cancel): one
+        per run id at a time in this deck, and none for a run played here. A second caller
+        racing for the id is refused (``LogConflictError``) before it writes anything, as the
+        store refuses one from another process: in one group commit the store would refuse
+        both writes, and the first caller would play on without its first event. A parked
+        run's second cancel while the first is written here (``run`` None) is let in: its
+        ``_write`` writes nothing and has the first one's outcome (``_Cancel``)."""
+        if run is None and run_id in self._cancels:
+            yield
+            return
+        if run_id in self._fenced or run_id in self.active:
+            raise LogConflictError(run_id, seq)
+        self._fenced[run_id] = run
+        if run is None:
+            self._cancels[run_id] = _Cancel()
+        try:
+            yield
+        finally:
+            del self._fenced[run_id]
+            self._cancels.pop(run_id, None)
 
     async def _take_over(self, run: Run, events: Sequence[Event]) -> None:
         """Become the writer of a parked run: append ``events`` (the resume) with its claim,

@@ -3,8 +3,9 @@
 Owns: the runs it plays (a ``kit_runs.Run`` each: the engine's handle, the live buffer a
 stream reads), the one write path of events (``Runtime._put`` / ``Runtime._write``: the
 writer's group commit to the store, then the observers, with the run's live readers fed on the
-way), session claims (through the store), child runs, run control and parked runs (their half
-of the Runtime is ``kit_control.RunControl``, a mixin that writes through this path), and the
+way), session claims (through the store), child runs, run control, parked runs, fenced
+writes and the lease loop (their half of the Runtime is ``kit_control.RunControl``, a mixin
+that writes through this path), and the
 lifecycle of what a deck holds open: the store it built, the observers, the engines' graphs and
 sessions, the MCP servers, the trio bridge.
 
@@ -49,7 +50,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -59,7 +60,7 @@ import sniffio
 import kit_observers
 import kit_threads
 from kit_bridge import Bridge, shared
-from kit_control import BACKOFF_MAX, RunControl
+from kit_control import RunControl
 from kit_core import (
     Claim, ConfigError, DeckStateError, Event, InvocableSpec, LogConflictError, NewRunId,
     RunCancelled, RunHandle, RunStarted, RunStatus, StoreUnavailableError, as_blocks, as_history,
@@ -151,21 +152,6 @@ class _OnKit:
         return on_kit
 
 
-class _Cancel:
-    """A parked run's cancel being written by this deck (``Runtime._fence``): a second cancel
-    meanwhile (the store down, the first retrying) waits for the first's outcome and has it."""
-
-    def __init__(self) -> None:
-        self.started, self.done = False, anyio.Event()
-        self.error: BaseException | None = None
-
-    async def outcome(self) -> None:
-        await self.done.wait()
-        if self.error is not None:  # (a first one cancelled: the deck is closing)
-            raise self.error if isinstance(self.error, Exception) else DeckStateError(
-                "CLOSED", "cancel the run")
-
-
 def _check_ids(session_id: Any, run_id: Any) -> None:
     """A new run's ids, as its caller gave them (``check_id``): refused before anything is
     written."""
@@ -221,11 +207,6 @@ class Runtime(RunControl):
         self.bridge: Bridge | None = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.active: dict[str, Run] = {}
-        # Run ids a fenced write is in flight for (``_fence``) -> the run it starts or takes
-        # over (None for a parked run's cancel): a request meanwhile is that run's.
-        self._fenced: dict[str, Run | None] = {}
-        self._cancels: dict[str, _Cancel] = {}  # parked runs whose cancel is written here
-        self._reaped: set[str] = set()  # reaped runs whose end the observers are still owed
         self._closing = False
         self._streams: dict[str, Run] = {}  # streamed runs: their commits wake their readers
         self._calls: dict[str, list[Any]] = {}  # trio: run id -> its tools' deck calls (scope, done)
@@ -423,66 +404,6 @@ class Runtime(RunControl):
     def _to_kit(self, fn: Callable[[], Any]) -> None:
         """Engine side: call ``fn()`` on the kit side, soon."""
         self.bridge.to_kit(fn) if self.bridge else fn()
-
-    async def _every(self, seconds: float, step: Callable[[], Any], what: str,
-                     most: float = BACKOFF_MAX) -> None:
-        """Call ``step`` every ``seconds``, forever. A failing step (a store that is down or
-        locked) is logged once per burst and retried with backoff, up to ``most`` apart; it
-        never ends the loop, and never the deck. A step that runs for good (the control watch)
-        and fails after working for longer than it last waited starts a new burst: its backoff
-        does not ratchet up to ``most`` over a process's life."""
-        delay = seconds
-        while True:
-            await anyio.sleep(delay)
-            started = anyio.current_time()
-            try:
-                await step()
-            except Exception as exc:
-                if anyio.current_time() - started > delay:  # it had been working again
-                    delay = seconds
-                if delay == seconds:
-                    _log.warning("%s failed (%s: %s); retrying with backoff", what,
-                                 type(exc).__name__, exc)
-                delay = min(max(delay * 2, 1.0), most)
-            else:
-                if delay != seconds:
-                    _log.warning("%s works again", what)
-                delay = seconds
-
-    async def _keep_leases(self) -> None:
-        """Renew the leases of the runs still played here (or with events still to commit),
-        and only those; reap runs whose owner stopped renewing; let go of conversations held
-        for runs paused here that went on elsewhere (``_let_go``)."""
-        started = anyio.current_time()
-        if started - self._renewed > self.lease:  # stalled past it: reaped elsewhere? (_flushed)
-            self._doubted = set(self.active)
-        live = set(self.active) | self.writer.pending_runs()
-        await self.store.renew(self.owner, self.lease, sorted(live))
-        self._renewed = started
-        await self._reap()
-        await self._let_go()
-
-    async def _let_go(self) -> None:
-        """Let go of the conversations held for runs paused here that the store shows moved
-        on (resumed or cancelled elsewhere: their end is never seen here), so they count toward
-        ``KIT_SESSION_MAX`` again: one run-index lookup each, a failing store asked next time."""
-        for run_id in self.sessions.holding() if self.sessions is not None else ():
-            if not self._playing(run_id):
-                with contextlib.suppress(Exception):
-                    info = await self.store.run_info(run_id)
-                    if (info is None or info.status is not RunStatus.PAUSED) and not (
-                            self._playing(run_id)):  # (taken over here meanwhile)
-                        self.sessions.release(run_id)  # type: ignore[union-attr]
-
-    async def _reap(self) -> None:
-        """Record the runs whose owner stopped renewing as abandoned (the store writes their
-        ``run.failed`` in the transaction that frees their claims); the observers get it too,
-        all in one read (``last_events``), at the next round if it fails (no reap repeats one)."""
-        self._reaped.update(await self.store.reap())
-        if reaped := sorted(self._reaped):
-            ends = await self.store.last_events(reaped)
-            self._reaped.difference_update(reaped)
-            self._committed([ends[run_id] for run_id in reaped if run_id in ends])
 
     # ------------------------------------------------------------------ the write path --
     def _put(self, run: Run | None, event: Event, claim: Claim | None = None) -> None:
@@ -695,29 +616,6 @@ class Runtime(RunControl):
 
     def _claim(self, run: Run) -> Claim:
         return Claim(run.run_id, self.owner, self.lease, run.session_id, run.namespace)
-
-    @contextlib.contextmanager
-    def _fence(self, run_id: str, seq: int, run: Run | None = None) -> Iterator[None]:
-        """Around a fenced write (a caller's run id, a take-over, a parked run's cancel): one
-        per run id at a time in this deck, and none for a run played here. A second caller
-        racing for the id is refused (``LogConflictError``) before it writes anything, as the
-        store refuses one from another process: in one group commit the store would refuse
-        both writes, and the first caller would play on without its first event. A parked
-        run's second cancel while the first is written here (``run`` None) is let in: its
-        ``_write`` writes nothing and has the first one's outcome (``_Cancel``)."""
-        if run is None and run_id in self._cancels:
-            yield
-            return
-        if run_id in self._fenced or run_id in self.active:
-            raise LogConflictError(run_id, seq)
-        self._fenced[run_id] = run
-        if run is None:
-            self._cancels[run_id] = _Cancel()
-        try:
-            yield
-        finally:
-            del self._fenced[run_id]
-            self._cancels.pop(run_id, None)
 
     # --------------------------------------------------------------------------- turns --
     async def _begin(self, spec: InvocableSpec, input: Any, context: Any, session_id: str | None,
