@@ -757,6 +757,7 @@ class Runtime(RunControl):
         try:
             with run.scope:
                 return await (job() if self.bridge is None else self._played(run, job))
+            await self._drain_mail()  # (trio) the end it posted as it stopped: its reader's too
             if run.abort_error is not None:  # the store was down too long
                 raise run.abort_error
             raise DeckStateError("CLOSED", "finish the run")  # the deck's close cancelled it
