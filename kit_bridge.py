@@ -70,7 +70,7 @@ class Bridge:
         self._armed = 0  # 0: no wake-up pending, 1: a delayed one, 2: an immediate one
         self._taken = 0  # how many times ``take`` emptied the mailbox: a delayed wake-up's batch
         self._token: Any = None
-        self._wake: anyio.Event | None = None
+        self._wake: Any = None  # a trio.Event: what ``pump`` waits on
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -87,7 +87,7 @@ class Bridge:
     def start(self) -> None:
         import trio
         self._token = trio.lowlevel.current_trio_token()
-        self._wake = anyio.Event()
+        self._wake = trio.Event()
         if not self._hosted:
             self._thread.start()
 
@@ -104,9 +104,11 @@ class Bridge:
         """Trio side: ``await fn(*args)`` on the loop; its result, or its exception re-raised.
 
         An asyncio cancellation that did not come from this caller (the loop stopping) is a
-        ``DeckStateError``: the deck closed under the call.
+        ``DeckStateError``: the deck closed under the call. (trio's own primitives, not anyio's:
+        this side is trio only, and anyio's find their backend through sniffio each time.)
         """
-        done, token, box = anyio.Event(), self._token, {}
+        import trio
+        done, token, box = trio.Event(), self._token, {}
         task: list[asyncio.Task[Any]] = []
 
         async def play() -> None:
@@ -121,7 +123,7 @@ class Bridge:
         # the cancel came once this thread had the GIL back, which the loop's thread, woken
         # by the start, often held until ``fn`` had run to its end (a run whose caller was
         # cancelled before it began then played to its end, its end recorded as completed).
-        cancelled = anyio.current_effective_deadline() <= anyio.current_time()
+        cancelled = trio.current_effective_deadline() <= trio.current_time()
 
         def start() -> None:
             task.append(self.loop.create_task(play()))
@@ -216,11 +218,13 @@ class Bridge:
         """Loop side: queue ``item`` for ``pump``; wake the trio side at most once per batch."""
         with self._lock:
             self._mail.append(item)
-            armed, self._armed = self._armed, max(self._armed, 2 if urgent else 1)
-            batch = self._taken
-        if urgent and armed < 2:
+            armed = self._armed
+            if armed == 2 or (armed and not urgent):
+                return  # a wake-up is on its way already: the common case, per item
+            self._armed, batch = 2 if urgent else 1, self._taken
+        if urgent:
             self._token.run_sync_soon(self._set)
-        elif not armed:
+        else:
             self.loop.call_later(WAKE_DELAY, self._wake_later, batch)
 
     def _wake_later(self, batch: int) -> None:
@@ -256,20 +260,23 @@ class Bridge:
 
     def take(self) -> list[Any]:
         """Trio side: everything in the mailbox, oldest first."""
+        import trio
         with self._lock:
             items = list(self._mail)
             self._mail.clear()
             self._armed, self._taken = 0, self._taken + 1
             if self._wake.is_set():  # an unset one may be what ``pump`` waits on: keep it
-                self._wake = anyio.Event()
+                self._wake = trio.Event()
         return items
 
-    async def pump(self, handle: Callable[[Any], Awaitable[None]]) -> None:
-        """Trio side, forever: hand each mailbox item to ``handle``, in order."""
+    async def pump(self, handle: Callable[[Any], None]) -> None:
+        """Trio side, forever: hand each mailbox item to ``handle``, in order. ``handle`` is
+        synchronous: a batch is handed over without yielding (and without a coroutine per
+        item, hundreds a streamed reply)."""
         while True:
             await self._wake.wait()  # type: ignore[union-attr]
             for item in self.take():
-                await handle(item)
+                handle(item)
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -304,7 +304,7 @@ class Runtime(RunControl):
             with anyio.CancelScope(shield=True):
                 await self._stop_mcp()  # before the task group ends: the holder task lives there
                 if getattr(self, "writer", None) is not None:
-                    await self._drain_mail()
+                    self._drain_mail()
                     with anyio.move_on_after(CLOSE_TIMEOUT):  # a store down: the lease tells
                         await self.writer.flush()
                 if self.hub is not None:
@@ -498,12 +498,12 @@ class Runtime(RunControl):
             run.abort_error = error
             run.scope.cancel()
 
-    async def _drain_mail(self) -> None:
+    def _drain_mail(self) -> None:
         """Kit side (trio): put what the engine side has posted and the pump has not taken yet
         (in order: the pump puts each batch it takes without yielding in between)."""
         if self.bridge is not None:
             for item in self.bridge.take():
-                await self._on_mail(item)
+                self._on_mail(item)
 
     def _deliver(self, run: RunHandle, event: Event) -> None:
         """Engine side: an ordinary event, to the kit side (no wait)."""
@@ -566,7 +566,7 @@ class Runtime(RunControl):
         else:
             await anyio.lowlevel.checkpoint()
 
-    async def _on_mail(self, item: tuple[tuple[Run, Event, Claim | None] | None, Any]) -> None:
+    def _on_mail(self, item: tuple[tuple[Run, Event, Claim | None] | None, Any]) -> None:
         """Kit side (trio): one item from the bridge's mailbox: an event to put, and a reply to
         settle once it is committed (or, for ``None``, once the writer has room). Never waits
         itself, so the pump keeps every run's events flowing in order."""
@@ -757,7 +757,7 @@ class Runtime(RunControl):
         try:
             with run.scope:
                 return await (job() if self.bridge is None else self._played(run, job))
-            await self._drain_mail()  # (trio) the end it posted as it stopped: its reader's too
+            self._drain_mail()  # (trio) the end it posted as it stopped: its reader's too
             if run.abort_error is not None:  # the store was down too long
                 raise run.abort_error
             raise DeckStateError("CLOSED", "finish the run")  # the deck's close cancelled it
@@ -770,7 +770,7 @@ class Runtime(RunControl):
                 for scope, done in list(self._calls.get(run.run_id, ())):  # (trio: _start_call)
                     scope.cancel()
                     await done.wait()
-                await self._drain_mail()
+                self._drain_mail()
                 await self.writer.flush()
             raise
         finally:
@@ -791,7 +791,7 @@ class Runtime(RunControl):
             raise
         except BaseException as exc:  # a user's BaseException too: its run.failed is posted
             failed = exc
-        await self._drain_mail()
+        self._drain_mail()
         await self._flushed(run.run_id)
         if failed is not None:
             raise failed

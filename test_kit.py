@@ -2031,7 +2031,7 @@ async def test_a_mailbox_batch_taken_before_its_wake_up_leaves_the_next_batch_it
     monkeypatch.setattr(kit_bridge, "WAKE_DELAY", 0.2)
     bridge, delivered = kit_bridge.Bridge(), []
 
-    async def handle(item: str) -> None:
+    def handle(item: str) -> None:
         delivered.append((item, anyio.current_time()))
 
     bridge.start()
