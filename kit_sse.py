@@ -110,9 +110,13 @@ def native_frame(ev: Event) -> bytes:
 
 def v1_frame(ev: Event, agent: bool = True) -> bytes | None:
     """The v1.2.1 wire: ``data:`` per delta or node, then ``done``, ``interrupt`` or ``error``."""
-    p, seq = ev.payload, str(ev.seq)
-    if type(p) is TextDelta:
-        return sse_frame(dumps({"delta": p.text}), id=seq)
+    p = ev.payload
+    if type(p) is TextDelta:  # the frame per token: sse_frame's bytes, made at once
+        try:  # orjson's JSON is one line (it escapes CR and LF) and a seq is digits
+            return b"id: %d\ndata: %s\n\n" % (ev.seq, orjson.dumps({"delta": p.text}))
+        except TypeError:  # a lone surrogate: dumps' stdlib fallback
+            return sse_frame(dumps({"delta": p.text}), id=str(ev.seq))
+    seq = str(ev.seq)
     if type(p) is NodeUpdated:
         return sse_frame(dumps({"node": p.node, "update": p.update}), id=seq)
     if isinstance(p, RunCompleted):

@@ -28,6 +28,7 @@ from httpx_sse import aconnect_sse
 from langgraph.graph import END, START, StateGraph
 
 import kit
+import kit_core
 import kit_http
 import kit_request
 import kit_runtime
@@ -160,6 +161,11 @@ def test_sse_frame_byte_for_byte():
             sse_frame("{}", id=bad)
     with pytest.raises(ValueError, match="single line"):
         sse_frame("{}\ndata: forged")
+    # a delta's frame, made at once (the per-token path), is sse_frame's bytes, even for text
+    # JSON escapes (CR, LF, quotes) and the lone surrogate only the stdlib encodes
+    for text in ("hi", "", 'a\nb\r"c\\', "\u00e9\u2028", "\ud800x"):
+        ev = kit_core.Event("r1", 12, kit_core.TextDelta(text))
+        assert kit_sse.v1_frame(ev) == sse_frame(kit_sse.dumps({"delta": text}), id="12")
 
 
 def test_public_surface_is_declared_and_hypercorn_is_not_imported():
