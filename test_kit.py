@@ -24,6 +24,7 @@ import pytest
 from langgraph.graph import StateGraph
 
 import kit
+import kit_writer
 from kit import (
     Agent, AudioBlock, ConfigError, ContentError, Context, DataBlock, Deck, DeckStateError, Event,
     ImageBlock, ResourceBlock, RunStatus, ScriptedModel, SessionBusyError, TextBlock,
@@ -1728,7 +1729,11 @@ class CountingStore(SQLiteStore):
         return await super().append(events, claims=claims)
 
 
-async def test_a_run_id_from_new_run_id_costs_no_extra_commit_and_a_callers_own_is_checked_first(tmp_path):
+async def test_a_run_id_from_new_run_id_costs_no_extra_commit_and_a_callers_own_is_checked_first(
+        tmp_path, monkeypatch):
+    # No background commit mid-turn (a loaded machine's turn can outlast FLUSH_DELAY): the
+    # batches are the ones kit asks for, a turn's end committing at once.
+    monkeypatch.setattr(kit_writer, "FLUSH_DELAY", 30.0)
     async with CountingStore(tmp_path / "count.db") as store, Deck(
             [Agent("a", model=ScriptedModel(["x"], cycle=True))], store=store) as deck:
         run_id = kit.new_run_id()
