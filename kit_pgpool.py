@@ -26,7 +26,7 @@ from kit_core import ConfigError
 from kit_storebase import masked
 
 __all__ = ("pg_url", "open_pool", "setup_lock", "unreachable", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT",
-           "CONNECT_TIMEOUT", "CHECK_TIMEOUT")
+           "CONNECT_TIMEOUT", "CHECK_TIMEOUT", "SETUP_WAIT")
 
 #: The schema a ``postgresql://`` URL without ``?schema=`` uses.
 DEFAULT_SCHEMA = "kit"
@@ -46,10 +46,12 @@ CONNECT_TIMEOUT = 5
 #: that forgot it, a frozen peer; TCP gives up after ~15 min), psycopg closes it and the pool
 #: tries the next, as for one the server dropped.
 CHECK_TIMEOUT = 10.0
-#: Setup locks are retried every _LOCK_RETRY s for up to _LOCK_PATIENCE s (another replica
-#: creating the tables takes well under a second).
+#: How long an open waits for a setup lock another open holds (seconds) before it fails: another
+#: replica creating or upgrading the tables holds it well under a second (the log's slow index
+#: builds run after its release: ``kit_pg``), so a wait this long is a stuck opener.
+SETUP_WAIT = 60.0
+#: A setup lock held by another is tried again every _LOCK_RETRY s, up to ``SETUP_WAIT``.
 _LOCK_RETRY = 0.05
-_LOCK_PATIENCE = 60.0
 #: The most of libpq's reason an ``unreachable`` error quotes (one line; its own is a few lines).
 _REASON_CHARS = 500
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,58}\Z")
@@ -87,10 +89,11 @@ def psycopg_module() -> Any:
     """psycopg, imported now; ``ConfigError`` without the postgres extra."""
     try:
         import psycopg
-        import psycopg_pool  # noqa: F401 - checked here, used by open_pool
+        import psycopg_pool
     except ImportError:
         raise ConfigError("a postgresql:// URL needs the postgres extra: "
                           "pip install 'kit[postgres]'") from None
+    del psycopg_pool  # (checked here, used by open_pool)
     return psycopg
 
 
@@ -185,19 +188,24 @@ def unreachable(conninfo: str, exc: BaseException, setting: str | None = None) -
 
 async def _try_lock(conn: Any, what: str, xact: str = "") -> None:
     """Take advisory lock ``what`` (``xact="xact_"``: until the transaction ends) on ``conn``,
-    trying again every ``_LOCK_RETRY`` s for up to ``_LOCK_PATIENCE`` s.
+    trying again every ``_LOCK_RETRY`` s for up to ``SETUP_WAIT`` s, then ``TimeoutError``
+    saying another open holds it and that ``SETUP_WAIT`` bounds the wait.
 
     Tried, never waited for: a statement blocked on a lock holds a snapshot, and langgraph's
     setup builds an index CONCURRENTLY, which waits for every such snapshot: the holder would
     wait for the waiter (seen with three replicas starting at once)."""
     from psycopg.rows import tuple_row
     cur = conn.cursor(row_factory=tuple_row)  # whatever rows the pool's connections make
-    for _ in range(int(_LOCK_PATIENCE / _LOCK_RETRY)):
+    wait = SETUP_WAIT
+    for _ in range(max(1, int(wait / _LOCK_RETRY))):
         await cur.execute(f"SELECT pg_try_advisory_{xact}lock(hashtextextended(%s, 0))", (what,))
         if (await cur.fetchone())[0]:
             return
         await anyio.sleep(_LOCK_RETRY)
-    raise TimeoutError(f"advisory lock {what!r} was held by another process for {_LOCK_PATIENCE:g} s")
+    raise TimeoutError(f"the setup lock {what!r} is held by another open (another replica or "
+                       f"process setting up this schema's tables) for longer than this open "
+                       f"waits, kit_pgpool.SETUP_WAIT = {wait:g} s; retry once it is done, or "
+                       "look for a stuck opener in pg_stat_activity")
 
 
 @contextlib.asynccontextmanager

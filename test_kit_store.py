@@ -1986,3 +1986,25 @@ async def test_an_unreachable_postgres_or_missing_database_is_a_config_error_nam
     code, err = await kit_runs_list(cases[0][0])
     assert code == 1 and f"--store: cannot connect to the Postgres server at {cases[0][1]}" in err
     assert "secret" not in err and "Traceback" not in err, err
+
+
+async def test_postgres_an_open_that_outwaits_the_setup_lock_says_who_holds_it_and_what_bounds_it(
+        postgres_url, monkeypatch):
+    """An open whose schema's setup lock another open held past the wait failed with "advisory
+    lock 'kit:setup:...' was held by another process for 60 s", naming no setting. Now it says
+    another open holds the schema's setup lock, and that kit_pgpool.SETUP_WAIT bounds the wait."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    async with store_from_url(postgres_url):
+        pass
+    monkeypatch.setattr(kit_pgpool, "SETUP_WAIT", 0.3)
+    with psycopg.connect(conninfo, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"kit:setup:{schema}",))
+        with anyio.fail_after(30), pytest.raises(TimeoutError) as info:
+            async with store_from_url(postgres_url):
+                pass
+    said = str(info.value)
+    assert f"setup lock 'kit:setup:{schema}' is held by another open" in said, said
+    assert "kit_pgpool.SETUP_WAIT = 0.3 s" in said, said
+    async with store_from_url(postgres_url) as store:  # free again: opens
+        assert await store.runs() == []
