@@ -54,6 +54,7 @@ appends are group-committed). The listener's wake-ups cross back with ``Bridge.t
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
@@ -128,10 +129,13 @@ _TABLES = (
 )
 #: Indexes of ``_TABLES`` added since version 3, which a schema an older release wrote lacks (an
 #: older kit writing beside them keeps them up, so no version marks them). On an existing table
-#: an open builds one CONCURRENTLY, after its transaction (still under the setup lock: one
-#: replica builds it), so the build holds no writer, where a plain CREATE INDEX holds them all
-#: for its length (~0.5 s per 100k runs). A build cut short leaves its index invalid: the next
-#: open drops it and builds it again.
+#: an open builds one CONCURRENTLY, after its transaction and after releasing the setup lock
+#: (a build on 10M runs outlasts ``kit_pgpool.SETUP_WAIT``: other replicas' opens would fail),
+#: under a build lock (``kit:build:<schema>``) that it only tries: one replica builds, the others
+#: go on at once and query without the index (correct, slower). The build holds no writer, where
+#: a plain CREATE INDEX holds them all for its length (~0.5 s per 100k runs). A build cut short
+#: leaves its index invalid: the next open that gets the build lock drops it and builds it again;
+#: a build that fails is logged and never fails the open.
 _BUILT_CONCURRENTLY = frozenset({"runs_namespace"})
 #: What opening an older schema does besides ``_TABLES`` (whose ``IF NOT EXISTS`` add what is
 #: new), by the version it brings the schema to: removing what is gone.
@@ -423,18 +427,60 @@ class PostgresStore(StoreBase):
                     await conn.execute("INSERT INTO kit_meta VALUES ('schema_version', %s) "
                                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                                        (str(SCHEMA_VERSION),))
-                for statement in later:  # (autocommit: CONCURRENTLY runs in no transaction)
-                    name = _CREATES.search(statement)[1]
-                    if name in found:  # invalid: a build cut short
-                        await conn.execute(f"DROP INDEX CONCURRENTLY {name}")
-                    await conn.execute(statement.replace("CREATE INDEX",
-                                                         "CREATE INDEX CONCURRENTLY"))
+            if later:  # after the setup lock's release: no other open waits for the build
+                await self._build(pool, later)
             self._writes = await open_pool(self._conninfo, self.schema, max_size=WRITE_POOL,
                                            create=False, name="kit-write")
         except BaseException:
             await pool.close()
             raise
         return pool
+
+    async def _build(self, pool: Any, statements: list[str]) -> None:
+        """Build the indexes of ``statements`` (of ``_BUILT_CONCURRENTLY``) CONCURRENTLY, unless
+        another open builds them now (it holds the schema's build lock: this one goes on at
+        once, queries work without them, only slower). An invalid one (a build cut short: a
+        killed replica, a cancel) is dropped and built again; a valid one (built since this
+        open looked) is left. Never fails the open: a build that fails is logged, once, naming
+        the index and the reason, and the next open builds it again."""
+        psycopg = psycopg_module()
+        lock = f"kit:build:{self.schema}"
+        try:
+            async with pool.connection() as conn:
+                if not (await (await conn.execute(
+                        "SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (lock,))).fetchone())[0]:
+                    return
+                try:
+                    for statement in statements:  # (autocommit: CONCURRENTLY runs in no transaction)
+                        name = _CREATES.search(statement)[1]
+                        try:
+                            await self._build_one(conn, name, statement)
+                        except psycopg.Error as exc:
+                            _log.warning("index %s of schema %r was not built (%s: %s); queries "
+                                         "work without it, slower, and the next open builds it",
+                                         name, self.schema, type(exc).__name__,
+                                         " ".join(str(exc).split())[:500])
+                finally:  # (a dead connection freed it; its error must not hide a cancel)
+                    with contextlib.suppress(psycopg.OperationalError):
+                        await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
+                                           (lock,))
+        except psycopg.OperationalError as exc:  # the connection died: the lock went with it
+            _log.warning("the indexes %s of schema %r were not built (%s); the next open builds them",
+                         ", ".join(_CREATES.search(s)[1] for s in statements), self.schema,
+                         type(exc).__name__)
+
+    async def _build_one(self, conn: Any, name: str, statement: str) -> None:
+        """Build index ``name`` (``statement``) CONCURRENTLY on ``conn``, under the build lock:
+        dropped first if invalid, left if valid."""
+        row = await (await conn.execute(
+            "SELECT i.indisvalid FROM pg_class c JOIN pg_index i ON i.indexrelid = c.oid "
+            "WHERE c.relname = %s AND c.relnamespace = %s::regnamespace",
+            (name, self.schema))).fetchone()
+        if row is not None and row[0]:
+            return
+        if row is not None:  # invalid: a build cut short (no other builds: the lock is ours)
+            await conn.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+        await conn.execute(statement.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY"))
 
     async def _clock(self, conn: Any, statement: str, args: Sequence[Any] = ()) -> None:
         """Run ``statement`` (a CTE, or nothing) on ``conn`` and measure ``_skew`` by the same

@@ -1988,6 +1988,85 @@ async def test_an_unreachable_postgres_or_missing_database_is_a_config_error_nam
     assert "secret" not in err and "Traceback" not in err, err
 
 
+async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgres_url, caplog):
+    """A log without ``runs_namespace`` (as the previous release left it) gets it built at an
+    open. That build ran under the setup lock, so on a big log another replica's open waited
+    for it past the setup lock's wait (60 s) and failed. Now the build runs after the lock's
+    release, under a build lock only one open takes: another open completes at once, appends,
+    and lists a namespace correctly without the index; a build that fails is logged naming the
+    index and why, fails no open, and a later open builds it, as it rebuilds an invalid one."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1", namespace="t")])
+        await store.append([started("r2", namespace="u")])
+
+    def valid() -> list[bool]:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            return [v for (v,) in conn.execute(
+                "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                "WHERE c.relname = 'runs_namespace' AND c.relnamespace = %s::regnamespace",
+                (schema,))]
+
+    def building() -> list[int]:  # the backends whose CREATE INDEX waits for the held lock
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            return [p for (p,) in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE query LIKE 'CREATE INDEX CONCURRENTLY%%' "
+                "AND wait_event_type = 'Lock' AND application_name = %s", (f"kit:{schema}",))]
+
+    blocker = psycopg.connect(conninfo, autocommit=True)  # a slow build, simulated
+    opened: list[BaseException | None] = []
+
+    async def open_builder() -> None:
+        try:
+            async with store_from_url(postgres_url):
+                opened.append(None)
+        except Exception as exc:
+            opened.append(exc)
+    try:
+        blocker.execute(f'SET search_path TO "{schema}"')
+        blocker.execute("DROP INDEX runs_namespace")
+        blocker.execute("BEGIN")  # the build waits for this lock (writers do not)
+        blocker.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
+        caplog.set_level("WARNING", logger="kit.pg")
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(open_builder)
+                pids: list[int] = []
+                for _ in range(1000):  # the first open is building (it waits for the lock)
+                    if pids := await anyio.to_thread.run_sync(building):
+                        break
+                    await anyio.sleep(0.02)
+                assert len(pids) == 1 and not opened
+                with anyio.fail_after(15):  # the setup lock is free: no wait for the build
+                    async with store_from_url(postgres_url) as other:
+                        await other.append([started("r3", namespace="t")])
+                        assert [r.run_id for r in await other.runs(namespace="t")] == ["r1", "r3"]
+                        assert [r.run_id for r in await other.runs(namespace="u", limit=5)] == ["r2"]
+                        assert [r.run_id for r in await other.runs(namespace="t", limit=1)] == ["r3"]
+                assert valid() == [] and not opened
+                with psycopg.connect(conninfo, autocommit=True) as conn:  # the build fails
+                    conn.execute("SELECT pg_cancel_backend(%s)", (pids[0],))
+        assert opened == [None]  # the failed build failed no open
+        said = [r.getMessage() for r in caplog.records if "runs_namespace" in r.getMessage()]
+        assert len(said) == 1 and "not built" in said[0] and "QueryCanceled" in said[0], said
+        assert schema in said[0]
+        blocker.execute("ROLLBACK")
+        with anyio.fail_after(30):
+            async with store_from_url(postgres_url) as store:  # a later open builds it
+                assert [r.run_id for r in await store.runs(namespace="t")] == ["r1", "r3"]
+        assert valid() == [True]
+        blocker.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = "
+                        "'runs_namespace'::regclass")  # a build killed midway leaves one so
+        assert valid() == [False]
+        with anyio.fail_after(30):
+            async with store_from_url(postgres_url) as store:
+                assert [r.run_id for r in await store.runs(namespace="u")] == ["r2"]
+        assert valid() == [True]
+    finally:
+        blocker.close()
+
+
 async def test_postgres_an_open_that_outwaits_the_setup_lock_says_who_holds_it_and_what_bounds_it(
         postgres_url, monkeypatch):
     """An open whose schema's setup lock another open held past the wait failed with "advisory
