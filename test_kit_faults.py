@@ -74,6 +74,13 @@ class FaultyStore(SQLiteStore):
             self._stall.set()
             self._stall = None
 
+    async def held(self, release: anyio.Event, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """A task (``await tg.start(store.held, release)``): appends stall (``stalled`` is set
+        once one does) until ``release`` is set."""
+        async with self.stall():
+            task_status.started()
+            await release.wait()
+
     async def append(self, events, *, claims=()):
         if self._stall is not None:
             self.stalled.set()
@@ -1161,29 +1168,26 @@ async def test_a_cancel_that_meets_an_answer_leaves_the_thread_to_the_answered_r
             x = await deck.run("approval", {"log": []}, session_id="x")
             release, answered = anyio.Event(), []
 
-            async def slow_store(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-                async with store.stall():
-                    task_status.started()
-                    await release.wait()
-
             async def answer() -> None:
                 answered.append(await deck.answer(x.run_id, "yes"))
 
-            async def release_soon() -> None:
-                await anyio.sleep(0.3)
-                release.set()
             with anyio.fail_after(20):
                 async with anyio.create_task_group() as tg:
-                    await tg.start(slow_store)
+                    await tg.start(store.held, release)
                     tg.start_soon(functools.partial(_raises, kit.RunStoppedError, answer))
                     await store.stalled.wait()  # the answer's take-over is in flight
-                    tg.start_soon(release_soon)
+                    tg.start_soon(set_after, release, 0.3)
                     await deck.cancel(x.run_id, reason="changed my mind")
             log = await store.read(x.run_id)
             assert kinds(log)[-3:] == ["run.resumed", "control.requested", "run.cancelled"]
             assert log[-1].payload.reason == "changed my mind" and seqs(log) == list(range(len(log)))
             again = await deck.run("approval", {"log": []}, session_id="x")  # the thread goes on
             assert isinstance(again, kit.InterruptResult) and again.payload == {"question": "approve?"}
+
+
+async def set_after(event: anyio.Event, seconds: float) -> None:
+    await anyio.sleep(seconds)
+    event.set()
 
 
 async def _raises(error: type[BaseException], fn) -> None:
@@ -1335,20 +1339,12 @@ async def test_a_caller_cancelled_while_its_first_write_waits_for_the_store_ends
                     gate.release.set()
             release = anyio.Event()
 
-            async def slow_store(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-                async with store.stall():
-                    task_status.started()
-                    await release.wait()
-
-            async def release_soon() -> None:
-                await anyio.sleep(0.5)
-                release.set()
             with anyio.fail_after(10):
                 async with anyio.create_task_group() as tg:
-                    await tg.start(slow_store)
+                    await tg.start(store.held, release)
                     tg.start_soon(functools.partial(deck.run, "b", "x"))  # its commit stalls
                     await store.stalled.wait()
-                    tg.start_soon(release_soon)
+                    tg.start_soon(set_after, release, 0.5)
                     with anyio.move_on_after(0.2) as impatient:  # waits behind it, gives up
                         if play == "start":
                             await deck.run("worker", "go", session_id="s", run_id=run_id)
@@ -1376,23 +1372,14 @@ async def test_a_cancel_that_meets_a_resumes_take_over_cancels_the_resumed_run(t
                 gate.release.set()
             release, resumed = anyio.Event(), []
 
-            async def slow_store(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-                async with store.stall():
-                    task_status.started()
-                    await release.wait()
-
-            async def release_soon() -> None:
-                await anyio.sleep(0.3)
-                release.set()
-
             async def resume() -> None:
                 resumed.extend(await deck.resume("r1"))
             with anyio.fail_after(10):
                 async with anyio.create_task_group() as tg:
-                    await tg.start(slow_store)
+                    await tg.start(store.held, release)
                     tg.start_soon(resume)
                     await store.stalled.wait()  # the resume is being committed
-                    tg.start_soon(release_soon)
+                    tg.start_soon(set_after, release, 0.3)
                     await deck.cancel("r1", reason="stop it")
             assert resumed[-1].payload == kit.RunCancelled("stop it"), kinds(resumed)
             assert "model.completed" not in kinds(resumed)
@@ -1719,15 +1706,6 @@ async def test_a_run_starting_while_the_deck_closes_is_cancelled_with_it(tmp_pat
     async with FaultyStore(tmp_path / "kit.db") as store:
         release = anyio.Event()
 
-        async def slow_store(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-            async with store.stall():
-                task_status.started()
-                await release.wait()
-
-        async def release_soon() -> None:
-            await anyio.sleep(0.2)
-            release.set()
-
         async def turn(deck: Deck) -> None:
             try:
                 if call == "run":
@@ -1739,10 +1717,10 @@ async def test_a_run_starting_while_the_deck_closes_is_cancelled_with_it(tmp_pat
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 async with Deck([agent], store=store) as deck:
-                    await tg.start(slow_store)
+                    await tg.start(store.held, release)
                     tg.start_soon(turn, deck)
                     await store.stalled.wait()  # the turn's start is being committed
-                    tg.start_soon(release_soon)
+                    tg.start_soon(set_after, release, 0.2)
                 # (the deck closes here, the start still in flight)
         [info] = await store.runs(session_id="s")
         log = await store.read(info.run_id)
