@@ -5,6 +5,7 @@ Real SQLite files and real child processes; no mocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -1463,6 +1464,15 @@ async def test_postgres_schema_is_versioned_and_a_newer_one_refused(postgres_url
             pass
 
 
+async def open_into(postgres_url: str, opened: list) -> None:
+    """Open a store on ``postgres_url`` and close it; ``opened`` gets None, or what it raised."""
+    try:
+        async with store_from_url(postgres_url):
+            opened.append(None)
+    except Exception as exc:
+        opened.append(exc)
+
+
 async def test_a_replica_opening_while_another_commits_takes_no_lock_of_its_tables(postgres_url):
     """Every open ran CREATE INDEX IF NOT EXISTS on the log's tables, which locks a table
     against writers (SHARE) until the open commits even when the index is there: a replica
@@ -1477,13 +1487,6 @@ async def test_a_replica_opening_while_another_commits_takes_no_lock_of_its_tabl
     look = psycopg.connect(conninfo, autocommit=True)
     opened: list[BaseException | None] = []
 
-    async def open_one() -> None:
-        try:
-            async with store_from_url(postgres_url):
-                opened.append(None)
-        except Exception as exc:
-            opened.append(exc)
-
     def waiting() -> bool:  # the opening store waits for a lock
         return look.execute("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
                             "WHERE NOT l.granted AND a.application_name = %s",
@@ -1495,7 +1498,7 @@ async def test_a_replica_opening_while_another_commits_takes_no_lock_of_its_tabl
         other.execute("UPDATE runs SET status = 'COMPLETED' WHERE run_id = 'r1'")  # as kit_append
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(open_one)
+                tg.start_soon(open_into, postgres_url, opened)
                 while not opened and not await anyio.to_thread.run_sync(waiting):
                     await anyio.sleep(0.02)
                 await anyio.to_thread.run_sync(other.execute, "DELETE FROM leases WHERE run_id = 'r1'")
@@ -1533,6 +1536,16 @@ async def test_postgres_a_version_1_schema_is_upgraded_once_at_open(postgres_url
             (str(SCHEMA_VERSION),)]
 
 
+def namespace_index_valid(conninfo: str, schema: str) -> list[bool]:
+    """Whether ``schema``'s runs_namespace index is valid: ``[]`` when there is none."""
+    import psycopg
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return [v for (v,) in conn.execute(
+            "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE c.relname = 'runs_namespace' AND c.relnamespace = %s::regnamespace",
+            (schema,))]
+
+
 async def test_postgres_a_schema_without_runs_namespace_gets_it_holding_no_writer(postgres_url):
     """A log the previous release wrote (version 3, no ``runs_namespace``) gets the index when
     this release first opens it, built CONCURRENTLY: another replica's writes go on while it
@@ -1544,12 +1557,7 @@ async def test_postgres_a_schema_without_runs_namespace_gets_it_holding_no_write
         await store.append([started("r2", namespace="t")])
     conninfo, schema = pg_url(postgres_url)
 
-    def valid() -> list[bool]:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            return [v for (v,) in conn.execute(
-                "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-                "WHERE c.relname = 'runs_namespace' AND c.relnamespace = %s::regnamespace",
-                (schema,))]
+    valid = functools.partial(namespace_index_valid, conninfo, schema)
 
     other = psycopg.connect(conninfo, autocommit=True)  # another replica's commit, held half-way
     writer = psycopg.connect(conninfo, autocommit=True)  # and one more replica's, after it
@@ -2001,12 +2009,7 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
         await store.append([started("r1", namespace="t")])
         await store.append([started("r2", namespace="u")])
 
-    def valid() -> list[bool]:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            return [v for (v,) in conn.execute(
-                "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-                "WHERE c.relname = 'runs_namespace' AND c.relnamespace = %s::regnamespace",
-                (schema,))]
+    valid = functools.partial(namespace_index_valid, conninfo, schema)
 
     def building() -> list[int]:  # the backends whose CREATE INDEX waits for the held lock
         with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -2016,13 +2019,6 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
 
     blocker = psycopg.connect(conninfo, autocommit=True)  # a slow build, simulated
     opened: list[BaseException | None] = []
-
-    async def open_builder() -> None:
-        try:
-            async with store_from_url(postgres_url):
-                opened.append(None)
-        except Exception as exc:
-            opened.append(exc)
     try:
         blocker.execute(f'SET search_path TO "{schema}"')
         blocker.execute("DROP INDEX runs_namespace")
@@ -2031,7 +2027,7 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
         caplog.set_level("WARNING", logger="kit.pg")
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(open_builder)
+                tg.start_soon(open_into, postgres_url, opened)
                 pids: list[int] = []
                 for _ in range(1000):  # the first open is building (it waits for the lock)
                     if pids := await anyio.to_thread.run_sync(building):

@@ -267,29 +267,40 @@ async def test_a_model_openai_does_not_serve_is_exported_with_its_providers_cost
     assert attrs(root)["kit.usage.usd"] == pytest.approx(float(price))
 
 
-async def test_a_model_call_says_the_model_the_provider_says_answered(receiver):
-    """``gen_ai.response.model`` was the model asked for, whatever the provider said answered
-    (OpenAI answers ``gpt-4o`` with a dated snapshot; a gateway may route elsewhere). It is the
-    response's ``model`` when the response carries it (a streamed Responses reply: the stub
-    says "stub"), else the model asked for (the SDK keeps no model of a reply not streamed)."""
-    from test_kit_openai import Stub, text
+async def _stub_turns(receiver, replies: list, ways: list[str]) -> tuple[dict, list[str], list]:
+    """Turns of one agent on the OpenAI stub answering ``replies``, each played as ``ways`` says
+    ("run" or "stream"), then their logs played to a tracing observer: the traces ``receiver``
+    got, the turns' run ids and their logged events."""
+    from test_kit_openai import Stub
     stub = Stub()
     client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
-    stub.script += [text("hi there"), text("hi there")]
+    stub.script += replies
+    run_ids: list[str] = []
     try:
         with anyio.fail_after(10):
             async with MemoryStore() as store:
                 agent = Agent("a", "Answer.", model=agents.OpenAIResponsesModel("gpt-4o", client))
                 async with Deck([agent], store=store) as deck:
-                    streamed = [e async for e in deck.stream("a", "hi")][0].run_id
-                    asked = (await deck.run("a", "hi")).run_id
-                    logged = await store.read(streamed) + await store.read(asked)
+                    for way in ways:
+                        run_ids.append([e async for e in deck.stream("a", "hi")][0].run_id
+                                       if way == "stream" else (await deck.run("a", "hi")).run_id)
+                    logged = [e for run_id in run_ids for e in await store.read(run_id)]
                     await on_asyncio(client.close)
             await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), logged)
     finally:
         stub.server.shutdown()
         stub.server.server_close()
-    traces = receiver.traces()
+    return receiver.traces(), run_ids, logged
+
+
+async def test_a_model_call_says_the_model_the_provider_says_answered(receiver):
+    """``gen_ai.response.model`` was the model asked for, whatever the provider said answered
+    (OpenAI answers ``gpt-4o`` with a dated snapshot; a gateway may route elsewhere). It is the
+    response's ``model`` when the response carries it (a streamed Responses reply: the stub
+    says "stub"), else the model asked for (the SDK keeps no model of a reply not streamed)."""
+    from test_kit_openai import text
+    traces, (streamed, asked), logged = await _stub_turns(
+        receiver, [text("hi there"), text("hi there")], ["stream", "run"])
     for run_id, answered in ((streamed, "stub"), (asked, "gpt-4o")):
         _, [call] = root_and_children(traces[TracingObserver.trace_id(run_id)])
         assert call.name == "chat gpt-4o" and attrs(call)["gen_ai.request.model"] == "gpt-4o"
@@ -917,23 +928,10 @@ async def test_a_model_calls_cached_input_reaches_its_generation_span(receiver):
     counted all of it as uncached input. Its generation span now carries
     ``gen_ai.usage.cache_read.input_tokens`` and Langfuse's ``input_cached_tokens`` (its
     ``input`` the uncached rest); a call with none cached has neither."""
-    from test_kit_openai import Stub, text
-    stub = Stub()
-    client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="test", max_retries=0)
-    stub.script += [text("hi there", usage=(100_000, 100, 90_000)), text("hi there", usage=(1200, 40))]
-    try:
-        with anyio.fail_after(10):
-            async with MemoryStore() as store:
-                agent = Agent("a", "Answer.", model=agents.OpenAIResponsesModel("gpt-4o", client))
-                async with Deck([agent], store=store) as deck:
-                    cached, plain = (await deck.run("a", "hi")).run_id, (await deck.run("a", "hi")).run_id
-                    logged = await store.read(cached) + await store.read(plain)
-                    await on_asyncio(client.close)
-            await play(TracingObserver(public_key=PK, secret_key=SK, host=receiver.host), logged)
-    finally:
-        stub.server.shutdown()
-        stub.server.server_close()
-    traces = receiver.traces()
+    from test_kit_openai import text
+    traces, (cached, plain), _ = await _stub_turns(
+        receiver, [text("hi there", usage=(100_000, 100, 90_000)), text("hi there", usage=(1200, 40))],
+        ["run", "run"])
     _, [call] = root_and_children(traces[TracingObserver.trace_id(cached)])
     a = attrs(call)
     assert a["gen_ai.usage.cache_read.input_tokens"] == 90_000
