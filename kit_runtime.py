@@ -208,6 +208,7 @@ class Runtime(RunControl):
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.active: dict[str, Run] = {}
         self._closing = False
+        self._told_down: float | None = None  # the outage (its down_since) a start was told of
         self._streams: dict[str, Run] = {}  # streamed runs: their commits wake their readers
         self._calls: dict[str, list[Any]] = {}  # trio: run id -> its tools' deck calls (scope, done)
         self._tg: Any = None
@@ -695,10 +696,12 @@ class Runtime(RunControl):
         id that is not a ``NewRunId``, a take-over) is committed now, so a refusal writes nothing
         and reaches the caller; any other rides in the run's first group commit (one transaction
         per short turn). While the store is down the start waits (``StoreUnavailableError``
-        after the stated bound, with the run recorded as failed once the store is back)."""
+        after the stated bound, with the run recorded as failed once the store is back); once
+        a start was told so, later ones in that outage are refused at once, writing nothing."""
         first, last = events[0].seq, events[-1].seq
         down = self.writer.down_since
-        if down is not None and anyio.current_time() - down >= self.down_limit:
+        if down is not None and (down == self._told_down or
+                                 anyio.current_time() - down >= self.down_limit):
             raise StoreUnavailableError(run.run_id, anyio.current_time() - down,
                                         outcome="not started")
         if fenced or self.writer.pending >= BACKLOG_MAX:  # something to wait for: a bounded wait
@@ -721,6 +724,7 @@ class Runtime(RunControl):
                         self._hold(run, last)
                     return
             if waiting.cancelled_caught:
+                self._told_down = self.writer.down_since  # later starts in this outage: refused
                 if not self.writer.holds(run.run_id):
                     raise StoreUnavailableError(run.run_id, self.down_limit, outcome="not started")
                 error = StoreUnavailableError(run.run_id, self.down_limit)
