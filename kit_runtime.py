@@ -96,24 +96,6 @@ _log = logging.getLogger("kit.runtime")
 
 # ==================================================================================== helpers ====
 
-class _OnEngine:
-    """A session handed to a caller under trio: its coroutine methods run on the engine's
-    asyncio loop, where the SDK's sessions and their connections live (the SDK's file session
-    calls ``asyncio.to_thread``, which needs that loop); ``session`` is the SDK's object."""
-
-    def __init__(self, session: Any, on_engine: Callable[..., Any]) -> None:
-        self.session, self._on_engine = session, on_engine
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.session, name)
-        if not inspect.iscoroutinefunction(attr):
-            return attr
-
-        async def on_engine(*args: Any, **kwargs: Any) -> Any:
-            return await self._on_engine(functools.partial(attr, *args, **kwargs))
-        return on_engine
-
-
 #: Engine side, under trio: the run whose play the current asyncio task is part of (its tools'
 #: tasks inherit it): the run a tool's call of the deck is made for (``_OnKit``).
 _PLAYING: contextvars.ContextVar[Run | None] = contextvars.ContextVar("kit_playing", default=None)
@@ -893,4 +875,7 @@ class Runtime(RunControl):
         if namespace is not None:
             check_name("namespace", namespace)
         session = self.sessions.get(session_id, namespace)
-        return session if self.bridge is None else _OnEngine(session, self._on_engine)
+        if self.bridge is None:
+            return session
+        import kit_sessions  # (loaded already: this deck has sessions)
+        return kit_sessions.OnEngine(session, self._on_engine)

@@ -3,8 +3,8 @@
 Owns: ``Sessions`` (the ``agents.memory.Session`` of each conversation key, chosen by
 ``KIT_SESSION``: in-process, a SQLite file, Postgres or Redis; at most ``KIT_SESSION_MAX`` kept),
 ``MemorySession`` (the in-process default: every conversation of the process in one in-memory
-SQLite database, which outlives a deck)
-and ``MAX_SESSIONS``.
+SQLite database, which outlives a deck), ``OnEngine`` (a session as a caller under trio holds
+it: its coroutine methods played on the engines' asyncio loop) and ``MAX_SESSIONS``.
 
 Must never: reach the event store, the Runtime or a run (the log is the record of every turn; a
 session is only what the model is given to remember), touch asyncio directly (kit_bridge does),
@@ -57,8 +57,8 @@ from kit_core import ConfigError
 from kit_pgpool import open_pool, pg_url, setup_lock
 from kit_storebase import masked
 
-__all__ = ("Sessions", "MemorySession", "MAX_SESSIONS", "NAMESPACE_SEP", "REDIS_CHECK",
-           "REDIS_TIMEOUT", "PG_TIMEOUT")
+__all__ = ("Sessions", "MemorySession", "OnEngine", "MAX_SESSIONS", "NAMESPACE_SEP",
+           "REDIS_CHECK", "REDIS_TIMEOUT", "PG_TIMEOUT")
 
 #: Between a namespace and a session id in a session's key: a control character, which no id
 #: holds (``check_id``). With ``:``, a caller without a namespace (every HTTP caller) who named
@@ -342,6 +342,24 @@ def _turn(session: Any) -> _TurnSession:
 
 def _key(session_id: str, namespace: str | None) -> str:
     return session_id if namespace is None else f"{namespace}{NAMESPACE_SEP}{session_id}"
+
+
+class OnEngine:
+    """A session handed to a caller under trio: its coroutine methods run on the engine's
+    asyncio loop, where the SDK's sessions and their connections live (the SDK's file session
+    calls ``asyncio.to_thread``, which needs that loop); ``session`` is the SDK's object."""
+
+    def __init__(self, session: Any, on_engine: Callable[..., Any]) -> None:
+        self.session, self._on_engine = session, on_engine
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.session, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+
+        async def on_engine(*args: Any, **kwargs: Any) -> Any:
+            return await self._on_engine(functools.partial(attr, *args, **kwargs))
+        return on_engine
 
 
 class Sessions:
