@@ -422,7 +422,9 @@ class Deck:
     @property
     def store(self) -> EventStorePort:
         """The open deck's event store: read the log through it (``read``, ``follow``, ``runs``,
-        ``run_info``); write to it only through the deck. Raises ``DeckStateError`` unless open."""
+        ``run_info``); write to it only through the deck. Raises ``DeckStateError`` unless open.
+        A tool under trio gets it with its coroutine methods and ``follow`` played on the deck's
+        side (its other methods refused: ``DeckStateError``)."""
         return self._open("read the log").store
 
     async def status(self, run_id: str) -> RunStatus | None:

@@ -1,7 +1,8 @@
 """kit_bridge: the asyncio loop that plays the engines when kit runs under trio.
 
-Owns: ``Bridge`` (one asyncio loop in a daemon thread, or another bridge's, the calls into it
-and the mailbox out of it), ``shared`` (the bridge whose loop a trio run's callers share),
+Owns: ``Bridge`` (one asyncio loop in a daemon thread, or another bridge's, the calls into it,
+the mailbox out of it, and the calls and iterators the loop has played on the trio side),
+``shared`` (the bridge whose loop a trio run's callers share),
 ``on_asyncio`` (await an engine coroutine from asyncio or trio alike; under trio on that shared
 loop) and ``spawn`` (a background asyncio task that outlives the call that starts it). This is
 the only kit module that touches asyncio directly.
@@ -24,15 +25,19 @@ instead of 16-70 us per crossing, notes/PERF.md section 5); an urgent one wakes 
 ``pump`` (trio side) hands each item to its handler in order. ``post_and_wait`` is ``post`` for
 an item whose handler must finish before the engine goes on. ``call_trio`` is ``call`` the other
 way (a tool on the loop that calls the deck): the loop awaits a future the trio side resolves.
+``iter_trio`` is ``call_trio`` for an async iterator (a tool reading a stream of the deck): one
+trio task iterates it into a buffer of ``CROSS_BATCH`` items, and each crossing takes what is
+there, up to that many: bounded, and never one crossing per item while items are waiting.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -40,13 +45,18 @@ import sniffio
 
 from kit_core import DeckStateError
 
-__all__ = ("Bridge", "shared", "on_asyncio", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT", "STOP_TIMEOUT")
+__all__ = ("Bridge", "shared", "on_asyncio", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT", "STOP_TIMEOUT",
+           "CROSS_BATCH")
 
 #: Ordinary items wait up to this long before waking the trio side, so one wake-up carries many
 #: (PERF.md section 5, strategy D); urgent items wake it at once.
 WAKE_DELAY = 0.002
 #: How long a cancelled ``call`` waits for its asyncio task to unwind (a run recording its end).
 CANCEL_TIMEOUT = 10.0
+#: Items an async iterator crossing to the loop (``Bridge.iter_trio``) carries per crossing, and
+#: how far its trio side reads ahead of the loop's reader at most: a crossing costs two thread
+#: wake-ups, so a streamed reply's deltas cross a batch at a time, never an unbounded buffer.
+CROSS_BATCH = 32
 #: How long ``stop`` waits for the loop's thread to finish its tasks before abandoning it (a
 #: daemon thread: it never keeps the process from exiting).
 STOP_TIMEOUT = 10.0
@@ -57,7 +67,8 @@ class Bridge:
     given ``host``, that bridge's loop, with a mailbox of its own (``stop`` leaves the loop).
 
     Make it and ``start()`` it on trio; ``call`` and ``pump`` from trio; ``post``,
-    ``post_and_wait``, ``call_trio`` and ``to_kit`` from the loop's thread; ``soon`` from trio.
+    ``post_and_wait``, ``call_trio``, ``iter_trio`` and ``to_kit`` from the loop's thread;
+    ``soon`` from trio.
     """
 
     def __init__(self, host: Bridge | None = None) -> None:
@@ -206,6 +217,41 @@ class Bridge:
                 future.exception()  # retrieved: asyncio logs one nobody retrieves
             raise
 
+    async def iter_trio(self, fn: Callable[[], AsyncIterator[Any]],
+                        start_soon: Callable[[Callable[[], Awaitable[None]]], None]
+                        ) -> AsyncIterator[Any]:
+        """Loop side: the items of ``fn()``, an async iterator made and iterated on the trio
+        side in one task ``start_soon`` starts there (``_Feed``: its cancel scopes stay in one
+        task), ``CROSS_BATCH`` at most per crossing (``call_trio``) and read at most that far
+        ahead; its exception is raised here after the items before it. Nothing starts before
+        the first item is asked for. Left early (``aclose``, or a ``break`` once the generator
+        is collected) or cancelled, it closes ``fn()``'s iterator there and waits, bounded by
+        ``CANCEL_TIMEOUT``, for it to end. An iterator stopped from the trio side (its deck
+        closing) is a ``DeckStateError``."""
+        fed: list[_Feed] = []
+
+        async def start() -> None:  # trio side, where anyio's scopes and events must be made
+            fed.append(_Feed(fn))
+            try:
+                start_soon(fed[0].run)
+            except BaseException:
+                fed[0].close()
+                raise
+
+        await self.call_trio(start, start_soon)
+        feed = fed[0]
+        try:
+            while items := await self.call_trio(feed.take, start_soon):
+                for item in items:
+                    if isinstance(item, _Raised):
+                        raise item.error
+                    yield item
+            if not feed.ended:
+                raise DeckStateError("CLOSED", "read the stream")
+        finally:
+            with contextlib.suppress(DeckStateError):  # (its deck closed: so did the iterator)
+                await self.call_trio(feed.stop, start_soon)
+
     def soon(self, fn: Callable[[], Any]) -> None:
         """Trio side: call ``fn()`` on the loop's thread, soon."""
         self.loop.call_soon_threadsafe(fn)
@@ -277,6 +323,74 @@ class Bridge:
             await self._wake.wait()  # type: ignore[union-attr]
             for item in self.take():
                 handle(item)
+
+
+class _Feed:
+    """Trio side: what ``Bridge.iter_trio`` iterates there: ``fn()``'s items, sent by one task
+    (``run``) into a buffer of ``CROSS_BATCH``, taken by the loop side a batch at a time
+    (``take``: ``[]`` at the end); ``stop`` ends it. ``ended``: ``fn()``'s iterator ran to its
+    end, or raised (``_Raised``, its last item), rather than being stopped."""
+
+    def __init__(self, fn: Callable[[], AsyncIterator[Any]]) -> None:
+        self.fn, self.ended = fn, False
+        self.send, self.receive = anyio.create_memory_object_stream[Any](CROSS_BATCH)
+        self.scope, self.done = anyio.CancelScope(), anyio.Event()
+
+    async def run(self) -> None:
+        try:
+            with self.scope:
+                await self._iterate()
+        except anyio.BrokenResourceError:
+            pass  # the reader left
+        finally:
+            self.send.close()
+            if not self.ended:  # stopped: a reader waiting hears of it
+                self.receive.close()
+            self.done.set()
+
+    async def _iterate(self) -> None:
+        iterator = None
+        try:
+            iterator = self.fn()
+            async for item in iterator:
+                await self.send.send(item)
+            self.ended = True
+        except anyio.BrokenResourceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the reader's, after the items before it
+            self.ended = True
+            await self.send.send(_Raised(exc))
+        finally:
+            if getattr(iterator, "aclose", None) is not None:
+                await iterator.aclose()  # type: ignore[union-attr]
+
+    async def take(self) -> list[Any]:
+        ends = (anyio.EndOfStream, anyio.ClosedResourceError)
+        try:
+            items = [await self.receive.receive()]
+        except ends:
+            return []
+        with contextlib.suppress(anyio.WouldBlock, *ends):
+            while len(items) < CROSS_BATCH:
+                items.append(self.receive.receive_nowait())
+        return items
+
+    async def stop(self) -> None:
+        self.scope.cancel()
+        with anyio.move_on_after(CANCEL_TIMEOUT):
+            await self.done.wait()
+        self.close()
+
+    def close(self) -> None:
+        self.send.close()
+        self.receive.close()
+
+
+class _Raised:
+    """What an iterator crossing to the loop (``Bridge.iter_trio``) raised, sent after its items."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -19,8 +19,8 @@ owns the store, the writer and the streams. The *engine side* is where SDK objec
 loop under asyncio; under trio, the trio run's asyncio loop in a daemon thread (kit_bridge's
 ``shared``: it outlives the deck, as the caller's loop does under asyncio), because
 openai-agents and LangGraph are asyncio-only (notes/ENGINES.md section 9). A tool that calls the
-deck under trio is on the engine side: its calls are played on the kit side (``_OnKit``), each
-the calling run's to cancel with it.
+deck under trio is on the engine side: its calls, its streams and its reads of the store are
+played on the kit side (``_OnKit``), each the calling run's to cancel with it.
 
 An engine records a run through its handle: ``emit`` for an ordinary event, ``durable`` for one it
 must see committed before it goes on (``tool.started``; every end of a run, after what the run
@@ -109,29 +109,42 @@ async def _playing(run: Run, job: Callable[[], Any]) -> Any:
 
 
 class _OnKit:
-    """The Runtime as a tool of one of its runs reaches it under trio (``Runtime.for_tool``): the
-    tool plays on the engine's asyncio loop, and each coroutine method (``run``, ``status``,
-    ``answer``, ...) is awaited there while it runs on the kit side, in the deck's task group
-    (``Bridge.call_trio``: a run it starts plays on that same loop, never blocked meanwhile).
-    Anything else (a stream, the store, a session) is refused: its iterator or its objects
-    would live on the kit side, out of the tool's reach."""
+    """The Runtime (or, as its ``store``, the deck's store) as a tool of one of its runs reaches
+    it under trio (``Runtime.for_tool``): the tool plays on the engine's asyncio loop. Each
+    coroutine method (``run``, ``status``, the store's ``runs``, ...) is awaited there while it
+    runs on the kit side, in the deck's task group (``Bridge.call_trio``: a run it starts plays
+    on that loop, never blocked meanwhile); each stream (``stream``, the store's ``follow``) is
+    iterated in one task there, its items crossing a batch at a time (``Bridge.iter_trio``);
+    either is the calling run's to cancel with it. The store's plain values pass as they are;
+    anything else (a session, a store's other methods) lives on the kit side: refused."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self._runtime = runtime
+    _STREAMS = ("stream", "stream_answer", "stream_resume", "follow", "follow_requests")
+
+    def __init__(self, runtime: Runtime, target: Any = None) -> None:
+        self._runtime, self._target = runtime, runtime if target is None else target
+
+    @property
+    def store(self) -> _OnKit:
+        return _OnKit(self._runtime, self._runtime.store)
 
     def __getattr__(self, name: str) -> Any:
-        attr, runtime = getattr(self._runtime, name), self._runtime
-        if not inspect.iscoroutinefunction(attr):
-            raise DeckStateError("OPEN", f"use deck.{name} from a tool under trio (a tool plays on "
-                                 "the engines' asyncio loop: it can await the deck's coroutine "
-                                 "methods, deck.run(...) among them; stream or read the log "
-                                 "outside the tool")
-
-        async def on_kit(*args: Any, **kwargs: Any) -> Any:
-            return await runtime.bridge.call_trio(  # type: ignore[union-attr]
-                functools.partial(attr, *args, **kwargs),
-                functools.partial(runtime._start_call, _PLAYING.get()))
-        return on_kit
+        attr, runtime = getattr(self._target, name), self._runtime
+        bridge, what = runtime.bridge, f"deck.{'' if self._target is runtime else 'store.'}{name}"
+        cross = (bridge.call_trio if inspect.iscoroutinefunction(attr)  # type: ignore[union-attr]
+                 else bridge.iter_trio if name in self._STREAMS  # type: ignore[union-attr]
+                 or inspect.isasyncgenfunction(attr) else None)
+        if cross is not None:
+            def on_kit(*args: Any, **kwargs: Any) -> Any:  # (a coroutine, or an async iterator)
+                return cross(functools.partial(attr, *args, **kwargs),
+                             functools.partial(runtime._start_call, _PLAYING.get()))
+            return on_kit
+        if self._target is not runtime and not callable(attr):
+            return attr
+        raise DeckStateError("OPEN", f"use {what} from a tool under trio (a tool plays on the "
+                             "engines' asyncio loop: it can await the deck's coroutine methods, "
+                             "iterate its streams and read the log through deck.store; call "
+                             f"{what} outside the tool, or pass what the tool needs in the run's "
+                             "context)")
 
 
 def _check_ids(session_id: Any, run_id: Any) -> None:

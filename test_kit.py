@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -2198,15 +2199,16 @@ async def test_a_tool_can_run_another_invocable_through_the_deck(store, anyio_ba
     """Under trio a tool plays on the engines' asyncio loop: its ``await deck.run(...)`` was
     refused (DeckStateError) with a hint that it came from another thread's loop and should
     call ``anyio.from_thread.run``, which would have deadlocked that loop. It runs the other
-    agent now, as under asyncio; what a tool cannot reach (a stream) is refused, saying so."""
+    agent now, as under asyncio; what a tool cannot reach (a session, whose object lives on the
+    kit side) is refused, saying what to do."""
     deck: Deck
     refused: list[str] = []
 
     async def ask_helper(question: str) -> str:
         """Ask the helper agent."""
         try:
-            deck.stream("helper", question)
-        except kit.DeckStateError as exc:  # (under asyncio a tool may stream: same loop)
+            deck.session_for("h")
+        except kit.DeckStateError as exc:  # (under asyncio a tool may: same loop)
             refused.append(str(exc))
         result = await deck.run("helper", question, session_id="h")
         return f"helper says: {result.output}"
@@ -2227,9 +2229,163 @@ async def test_a_tool_can_run_another_invocable_through_the_deck(store, anyio_ba
         assert (await deck.run("helper", "again", session_id="h")).output == "glad to help"
     if anyio_backend == "trio":
         [message] = refused
-        assert "from a tool under trio" in message and "deck.run(" in message, message
+        assert "use deck.session_for from a tool under trio" in message, message
+        assert "call deck.session_for outside the tool" in message, message
     else:
         assert refused == []
+
+
+async def test_a_tool_can_stream_another_agent_through_the_deck(store):
+    """Under trio a tool's ``deck.stream(...)`` was refused (DeckStateError: "stream or read the
+    log outside the tool"). It streams now, as under asyncio: the tool sees the child run's
+    events live, the same as the log holds them, and returns its deltas."""
+    deck: Deck
+    seen: list[list[Event]] = []
+
+    async def ask_helper(question: str) -> str:
+        """Ask the helper agent."""
+        events = [event async for event in deck.stream("helper", question)]
+        seen.append(events)
+        return "".join(e.payload.text for e in events if e.kind == "text.delta")
+
+    main = Agent("main", tools=[ask_helper],
+                 model=ScriptedModel([{"tool": "ask_helper", "args": {"question": "hi"}}, "done"]))
+    helper = Agent("helper", model=ScriptedModel(["glad to help you today"]))
+    async with Deck([main, helper], store=store) as deck:
+        with anyio.fail_after(20):
+            result = await deck.run("main", "go")
+        assert result.output == "done"
+        [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert done.payload.output == "glad to help you today"
+        [events] = seen
+        [info] = await store.runs(name="helper")
+        assert info.status is RunStatus.COMPLETED
+        assert events == await store.read(info.run_id)
+        assert kinds(events)[0] == "run.started" and kinds(events)[-1] == "run.completed"
+
+
+async def test_a_tool_streaming_a_failed_run_gets_its_run_failed_then_its_error(store):
+    """A run that fails, streamed by a tool, yields ``run.failed`` and then raises its error in
+    the tool, under trio as under asyncio (the error crosses after the events before it)."""
+    deck: Deck
+
+    async def ask_broken(question: str) -> str:
+        """Ask the broken agent."""
+        seen = []
+        try:
+            async for event in deck.stream("broken", question):
+                seen.append(event.kind)
+        except ValueError as exc:
+            return f"{seen[-1]} then {type(exc).__name__}: {exc}"
+        return "no error"
+
+    main = Agent("main", tools=[ask_broken],
+                 model=ScriptedModel([{"tool": "ask_broken", "args": {"question": "hi"}}, "done"]))
+    broken = Agent("broken", model=ScriptedModel([ValueError("the model broke")]))
+    async with Deck([main, broken], store=store) as deck:
+        with anyio.fail_after(20):
+            result = await deck.run("main", "go")
+        [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert done.payload.output == "run.failed then ValueError: the model broke"
+
+
+async def test_a_tool_that_leaves_a_stream_early_leaves_the_run_to_play_on(store):
+    """A tool that breaks out of ``deck.stream(...)`` after the first delta (or closes it) ends
+    its stream, not the run: the child run completes in the log, under asyncio and trio."""
+    deck: Deck
+    got: list[str] = []
+
+    async def ask_helper(question: str, close: bool) -> str:
+        """Ask the helper agent."""
+        stream = deck.stream("helper", question)
+        if close:
+            async with contextlib.aclosing(stream) as events:
+                async for event in events:
+                    if event.kind == "text.delta":
+                        break
+        else:
+            async for event in stream:
+                if event.kind == "text.delta":
+                    break
+        got.append(event.payload.text)
+        return "left early"
+
+    calls = [{"tool": "ask_helper", "args": {"question": "hi", "close": close}}
+             for close in (False, True)]
+    main = Agent("main", tools=[ask_helper], model=ScriptedModel([calls[0], "done", calls[1], "done"]))
+    helper = Agent("helper", model=ScriptedModel(["one two three four"], cycle=True))
+    async with Deck([main, helper], store=store) as deck:
+        with anyio.fail_after(20):
+            for _ in calls:
+                assert (await deck.run("main", "go")).output == "done"
+            assert got == ["one", "one"]
+            for info in await store.runs(name="helper"):
+                ends = [e async for e in store.follow(info.run_id)]
+                assert ends[-1].kind == "run.completed", kinds(ends)
+                assert ends[-1].payload.output == "one two three four"
+        assert len(await store.runs(name="helper")) == 2
+
+
+async def test_a_tool_can_read_the_log_through_the_deck_store(store):
+    """Under trio ``deck.store`` was refused in a tool (DeckStateError). A tool lists runs, reads
+    and follows a run's events through it, as under asyncio."""
+    deck: Deck
+
+    async def last_helper_run() -> str:
+        """Describe the helper's last run."""
+        [info] = await deck.store.runs(name="helper", limit=1)
+        read = await deck.store.read(info.run_id)
+        followed = [e async for e in deck.store.follow(info.run_id, after=0)]
+        assert followed == read[1:]
+        return f"{info.status.value} {read[-1].payload.output} {len(read)}"
+
+    main = Agent("main", tools=[last_helper_run],
+                 model=ScriptedModel([{"tool": "last_helper_run"}, "done"]))
+    helper = Agent("helper", model=ScriptedModel(["glad to help"]))
+    async with Deck([main, helper], store=store) as deck:
+        with anyio.fail_after(20):
+            helped = await deck.run("helper", "hi")
+            result = await deck.run("main", "go")
+        n = len(await store.read(helped.run_id))
+        [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert done.payload.output == f"COMPLETED glad to help {n}", done.payload.output
+
+
+async def test_a_cancelled_caller_ends_its_tools_stream_not_the_run_streamed(store):
+    """A caller cancelled while its run's tool streams another run through the deck goes on:
+    its run ends cancelled and the stream with it, while the streamed run, the deck's, plays on
+    to its end (under trio the stream is iterated on the kit side, for the tool's run)."""
+    entered, release = threading.Event(), threading.Event()
+    deck: Deck
+
+    def wait() -> str:
+        """Wait for the test."""
+        entered.set()
+        release.wait(10)
+        return "waited"
+
+    async def ask_helper(question: str) -> str:
+        """Ask the helper agent."""
+        return "".join([str(e.seq) async for e in deck.stream("helper", question)])
+
+    main = Agent("main", tools=[ask_helper],
+                 model=ScriptedModel([{"tool": "ask_helper", "args": {"question": "hi"}}, "done"]))
+    helper = Agent("helper", tools=[wait], model=ScriptedModel([{"tool": "wait"}, "helped"]))
+    try:
+        async with Deck([main, helper], store=store) as deck:
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(functools.partial(deck.run, "main", "go", session_id="m"))
+                    assert await anyio.to_thread.run_sync(entered.wait, 10)
+                    tg.cancel_scope.cancel()
+                [info] = await store.runs(name="main")
+                assert info.status is RunStatus.CANCELLED
+                release.set()
+                [helped] = await store.runs(name="helper")
+                ends = [e async for e in store.follow(helped.run_id)]
+                assert ends[-1].kind == "run.completed" and ends[-1].payload.output == "helped"
+    finally:
+        release.set()
 
 
 async def test_a_cancelled_caller_goes_on_once_the_run_its_tool_started_is_cancelled(store):
