@@ -2326,6 +2326,34 @@ async def test_a_tool_that_leaves_a_stream_early_leaves_the_run_to_play_on(store
         assert len(await store.runs(name="helper")) == 2
 
 
+async def test_a_tool_answers_a_waiting_workflow_through_a_stream(store):
+    """``deck.stream_answer(...)`` in a tool streams the answered run's events, under trio as
+    under asyncio (it takes the path ``deck.stream`` does)."""
+    deck: Deck
+
+    async def ask(state: dict) -> dict:
+        return {"answer": kit.interrupt("approve?")}
+
+    graph = StateGraph(dict)
+    graph.add_node("ask", ask)
+    graph.add_edge("__start__", "ask")
+
+    async def approve(run_id: str) -> str:
+        """Approve a waiting run."""
+        return " ".join(e.kind for e in [e async for e in deck.stream_answer(run_id, "yes")])
+
+    main = Agent("main", tools=[approve], model=ScriptedModel([{"tool": "approve",
+                                                                 "args": {"run_id": "w-run"}}, "ok"]))
+    async with Deck([main], [kit.Workflow("w", graph)], store=store) as deck:
+        with anyio.fail_after(20):
+            parked = await deck.run("w", {}, run_id="w-run")
+            assert isinstance(parked, kit.InterruptResult)
+            result = await deck.run("main", "go")
+        [done] = [e for e in await store.read(result.run_id) if e.kind == "tool.completed"]
+        assert done.payload.output == "run.resumed node.updated run.completed", done.payload.output
+        assert (await store.read("w-run"))[-1].payload.output == {"answer": "yes"}
+
+
 async def test_a_tool_can_read_the_log_through_the_deck_store(store):
     """Under trio ``deck.store`` was refused in a tool (DeckStateError). A tool lists runs, reads
     and follows a run's events through it, as under asyncio."""
