@@ -33,17 +33,17 @@ spread across repeats, (max - min) / median (target <= 15%); HTTP SSE tokens/s s
 ``SSE_STREAMS`` streams at once over keep-alive connections, each reply checked for all its
 delta frames and the done frame, for ``SSE_WINDOW`` s a repeat: delta frames over wall time on
 the asyncio worker (target >= 40,000) and the trio worker (reported), with the server's CPU per
-token (asked for with SIGUSR1), the share of the window its loop waited for a CPU (other
-processes') and the client's CPU per token; beside it, reported, the in-process figure of
-the main rows (Hypercorn and an httpx client in this one process and loop, one stream at a time:
-the client's parsing counts against it and each round trip idles the server); (n) RSS of a
-fresh process after 1,000 and after ``--growth`` stateless workflow runs and one-turn fresh
-sessions (target within 10%); (o) ``store.runs()``
-pages at 100,000 runs in a SQLite log (target < 5 ms); (p) one session's ``Deck.run`` turn near
-turn 1,000 against near turn 10, the agent's ``history_limit=20`` (target <= 2x; without a
-limit to turn 200, for scale); (q) ``kit-serve`` on a copy of the example project: seconds from
-spawn to a 200 from ``/health`` (target <= 1.5), its RSS then (target <= 90 MiB) and its first
-chat request (target <= 50 ms).
+token (asked for with SIGUSR1), the share of the window its loop waited for a CPU (taken by
+other processes, the client or, on trio, the server's own asyncio thread) and the client's CPU
+per token; beside it, reported, the in-process figure of the main rows (Hypercorn and an httpx
+client in this one process and loop, one stream at a time: the client's parsing counts against
+it and each round trip idles the server); (n) RSS of a fresh process after 1,000 and after
+``--growth`` stateless workflow runs and one-turn fresh sessions (target within 10%); (o)
+``store.runs()`` pages at 100,000 runs in a SQLite log (target < 5 ms); (p) one session's
+``Deck.run`` turn near turn 1,000 against near turn 10, the agent's ``history_limit=20``
+(target <= 2x; without a limit to turn 200, for scale); (q) ``kit-serve`` on a copy of the
+example project: seconds from spawn to a 200 from ``/health`` (target <= 1.5), its RSS then
+(target <= 90 MiB) and its first chat request (target <= 50 ms).
 
 ``--http`` adds the HTTP surface (kit_http under a real Hypercorn on loopback, asyncio worker,
 and the trio worker, reported): (f) SSE tokens/s end to end for the same 500-token
@@ -946,8 +946,9 @@ def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[list[float]]]
 
 def _run_queue_seconds(pid: int) -> float:
     """Seconds process ``pid``'s main thread (the server's event loop) has spent runnable but
-    waiting for a CPU (Linux ``/proc/<pid>/schedstat``; 0 elsewhere): on a shared machine, the
-    share of a window other processes took from the server."""
+    waiting for a CPU (Linux ``/proc/<pid>/schedstat``; 0 elsewhere): the time other threads
+    took from the server's loop on a 2-core machine (other processes', the client's, and under
+    trio the server's own asyncio thread running the engines)."""
     try:
         return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
     except OSError:
