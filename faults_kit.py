@@ -2,7 +2,7 @@
 
 Each trial serves a project (an agent that streams a long reply at a few hundred tokens a second)
 with a real ``kit-serve`` on a real SQLite file, opens ``--clients`` streaming chats, SIGKILLs the
-server at a random moment, starts it again on the same file, and checks, for every client:
+server at a random moment once a client's stream has begun, starts it again on the same file, and checks, for every client:
 
 - every frame it received is in the log, at the same seq, with the same kind and payload (a
   ``data: {"delta"}`` frame is that seq's ``text.delta``; ``event: done`` its ``run.completed``);
@@ -166,7 +166,10 @@ def trial(counts: Counts, workdir: Path, clients: int, worker: str, rng: random.
                for i in range(clients)]
     for t in threads:
         t.start()
-    time.sleep(rng.uniform(0.3, 1.5))
+    deadline = time.monotonic() + 20  # a loaded machine answers late: the kill lands mid-stream
+    while not any("run_id" in got for got in results) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.1, 1.0))
     server.send_signal(signal.SIGKILL)
     server.wait()
     for t in threads:
