@@ -7,7 +7,7 @@ turn (``AgentEngine.play``, with the session history the agent's limit lets thro
 deck applies (default API, trace processors, run config). The tools themselves are kit_tools'
 (plain functions compiled, SDK tools watched, ``load_skill``, an MCP call's error); the
 conversation-memory sessions are kit_sessions'; the MCP servers the tools come from,
-kit_mcp_servers'.
+kit_mcp_servers'; a model call's price in USD, kit_prices' (``model_usd``).
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given), import kit_runtime or anything above it, touch asyncio directly (kit_bridge does), or
@@ -55,7 +55,8 @@ from kit_core import (
     RunCancelled, RunCompleted, RunHandle, RunPaused, TextBlock, TextDelta, ToolCompleted,
     ToolStarted, as_blocks, check_limit, jsonable, quoted,
 )
-from kit_scripted import DEFAULT_NAME as SCRIPTED_NAME, ScriptedModel
+from kit_prices import model_usd
+from kit_scripted import ScriptedModel
 from kit_tools import (
     OPEN_CALLS, call_id, compile_tool, end_open_calls, mcp_tool_error, skill_catalog, skill_tool,
     tool_origin, watched,
@@ -82,64 +83,6 @@ _CURRENT_RUN: contextvars.ContextVar[RunHandle | None] = contextvars.ContextVar(
 #: agent tools are running, and the cached input tokens of the calls kit recorded in it
 #: (``_record_untapped``).
 _PLAY: contextvars.ContextVar[list[int]] = contextvars.ContextVar("kit_play")
-#: (model, server URL) pairs genai-prices has no price for; the first is known without loading
-#: its table (0.1 s).
-_UNPRICED: set[tuple[str, str | None]] = {(SCRIPTED_NAME, None)}
-#: (model, server URL) -> USD (per call, per uncached input token, per cached input token, per
-#: output token), for a model whose price is one flat rate (no tiers, no dated or timed
-#: prices): genai-prices' general calculation costs 0.1-0.3 ms, on every model call; a flat rate
-#: is linear in the tokens, so four of its own answers give the rates, and each call after is
-#: exact Decimal arithmetic on them.
-_RATES: dict[tuple[str, str | None], tuple[Any, Any, Any, Any]] = {}
-
-
-def _price(model: str, input_tokens: int, output_tokens: int, cached_tokens: int = 0,
-           url: str | None = None) -> float | None:
-    """Estimated USD from genai-prices' bundled data (offline); None for an unknown model.
-
-    OpenAI's price (the SDK's own provider) when OpenAI has the model; else that of the
-    provider a LiteLLM-style ``provider/model`` names, or the one whose API ``url`` (the
-    model's client's base URL: Claude or Gemini through their OpenAI-compatible servers) is.
-    Never a guess from a bare name: a model served locally may share a hosted one's.
-
-    ``input_tokens`` counts every input token, ``cached_tokens`` of them read from the
-    provider's prompt cache (OpenAI's ``cached_tokens``), which costs a fraction of the rest
-    (a tenth for gpt-5): an agent's turns resend the conversation, so most of a long one's
-    input is cached."""
-    key = (model, url)
-    if key in _UNPRICED:
-        return None
-    cached_tokens = min(max(cached_tokens, 0), input_tokens)
-    if (rates := _RATES.get(key)) is not None:
-        per_call, per_input, per_cached, per_output = rates
-        return float(per_call + per_input * (input_tokens - cached_tokens)
-                     + per_cached * cached_tokens + per_output * output_tokens)
-    from genai_prices import Usage as PriceUsage, calc_price, types
-
-    def total(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> Any:
-        return calc_price(PriceUsage(input_tokens=input_tokens, output_tokens=output_tokens,
-                                     cache_read_tokens=cached_tokens or None),
-                          model_ref=ref, provider_id=provider, provider_api_url=api)
-    head, _, tail = model.partition("/")
-    for provider, ref, api in (("openai", model, None), (head, tail, None), (None, model, url)):
-        try:
-            price = total(input_tokens, output_tokens, cached_tokens) if ref and (
-                provider or api) else None
-        except LookupError:
-            price = None
-        if price is not None:
-            break
-    else:
-        _UNPRICED.add(key)
-        return None
-    prices = price.model.prices
-    if isinstance(prices, types.ModelPrice) and not any(
-            isinstance(p, types.TieredPrices) for p in vars(prices).values()):
-        per_call, m = total(0, 0).total_price, 1_000_000
-        _RATES[key] = (per_call, (total(m, 0).total_price - per_call) / m,
-                       (total(m, 0, m).total_price - per_call) / m,
-                       (total(0, m).total_price - per_call) / m)
-    return float(price.total_price)
 
 
 def _message_text(item: Any) -> str:
@@ -303,8 +246,8 @@ class _TapModel(sdk.Model):
         if (play := _PLAY.get(None)) is not None:
             play[3] += cached
         url = getattr(getattr(self.inner(), "_client", None), "base_url", None)
-        usd = _price(model, u.input_tokens, u.output_tokens, cached,
-                     str(url) if url else None) if reported else None
+        usd = model_usd(model, u.input_tokens, u.output_tokens, cached,
+                        str(url) if url else None) if reported else None
         run.add_usage(u.input_tokens, u.output_tokens, usd)
         run.emit(ModelCompleted(model, u.input_tokens, u.output_tokens, usd,
                                 answered if answered != model else None, cached), origin=origin)
@@ -400,7 +343,7 @@ def _record_untapped(run: RunHandle, context: Any, agent: Any, tool: Any) -> Non
     name = get_default_model() if model is None else model if isinstance(model, str) else str(
         getattr(model, "model", None) or type(model).__name__)
     nested = any(getattr(t, "_is_agent_tool", False) for t in getattr(inner, "tools", ()))
-    usd = _price(name, extra_in, extra_out, extra_cached) if alone and not nested else None
+    usd = model_usd(name, extra_in, extra_out, extra_cached) if alone and not nested else None
     run.add_usage(extra_in, extra_out, usd)
     run.emit(ModelCompleted(name, extra_in, extra_out, usd, None, extra_cached),
              origin=tool_origin(run, agent, tool))
@@ -814,4 +757,4 @@ async def warm_up(specs: Sequence[InvocableSpec]) -> None:
     await sdk.Runner.run(agent, "hi", run_config=_UNTRACED)
     for spec in specs:
         if spec.kind == "agent":
-            _price(spec.engine.sdk_agent.model.known_name(), 1, 1)
+            model_usd(spec.engine.sdk_agent.model.known_name(), 1, 1)
