@@ -5,14 +5,15 @@ on a SQLite file beside the log, ``checkpoint_path``, or in the Postgres schema 
 others in memory, ``memory_saver``, where deleting a thread costs only its own entries), the fence
 that holds a durable checkpoint write until the playing run's log holds what came before it
 (``PLAYING``), the serializer every saver stores with (``checkpoint_serde``) and the user's
-classes it rebuilds (``allow_types``), whether a checkpointer has a thread (``holds_thread``,
-``thread_config``) and the locks that keep two tickers off one thread (``ThreadLocks``,
-``PgThreadLocks``).
+classes it rebuilds (``allow_types``: those a workflow's graph names, ``allow_named``, and those
+an input or an answer holds, ``classes_in``), whether a checkpointer has a thread
+(``holds_thread``, ``thread_config``) and the locks that keep two tickers off one thread
+(``ThreadLocks``, ``PgThreadLocks``).
 
 Must never: play a graph or read what its checkpoints mean (interrupts, sleeps: kit_workflows,
-above, does), reach the event store or the Runtime, import a sibling but kit_core (its values)
-and kit_pgpool (its pool plumbing), or import LangGraph, aiosqlite or psycopg at import (``import
-kit`` stays light).
+above, does), reach the event store or the Runtime, import a sibling but kit_core (its values),
+kit_context (a node's own function) and kit_pgpool (its pool plumbing), or import LangGraph,
+aiosqlite or psycopg at import (``import kit`` stays light).
 
 Theory of operation
 -------------------
@@ -35,18 +36,25 @@ connection gone silent) is tried once more on another, as the log's reads are (`
 from __future__ import annotations
 
 import contextvars
+import dataclasses
+import enum
 import functools
 import logging
 import os
+import sys
+import typing
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
 
+from kit_context import node_function
 from kit_core import InvocableSpec, RunHandle
 from kit_pgpool import open_pool, pg_url, setup_lock
 
 __all__ = ("open_graphs", "checkpoint_path", "memory_saver", "checkpoint_serde", "allow_types",
+           "allow_named", "classes_in",
            "PLAYING", "thread_config", "holds_thread", "ThreadLocks", "PgThreadLocks",
            "CHECKPOINT_POOL", "LOCK_POOL", "CHECKPOINT_TIMEOUT")
 
@@ -106,6 +114,81 @@ class _Allowed(set):  # type: ignore[type-arg]
                          "(LANGGRAPH_STRICT_MSGPACK=true refuses now); name it in the module of "
                          "a node that uses it, or in the state schema", *key)
         return True
+
+
+_NAMED: weakref.WeakSet[Any] = weakref.WeakSet()  # the graphs whose classes are allowed
+
+
+def _stored_by_name(cls: Any) -> bool:
+    """Whether LangGraph's checkpoints store instances of ``cls`` by its module and name, to
+    rebuild them from (a dataclass, a pydantic model, an enum, a named tuple), and can."""
+    return (isinstance(cls, type) and getattr(sys.modules.get(cls.__module__), cls.__name__,
+                                              None) is cls
+            and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)
+                 or callable(getattr(cls, "model_dump", None))  # pydantic, as LangGraph tells it
+                 or callable(getattr(cls, "dict", None)) and hasattr(cls, "__fields__")
+                 or issubclass(cls, tuple) and hasattr(cls, "_asdict")))
+
+
+def allow_named(graph: Any) -> None:
+    """Let checkpoints rebuild the classes ``StateGraph`` ``graph`` names (once a graph)."""
+    if graph not in _NAMED:
+        _NAMED.add(graph)
+        allow_types(_named_classes(graph, set()))
+
+
+def _named_classes(graph: Any, seen: set[int]) -> set[Any]:
+    """The user's own classes a checkpoint of ``graph`` may hold (``allow_types``):
+    what LangGraph's strict mode allows it (the classes its schemas and channels name), and the
+    classes stored by name (``_stored_by_name``) that the modules of its nodes and schemas name,
+    so a process that was never handed one (it restarted) rebuilds a thread's; a compiled
+    subgraph's too."""
+    from langgraph._internal._serde import collect_allowlist_from_schemas
+    from langgraph.graph.state import CompiledStateGraph
+    if id(graph) in seen:
+        return set()
+    seen.add(id(graph))
+    schemas = [graph.state_schema, graph.input_schema, graph.output_schema,
+               *(node.input_schema for node in graph.nodes.values())]
+    try:  # (it reads type hints: one that cannot be read names nothing, and fails no build)
+        out: set[Any] = set(collect_allowlist_from_schemas(schemas=[s for s in schemas if s],
+                                                           channels=graph.channels))
+    except Exception:
+        out = set()
+    modules = {getattr(s, "__module__", None) for s in schemas}
+    for node in graph.nodes.values():
+        if isinstance(sub := node.runnable, CompiledStateGraph):
+            out |= _named_classes(sub.builder, seen)
+        modules.add(getattr(node_function(node), "__module__", None))
+    for module in filter(None, map(sys.modules.get, filter(None, modules))):
+        out.update(v for v in list(vars(module).values()) if _stored_by_name(v))
+    return out
+
+
+_PLAIN = {str, bytes, int, float, bool, type(None)}
+
+
+def classes_in(value: Any) -> set[type]:
+    """The classes stored by name (``_stored_by_name``) of the objects ``value`` holds, at any
+    depth (in containers, and in one another's fields)."""
+    out: set[type] = set()
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if type(v) in _PLAIN or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if _stored_by_name(type(v)):  # (an IntEnum's member is an int too)
+            out.add(type(v))
+            if dataclasses.is_dataclass(v):
+                stack += [getattr(v, f.name, None) for f in dataclasses.fields(v)]
+            elif not isinstance(v, enum.Enum):  # a named tuple's items, a pydantic model's fields
+                stack += v if isinstance(v, tuple) else list(getattr(v, "__dict__", {}).values())
+        elif isinstance(v, typing.Mapping):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack += v
+    return out
 
 
 @functools.cache

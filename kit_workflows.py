@@ -10,8 +10,9 @@ resuming a run (``WorkflowEngine.play``), reading sleeping threads off a checkpo
 
 Must never: reach the event store or the Runtime (a run is played through the ``RunHandle`` it is
 given; a child run starts through ``RunHandle.start_child``), import kit_runtime or anything above
-it, touch asyncio directly, open a checkpointer (kit_threads, below, holds them: ``open_graphs``),
-or put the application context in state, config or a checkpoint.
+it, touch asyncio directly, open a checkpointer (kit_threads, below, holds them: ``open_graphs``,
+and the classes a checkpoint may rebuild: ``allow_named``, ``classes_in``), or put the
+application context in state, config or a checkpoint.
 
 Theory of operation
 -------------------
@@ -44,13 +45,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 import inspect
 import json
 import logging
-import sys
 import typing
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -66,7 +64,9 @@ from kit_core import (
     RunNotWaitingError, RunPaused, RunSleeping, RunStatus, Usage, error_text, jsonable,
     new_run_id,
 )
-from kit_threads import PLAYING, allow_types, checkpoint_serde, thread_config
+from kit_threads import (
+    PLAYING, allow_named, allow_types, checkpoint_serde, classes_in, thread_config,
+)
 
 if TYPE_CHECKING:
     from kit_catalog import Workflow
@@ -78,7 +78,6 @@ _log = logging.getLogger("kit.workflows")
 _CONTROL_WRITES = {"__interrupt__", "__resume__", "__error__", "__error_source_node__"}
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"
 _NO_VALUE = object()
-_NAMED: weakref.WeakSet[Any] = weakref.WeakSet()  # the graphs whose classes are allowed
 #: What LangGraph injects into a node by parameter name, read off its ``Runtime`` instead.
 _FROM_RUNTIME = {"runtime": lambda r: r, "writer": lambda r: r.stream_writer,
                  "store": lambda r: r.store, "previous": lambda r: r.previous}
@@ -174,7 +173,7 @@ class WorkflowEngine:
         except TypeError as exc:  # ormsgpack's error, which wraps what an object's encoding raised
             raise ContentError(f"{what} cannot be stored in LangGraph's checkpoints ({exc}); "
                                "send JSON data") from None
-        allow_types(_classes_in(value))  # the node that takes it gets it back as it was sent
+        allow_types(classes_in(value))  # the node that takes it gets it back as it was sent
 
     def key(self, namespace: str | None, thread_id: str) -> str:
         return f"{self.name}:{namespace or ''}:{thread_id}"
@@ -470,80 +469,8 @@ def compile_workflow(workflow: Workflow) -> InvocableSpec:
         deck_graph.compile()  # a graph that cannot compile is a configuration error now
     except Exception as exc:
         raise ConfigError(f"workflow {name!r} does not compile: {exc}") from None
-    _allow_named(workflow.graph)
+    allow_named(workflow.graph)
     return InvocableSpec(name, "workflow", workflow, WorkflowEngine(name, deck_graph, workflow.durable))
-
-
-def _stored_by_name(cls: Any) -> bool:
-    """Whether LangGraph's checkpoints store instances of ``cls`` by its module and name, to
-    rebuild them from (a dataclass, a pydantic model, an enum, a named tuple), and can."""
-    return (isinstance(cls, type) and getattr(sys.modules.get(cls.__module__), cls.__name__,
-                                              None) is cls
-            and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)
-                 or callable(getattr(cls, "model_dump", None))  # pydantic, as LangGraph tells it
-                 or callable(getattr(cls, "dict", None)) and hasattr(cls, "__fields__")
-                 or issubclass(cls, tuple) and hasattr(cls, "_asdict")))
-
-
-def _allow_named(graph: Any) -> None:
-    """Let checkpoints rebuild the classes ``StateGraph`` ``graph`` names (once a graph)."""
-    if graph not in _NAMED:
-        _NAMED.add(graph)
-        allow_types(_named_classes(graph, set()))
-
-
-def _named_classes(graph: Any, seen: set[int]) -> set[Any]:
-    """The user's own classes a checkpoint of ``graph`` may hold (``kit_threads.allow_types``):
-    what LangGraph's strict mode allows it (the classes its schemas and channels name), and the
-    classes stored by name (``_stored_by_name``) that the modules of its nodes and schemas name,
-    so a process that was never handed one (it restarted) rebuilds a thread's; a compiled
-    subgraph's too."""
-    from langgraph._internal._serde import collect_allowlist_from_schemas
-    from langgraph.graph.state import CompiledStateGraph
-    if id(graph) in seen:
-        return set()
-    seen.add(id(graph))
-    schemas = [graph.state_schema, graph.input_schema, graph.output_schema,
-               *(node.input_schema for node in graph.nodes.values())]
-    try:  # (it reads type hints: one that cannot be read names nothing, and fails no build)
-        out: set[Any] = set(collect_allowlist_from_schemas(schemas=[s for s in schemas if s],
-                                                           channels=graph.channels))
-    except Exception:
-        out = set()
-    modules = {getattr(s, "__module__", None) for s in schemas}
-    for node in graph.nodes.values():
-        if isinstance(sub := node.runnable, CompiledStateGraph):
-            out |= _named_classes(sub.builder, seen)
-        modules.add(getattr(node_function(node), "__module__", None))
-    for module in filter(None, map(sys.modules.get, filter(None, modules))):
-        out.update(v for v in list(vars(module).values()) if _stored_by_name(v))
-    return out
-
-
-_PLAIN = {str, bytes, int, float, bool, type(None)}
-
-
-def _classes_in(value: Any) -> set[type]:
-    """The classes stored by name (``_stored_by_name``) of the objects ``value`` holds, at any
-    depth (in containers, and in one another's fields)."""
-    out: set[type] = set()
-    stack, seen = [value], set()
-    while stack:
-        v = stack.pop()
-        if type(v) in _PLAIN or id(v) in seen:
-            continue
-        seen.add(id(v))
-        if _stored_by_name(type(v)):  # (an IntEnum's member is an int too)
-            out.add(type(v))
-            if dataclasses.is_dataclass(v):
-                stack += [getattr(v, f.name, None) for f in dataclasses.fields(v)]
-            elif not isinstance(v, enum.Enum):  # a named tuple's items, a pydantic model's fields
-                stack += v if isinstance(v, tuple) else list(getattr(v, "__dict__", {}).values())
-        elif isinstance(v, typing.Mapping):
-            stack += [*v.keys(), *v.values()]
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack += v
-    return out
 
 
 def _copy_graph(graph: Any) -> Any:
@@ -722,8 +649,8 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
                            f"got {type(input).__name__}")
     ours = thread_id is None or thread_id in own
     # What a checkpoint may give back to its nodes, as a deck's (headless input need not be JSON).
-    _allow_named(graph.builder)
-    allow_types(_classes_in(input if resume is _NO_VALUE else resume))
+    allow_named(graph.builder)
+    allow_types(classes_in(input if resume is _NO_VALUE else resume))
 
     async def play() -> Any:
         held: list[Any] = []  # (resume) the answers the tasks that asked held
