@@ -4,7 +4,8 @@ Owns: the ASGI app (``App``: lifespan, routing, the handlers, the error statuses
 responses, whose frames and streams kit_sse makes; one exchange's body and JSON response are
 kit_request's), serving the playground page (kit_playground)
 and the OpenAPI document (kit_openapi), applying the browser-safety policy (kit_guard) at the top
-of dispatch, and ``serve`` (an app under Hypercorn).
+of dispatch, and ``serve`` (an app under Hypercorn, whose configuration and shutdown trigger
+are kit_hypercorn's).
 ``kit-serve``, the process, is kit_serve (``python -m kit_http`` runs it).
 
 Must never: hold business logic (a handler passes plain arguments to the Deck: a name, a session
@@ -49,7 +50,6 @@ import functools
 import logging
 import os
 import re
-import signal
 import sys
 import time
 import traceback
@@ -69,6 +69,7 @@ from kit_core import (
     new_run_id, printable, quoted, stops, switch_setting,
 )
 from kit_guard import Guard, HostNotAllowedError, OriginNotAllowedError
+from kit_hypercorn import hypercorn_config, until_stopped
 from kit_playground import load as load_playground
 from kit_request import MAX_BODY_BYTES as _MAX_BODY
 from kit_request import (
@@ -90,11 +91,9 @@ if typing.TYPE_CHECKING:
 __all__ = ("App", "serve", "main", "SURFACES", "ERROR_STATUS")
 
 #: What kit_http says (an unexpected error, ``serve``'s address); ``kit_http.access``: the access
-#: log, with ``serve(access_log=True)``; ``kit_http.hypercorn``: Hypercorn's own messages. Only
-#: ``kit-serve`` (kit_serve) gives them a handler.
+#: log, with ``serve(access_log=True)``; ``kit_http.hypercorn``: Hypercorn's own messages (both
+#: handed to Hypercorn by kit_hypercorn). Only ``kit-serve`` (kit_serve) gives them a handler.
 _log = logging.getLogger("kit_http")
-_access_log = logging.getLogger("kit_http.access")
-_hypercorn_log = logging.getLogger("kit_http.hypercorn")
 
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
 _SEQ = re.compile(r"(-1|[0-9]{1,18})?")  # Last-Event-ID / ?after= (empty or -1: from the start)
@@ -719,18 +718,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-class _PrintableAccess(logging.Filter):
-    """The access log's path (Hypercorn's ``U`` atom, decoded) with control characters escaped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, dict) and isinstance(record.args.get("U"), str):
-            record.args["U"] = printable(record.args["U"])
-        return True
-
-
-_PRINTABLE_ACCESS = _PrintableAccess()
-
-
 def _no_retry(req: Request) -> None:
     """Refuse a streamed POST that carries ``Last-Event-ID``: an SSE client retrying the stream
     after a network error (fetch-event-source does) would play the turn (or the resume) again."""
@@ -758,7 +745,7 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
     ``serve`` extra. Raises ``OSError`` (naming the address) when it cannot listen, Hypercorn's
     ``LifespanFailureError`` when the deck does not open (``app.open_error`` says why).
     """
-    config, named, port = _config(host, port, access_log)
+    config, named, port = hypercorn_config(host, port, access_log)
     backend = sniffio.current_async_library()
     if backend == "trio":
         from hypercorn.trio import serve as hypercorn_serve
@@ -772,55 +759,7 @@ async def serve(app: App, *, host: str = "127.0.0.1", port: int = 8000, access_l
               "who can reach this address can start, read, answer and cancel runs.", named, port,
               backend, served, page, app.guard.describe())
     await hypercorn_serve(app, config, shutdown_trigger=functools.partial(
-        _until_stopped, app, shutdown_trigger))
-
-
-def _config(host: str, port: int, access_log: bool) -> tuple[Any, str, int]:
-    """Hypercorn's ``Config`` for ``serve``, its address probed by binding it once: the config,
-    the host as a URL writes it, and the port (the one the system chose for ``port=0``).
-    Raises ``OSError`` naming the address when it cannot listen."""
-    from hypercorn.config import Config
-    if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it
-        host = host[1:-1]
-    named = f"[{host}]" if ":" in host else host  # the host as a URL (and a bind) writes it
-    config = Config()
-    config.bind = [f"{named}:{port}"]
-    config.backlog = 1024  # bursts of connections, such as 1,000 streams at once (CONVENTIONS A7)
-    config.accesslog = _access_log if access_log else None
-    _access_log.addFilter(_PRINTABLE_ACCESS)  # once: addFilter skips a filter it holds
-    config.errorlog = _hypercorn_log
-    config.access_log_format = '%(h)s "%(m)s %(U)s" %(s)s %(L)ss'  # no query, no headers
-    try:  # Hypercorn binds only after the lifespan; a failed bind then leaves a half-open app
-        probe = config.create_sockets()
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {named}:{port}: {exc.strerror}") from None
-    for sock in probe.secure_sockets + probe.insecure_sockets + probe.quic_sockets:
-        if port == 0:  # the port the system chose: the one served, and the one told
-            port = sock.getsockname()[1]
-            config.bind = [f"{named}:{port}"]
-        sock.close()
-    return config, named, port
-
-
-async def _until_stopped(app: App, shutdown_trigger: Callable[[], Awaitable[Any]] | None) -> None:
-    """``serve``'s shutdown trigger: wait for ``shutdown_trigger`` (default: SIGINT or SIGTERM),
-    then shut ``app`` down (``App.shutdown``), a second signal hurrying it (``App.hurry``)."""
-    if shutdown_trigger is not None:
-        await shutdown_trigger()
-        await app.shutdown()
-        return
-    # Held through the shutdown: a second signal ends the grace at once, where Python's
-    # default handler would raise KeyboardInterrupt in the middle of it.
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            break
-        async with anyio.create_task_group() as tg:
-            async def hurry() -> None:
-                async for _ in signals:
-                    app.hurry()
-            tg.start_soon(hurry)
-            await app.shutdown()
-            tg.cancel_scope.cancel()
+        until_stopped, app, shutdown_trigger))
 
 
 def main(argv: list[str] | None = None) -> int:

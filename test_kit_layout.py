@@ -14,7 +14,7 @@ HERE = Path(__file__).parent
 LAYERS = ("kit_errors", "kit_content", "kit_checks", "kit_core", "kit_storebase", "kit_store", "kit_writer", "kit_bridge", "kit_pgpool", "kit_pg", "kit_context", "kit_scripted", "kit_prices", "kit_sessions", "kit_mcp_servers", "kit_tools", "kit_agents",
           "kit_threads", "kit_workflows", "kit_catalog", "kit_otlp", "kit_tracing", "kit_observers", "kit_runs",
           "kit_control", "kit_runtime",
-          "kit_openai", "kit_mcp", "kit_guard", "kit_openapi", "kit_playground", "kit_sse", "kit_request", "kit_http",
+          "kit_openai", "kit_mcp", "kit_guard", "kit_openapi", "kit_playground", "kit_sse", "kit_request", "kit_hypercorn", "kit_http",
           "kit_serve", "kit", "kit_cli")
 
 
