@@ -1,17 +1,18 @@
 """kit_core: the values of kit: what users type and what the log holds (the ground floor).
 
 Owns: the event envelope (``Event``) and its payload types, the results (``TurnResult``,
-``Usage``, ``InterruptResult``, ``RunStatus``, ``RunInfo``, ...), the ports (``EventSinkPort``,
-``EventStorePort``) and the seams the upper floors meet at: ``Context`` (the per-run
-application context), ``InvocableSpec`` (a compiled agent or workflow) and ``RunHandle`` (how an
-engine plays a run without holding the Runtime). The errors (``kit_errors``), the content blocks
-(``kit_content``) and the input checks every surface shares (``kit_checks``: names, ids, limits)
-live below it and are re-exported here, so this module is the one place to import values from:
-``kit.core`` and ``kit.core.ports`` are aliases of it, and ``kit`` re-exports its ``__all__``.
+``Usage``, ``InterruptResult``, ``RunStatus``, ``RunInfo``, ...) and the seams the upper floors
+meet at: ``Context`` (the per-run application context), ``InvocableSpec`` (a compiled agent or
+workflow) and ``RunHandle`` (how an engine plays a run without holding the Runtime). The errors
+(``kit_errors``), the content blocks (``kit_content``), the input checks every surface shares
+(``kit_checks``: names, ids, limits) and the ports (``kit_ports``: ``EventStorePort``,
+``EventSinkPort``, ``Claim``, ``ControlRequest``) live below it and are re-exported here, so this
+module is the one place to import values from: ``kit.core`` and ``kit.core.ports`` are aliases of
+it, and ``kit`` re-exports its ``__all__``.
 
-Must never: import a sibling module other than ``kit_errors``, ``kit_content`` and ``kit_checks``,
-or an engine SDK (openai-agents, LangGraph), do I/O, read the environment, or keep state beyond
-the payload-kind table built at import. Every module above imports this one.
+Must never: import a sibling module other than ``kit_errors``, ``kit_content``, ``kit_checks``
+and ``kit_ports``, or an engine SDK (openai-agents, LangGraph), do I/O, read the environment, or
+keep state beyond the payload-kind table built at import. Every module above imports this one.
 
 Theory of operation: everything here is a value. Events are frozen dataclasses; a payload class
 carries its dotted ``kind`` (``"text.delta"``), what the kind does to a stream (``ends``: terminal,
@@ -27,10 +28,10 @@ import enum
 import os
 import time
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from datetime import datetime, timezone
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import orjson
 
@@ -46,6 +47,7 @@ from kit_errors import (
     RunStoppedError, SessionBusyError, StoreUnavailableError, UnknownNameError, UnknownRunError,
     error_text, quoted,
 )
+from kit_ports import Claim, ControlRequest, EventSinkPort, EventStorePort
 
 __all__ = (
     # errors
@@ -580,85 +582,6 @@ class RunInfo:
     started_at: datetime
     parent_run_id: str | None = None
     last_seq: int | None = None
-
-
-# ====================================================================================== ports ====
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """A run's lease, taken with ``EventStorePort.append(..., claims=[...])``.
-
-    ``owner`` (one id per Runtime) renews it every few seconds; when ``lease_seconds`` pass
-    without renewal the owner is presumed dead, the run is recorded as ``run.failed`` (error
-    ``RunAbandoned``) and its session, if any, is free again (DESIGN 4.5).
-    """
-    run_id: str
-    owner: str
-    lease_seconds: float
-    session_id: str | None = None
-    namespace: str | None = None
-
-@dataclass(frozen=True, slots=True)
-class ControlRequest:
-    """A pause, cancel or resume request recorded for a run (``EventStorePort.request``)."""
-    id: int
-    run_id: str
-    action: str
-    reason: str | None = None
-    source: str | None = None
-
-
-@runtime_checkable
-class EventSinkPort(Protocol):
-    """An observer of the log. ``emit`` does in-memory work only and never awaits a round trip.
-
-    It gets each committed event once, in each run's order, on a daemon thread of its own (a
-    slow ``emit`` costs that observer its own backlog, never a run); an observer whose class
-    sets ``nonblocking = True`` promises ``emit`` only appends to memory, and is called on the
-    event loop instead. Optional methods, called when present: ``start()`` once at deck open
-    (raising refuses the open) and ``close()`` when the stream has ended (flush buffers there).
-    """
-
-    def emit(self, event: Event) -> None: ...
-
-
-@runtime_checkable
-class EventStorePort(Protocol):
-    """The one way to the log: the Runtime writes through it, users read the full log through it.
-
-    ``append`` is atomic per batch and durable when it returns. With ``claims`` it also takes those
-    runs' leases (and session claims) in the same transaction, raising ``SessionBusyError`` and
-    writing nothing when another live or parked run holds the session; a session whose holder's
-    lease lapsed is taken over, and ``append`` returns that run's ``run.failed`` (RunAbandoned)
-    for the Runtime's observers (None: a store that does not tell). A terminal event frees the
-    claim; a parking event keeps it without a lease. ``follow`` replays, then yields live events,
-    until the run's terminal or parking event; ``follow_requests`` does the same for control
-    requests, forever (the owner of a run learns of a pause or cancel written anywhere).
-    ``read(..., limit=N)`` returns the first N at most, a page of a replay
-    (``kit_storebase.replay``); a store whose ``read`` takes no ``limit`` is read whole.
-    ``last_events`` gives the last event of many runs in one read (``deck.pending()``, a tick's
-    scan of sleeping runs).
-    """
-
-    async def append(self, events: Sequence[Event], *,
-                     claims: Sequence[Claim] = ()) -> list[Event] | None: ...
-    async def read(self, run_id: str, after: int = -1, *,
-                   limit: int | None = None) -> list[Event]: ...
-    def follow(self, run_id: str, after: int = -1) -> AsyncIterator[Event]: ...
-    async def runs(self, *, status: RunStatus | None = None, name: str | None = None,
-                   session_id: str | None = None, limit: int | None = None,
-                   before: str | None = None, namespace: str | None = None) -> list[RunInfo]: ...
-    async def run_info(self, run_id: str) -> RunInfo | None: ...
-    async def renew(self, owner: str, lease_seconds: float,
-                    run_ids: Sequence[str] | None = None) -> None: ...
-    async def reap(self) -> list[str]: ...
-    async def request(self, run_id: str, action: str, reason: str | None = None,
-                      source: str | None = None) -> int: ...
-    async def requests(self, after: int = 0) -> list[ControlRequest]: ...
-    def follow_requests(self, after: int = 0) -> AsyncIterator[ControlRequest]: ...
-    async def session_holder(self, session_id: str, namespace: str | None = None) -> str | None: ...
-    async def lease_until(self, run_id: str) -> float | None: ...
-    async def last_events(self, run_ids: Sequence[str]) -> dict[str, Event]: ...
 
 
 # ======================================================================================= runs ====

@@ -54,10 +54,11 @@ def add(a: int, b: int) -> int:
 def test_all_is_a_tuple_naming_exactly_what_kit_defines():
     assert isinstance(kit.__all__, tuple)
     assert len(set(kit.__all__)) == len(kit.__all__)
-    # kit defines Deck and re-exports the values (kit_core, with the errors and content blocks
-    # it re-exports) and the catalog (kit_catalog); ScriptedModel (kit_scripted) loads on first
-    # use, so `import kit` need not import the SDK.
-    home = ("kit", "kit_errors", "kit_content", "kit_core", "kit_catalog", "kit_scripted")
+    # kit defines Deck and re-exports the values (kit_core, with the errors, content blocks and
+    # ports it re-exports) and the catalog (kit_catalog); ScriptedModel (kit_scripted) loads on
+    # first use, so `import kit` need not import the SDK.
+    home = ("kit", "kit_errors", "kit_content", "kit_ports", "kit_core", "kit_catalog",
+            "kit_scripted")
     kit.ScriptedModel  # noqa: B018
     defined = {n for n, v in vars(kit).items() if not n.startswith("_")
                and (getattr(v, "__module__", None) in home or n.isupper() or n == "ContentBlock")

@@ -11,7 +11,7 @@ import pytest
 
 HERE = Path(__file__).parent
 #: From the ground floor up (README "Architecture"): a module imports only modules before it.
-LAYERS = ("kit_errors", "kit_content", "kit_checks", "kit_core", "kit_storebase", "kit_store", "kit_writer", "kit_bridge", "kit_pgpool", "kit_pg", "kit_context", "kit_scripted", "kit_prices", "kit_sessions", "kit_mcp_servers", "kit_tools", "kit_agents",
+LAYERS = ("kit_errors", "kit_content", "kit_checks", "kit_ports", "kit_core", "kit_storebase", "kit_store", "kit_writer", "kit_bridge", "kit_pgpool", "kit_pg", "kit_context", "kit_scripted", "kit_prices", "kit_sessions", "kit_mcp_servers", "kit_tools", "kit_agents",
           "kit_threads", "kit_workflows", "kit_catalog", "kit_otlp", "kit_tracing", "kit_observers", "kit_runs",
           "kit_control", "kit_runtime",
           "kit_openai", "kit_mcp", "kit_guard", "kit_openapi", "kit_playground", "kit_sse", "kit_request", "kit_hypercorn", "kit_http",
@@ -69,7 +69,8 @@ def test_imports_point_down_the_layers_and_never_in_a_circle():
     assert graph["kit_errors"] == set(), "kit_errors imports no sibling"
     assert graph["kit_content"] == {"kit_errors"}, "kit_content imports only kit_errors"
     assert graph["kit_checks"] == {"kit_errors"}, "kit_checks imports only kit_errors"
-    assert graph["kit_core"] == {"kit_errors", "kit_content", "kit_checks"}, \
+    assert graph["kit_ports"] == set(), "kit_ports imports no sibling at run time"
+    assert graph["kit_core"] == {"kit_errors", "kit_content", "kit_checks", "kit_ports"}, \
         "kit_core imports only the floor below"
     for name, deps in graph.items():
         above = {d for d in deps if LAYERS.index(d) > LAYERS.index(name)}
