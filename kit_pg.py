@@ -2,7 +2,7 @@
 
 Owns: ``PostgresStore`` (the log, run index, claims and control requests in one schema of one
 database, with LISTEN/NOTIFY wake-ups) and ``store_from_url``, the one factory of every store.
-Its connections come from ``kit_pgpool`` (URLs, pools, setup locks), below it.
+Its connections come from ``kit_pgpool`` (URLs, pools, setup locks, index builds), below it.
 
 Must never: import psycopg at import (``import kit`` stays light; the ``postgres`` extra is
 optional), put a password in an error, a log line or a ``repr`` (``kit_storebase.masked``), run
@@ -54,7 +54,6 @@ appends are group-committed). The listener's wake-ups cross back with ``Bridge.t
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import re
@@ -71,7 +70,8 @@ from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictErro
 from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, LAST_EVENTS, RUN_COLUMNS, RUN_INDEXES,
                        MemoryStore, SQLiteStore, abandoned, by_run, event_of, event_row,
                        foreign_table, run_row, runs_query)
-from kit_pgpool import bounded, open_pool, pg_url, psycopg_module, setup_lock
+import kit_pgpool  # BUILD_WAIT is read there at each build: a test may shorten it
+from kit_pgpool import bounded, build_concurrently, open_pool, pg_url, psycopg_module, setup_lock
 from kit_storebase import StoreBase, masked
 
 __all__ = ("PostgresStore", "store_from_url", "SCHEMA_VERSION", "WRITE_POOL", "WRITE_TIMEOUT",
@@ -133,7 +133,10 @@ _TABLES = (
 #: (a build on 10M runs outlasts ``kit_pgpool.SETUP_WAIT``: other replicas' opens would fail),
 #: under a build lock (``kit:build:<schema>``) that it only tries: one replica builds, the others
 #: go on at once and query without the index (correct, slower). The build holds no writer, where
-#: a plain CREATE INDEX holds them all for its length (~0.5 s per 100k runs). A build cut short
+#: a plain CREATE INDEX holds them all for its length (~0.5 s per 100k runs). Its waits (for the
+#: table's writers, then for every transaction of the database holding an older snapshot: a
+#: session idle in a transaction would hold it for ever) are bounded by ``kit_pgpool.BUILD_WAIT``
+#: each, on a connection of its own (``kit_pgpool.build_concurrently``). A build cut short
 #: leaves its index invalid: the next open that gets the build lock drops it and builds it again;
 #: a build that fails is logged and never fails the open.
 _BUILT_CONCURRENTLY = frozenset({"runs_namespace"})
@@ -428,7 +431,7 @@ class PostgresStore(StoreBase):
                                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                                        (str(SCHEMA_VERSION),))
             if later:  # after the setup lock's release: no other open waits for the build
-                await self._build(pool, later)
+                await self._build(later)
             self._writes = await open_pool(self._conninfo, self.schema, max_size=WRITE_POOL,
                                            create=False, name="kit-write")
         except BaseException:
@@ -436,51 +439,26 @@ class PostgresStore(StoreBase):
             raise
         return pool
 
-    async def _build(self, pool: Any, statements: list[str]) -> None:
-        """Build the indexes of ``statements`` (of ``_BUILT_CONCURRENTLY``) CONCURRENTLY, unless
-        another open builds them now (it holds the schema's build lock: this one goes on at
-        once, queries work without them, only slower). An invalid one (a build cut short: a
-        killed replica, a cancel) is dropped and built again; a valid one (built since this
-        open looked) is left. Never fails the open: a build that fails is logged, once, naming
-        the index and the reason, and the next open builds it again."""
+    async def _build(self, statements: list[str]) -> None:
+        """Build the indexes of ``statements`` (of ``_BUILT_CONCURRENTLY``): ``kit_pgpool.
+        build_concurrently``, each of its waits bounded by ``kit_pgpool.BUILD_WAIT``. Never fails
+        the open: an index not built is logged, once, naming it and the reason; queries work
+        without it, only slower, and the next open builds it."""
         psycopg = psycopg_module()
-        lock = f"kit:build:{self.schema}"
+        named = [(_CREATES.search(s)[1], s) for s in statements]
         try:
-            async with pool.connection() as conn:
-                if not (await (await conn.execute(
-                        "SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (lock,))).fetchone())[0]:
-                    return
-                try:
-                    for statement in statements:  # (autocommit: CONCURRENTLY runs in no transaction)
-                        name = _CREATES.search(statement)[1]
-                        try:
-                            await self._build_one(conn, name, statement)
-                        except psycopg.Error as exc:
-                            _log.warning("index %s of schema %r was not built (%s: %s); queries "
-                                         "work without it, slower, and the next open builds it",
-                                         name, self.schema, type(exc).__name__,
-                                         " ".join(str(exc).split())[:500])
-                finally:  # (a dead connection freed it; its error must not hide a cancel)
-                    with contextlib.suppress(psycopg.OperationalError):
-                        await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
-                                           (lock,))
+            failed = await build_concurrently(self._conninfo, self.schema, named)
         except psycopg.OperationalError as exc:  # the connection died: the lock went with it
-            _log.warning("the indexes %s of schema %r were not built (%s); the next open builds them",
-                         ", ".join(_CREATES.search(s)[1] for s in statements), self.schema,
-                         type(exc).__name__)
-
-    async def _build_one(self, conn: Any, name: str, statement: str) -> None:
-        """Build index ``name`` (``statement``) CONCURRENTLY on ``conn``, under the build lock:
-        dropped first if invalid, left if valid."""
-        row = await (await conn.execute(
-            "SELECT i.indisvalid FROM pg_class c JOIN pg_index i ON i.indexrelid = c.oid "
-            "WHERE c.relname = %s AND c.relnamespace = %s::regnamespace",
-            (name, self.schema))).fetchone()
-        if row is not None and row[0]:
+            _log.warning("the indexes %s of schema %r were not built (%s); the next open builds "
+                         "them", ", ".join(n for n, _ in named), self.schema, type(exc).__name__)
             return
-        if row is not None:  # invalid: a build cut short (no other builds: the lock is ours)
-            await conn.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
-        await conn.execute(statement.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY"))
+        for name, exc in failed or ():
+            waited = (f"; a lock or a transaction it waits for was held past kit_pgpool.BUILD_WAIT "
+                      f"= {kit_pgpool.BUILD_WAIT:g} s" if isinstance(exc, psycopg.errors.LockNotAvailable)
+                      else "")
+            _log.warning("index %s of schema %r was not built (%s: %s%s); queries work without "
+                         "it, slower, and the next open builds it", name, self.schema,
+                         type(exc).__name__, " ".join(str(exc).split())[:500], waited)
 
     async def _clock(self, conn: Any, statement: str, args: Sequence[Any] = ()) -> None:
         """Run ``statement`` (a CTE, or nothing) on ``conn`` and measure ``_skew`` by the same

@@ -2,13 +2,16 @@
 
 Owns: ``pg_url`` (a kit ``postgresql://`` URL split into libpq's URL and kit's schema),
 ``open_pool`` (a named pool of autocommit connections on one schema, its connects bounded, its
-connections tested when taken if asked) and ``setup_lock`` (an advisory lock so replicas starting
-at once create their tables one after the other). Its users: the log (``kit_pg``), the
-checkpointer (``kit_threads``) and the Postgres sessions (``kit_sessions``).
+connections tested when taken if asked), ``setup_lock`` (an advisory lock so replicas starting
+at once create their tables one after the other) and ``build_concurrently`` (a caller's indexes
+built CONCURRENTLY by one replica, on a connection of its own, each of its waits bounded by
+``BUILD_WAIT``). Its users: the log (``kit_pg``), the checkpointer (``kit_threads``) and the
+Postgres sessions (``kit_sessions``).
 
 Must never: import psycopg at import (``import kit`` stays light; the ``postgres`` extra is
 optional), put a password in an error or a log line (``kit_storebase.masked``), create a table
-(its callers do, under ``setup_lock``), or touch trio: its coroutines run on asyncio (psycopg's
+or an index of its own (its callers do, under ``setup_lock``, or pass their indexes to
+``build_concurrently``), or touch trio: its coroutines run on asyncio (psycopg's
 async API is asyncio-only; under trio its callers cross to a ``kit_bridge.Bridge``).
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
@@ -26,7 +29,7 @@ from kit_core import ConfigError
 from kit_storebase import masked
 
 __all__ = ("pg_url", "open_pool", "setup_lock", "unreachable", "DEFAULT_SCHEMA", "POOL_MAX", "POOL_TIMEOUT",
-           "CONNECT_TIMEOUT", "CHECK_TIMEOUT", "SETUP_WAIT")
+           "CONNECT_TIMEOUT", "CHECK_TIMEOUT", "SETUP_WAIT", "build_concurrently", "BUILD_WAIT")
 
 #: The schema a ``postgresql://`` URL without ``?schema=`` uses.
 DEFAULT_SCHEMA = "kit"
@@ -50,6 +53,15 @@ CHECK_TIMEOUT = 10.0
 #: replica creating or upgrading the tables holds it well under a second (the log's slow index
 #: builds run after its release: ``kit_pg``), so a wait this long is a stuck opener.
 SETUP_WAIT = 60.0
+#: How long an index build (``build_concurrently``) waits for any one lock (seconds; its
+#: session's ``lock_timeout``). CREATE INDEX CONCURRENTLY waits, with no bound of its own, for
+#: every transaction writing the table, then for every transaction of the database that holds
+#: a snapshot older than its own (another program's session left idle in a transaction, say:
+#: the build would wait for as long as it stays open). Both are waits on each such
+#: transaction's lock (its virtual xid), so this bounds each: past it the build fails, leaving
+#: its index invalid, for the next build to drop and build again. kit's own transactions last
+#: well under a second (a long replay's read: under ``kit_pg.READ_TIMEOUT``).
+BUILD_WAIT = 60.0
 #: A setup lock held by another is tried again every _LOCK_RETRY s, up to ``SETUP_WAIT``.
 _LOCK_RETRY = 0.05
 #: The most of libpq's reason an ``unreachable`` error quotes (one line; its own is a few lines).
@@ -220,3 +232,46 @@ async def setup_lock(pool: Any, what: str) -> AsyncIterator[Any]:
             yield conn
         finally:
             await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (what,))
+
+
+async def build_concurrently(conninfo: str, schema: str, indexes: Sequence[tuple[str, str]]
+                             ) -> list[tuple[str, Exception]] | None:
+    """On asyncio: build each index ``(name, statement)`` of ``indexes`` (a ``CREATE INDEX``
+    statement, run CONCURRENTLY: the table's writers go on) in ``schema``, unless another holds
+    the schema's build lock (``kit:build:<schema>``: another replica builds them now), which it
+    only tries: then it returns None at once. An invalid index of that name (a build cut short:
+    a killed replica, a cancel, a wait past ``BUILD_WAIT``) is dropped and built again; a valid
+    one is left. Every lock the build waits for is waited for ``BUILD_WAIT`` at most (its
+    ``lock_timeout``). It runs on a connection of its own (``kit-build:<schema>`` in
+    ``pg_stat_activity``), closed after, with the lock and the setting: no pooled connection
+    keeps either. Returns the indexes that failed, each with psycopg's error
+    (``LockNotAvailable`` past ``BUILD_WAIT``); raises ``psycopg.OperationalError`` when its
+    connection cannot be opened or dies (the lock goes with it)."""
+    psycopg = psycopg_module()
+    from psycopg import sql
+    failed: list[tuple[str, Exception]] = []
+    async with await psycopg.AsyncConnection.connect(
+            conninfo, autocommit=True, **bounded(conninfo),  # (CONCURRENTLY: in no transaction)
+            application_name=f"kit-build:{schema}"[:63]) as conn:
+        await conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        await conn.execute(f"SET lock_timeout = {max(1, round(BUILD_WAIT * 1000))}")  # (ms)
+        if not (await (await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))",
+                                          (f"kit:build:{schema}",))).fetchone())[0]:
+            return None
+        for name, statement in indexes:
+            try:
+                row = await (await conn.execute(
+                    "SELECT i.indisvalid FROM pg_class c JOIN pg_index i ON i.indexrelid = c.oid "
+                    "WHERE c.relname = %s AND c.relnamespace = %s::regnamespace",
+                    (name, schema))).fetchone()
+                if row is not None and row[0]:
+                    continue
+                if row is not None:  # invalid: a build cut short (no other builds: the lock is ours)
+                    await conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
+                        sql.Identifier(name)))
+                await conn.execute(statement.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY"))
+            except psycopg.Error as exc:
+                if conn.closed:  # dead: so is every build after it
+                    raise
+                failed.append((name, exc))
+    return failed

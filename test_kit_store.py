@@ -1572,10 +1572,10 @@ async def test_postgres_a_schema_without_runs_namespace_gets_it_holding_no_write
         except Exception as exc:
             opened.append(exc)
 
-    def waiting() -> bool:  # the opening store waits (for the held commit)
+    def waiting() -> bool:  # the opening store's build waits (for the held commit)
         return look.execute("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
                             "WHERE NOT l.granted AND a.application_name = %s",
-                            (f"kit:{schema}",)).fetchone()[0] > 0
+                            (f"kit-build:{schema}",)).fetchone()[0] > 0
     try:
         for conn in (other, writer, look):
             conn.execute(f'SET search_path TO "{schema}"')
@@ -2015,7 +2015,7 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
         with psycopg.connect(conninfo, autocommit=True) as conn:
             return [p for (p,) in conn.execute(
                 "SELECT pid FROM pg_stat_activity WHERE query LIKE 'CREATE INDEX CONCURRENTLY%%' "
-                "AND wait_event_type = 'Lock' AND application_name = %s", (f"kit:{schema}",))]
+                "AND wait_event_type = 'Lock' AND application_name = %s", (f"kit-build:{schema}",))]
 
     blocker = psycopg.connect(conninfo, autocommit=True)  # a slow build, simulated
     opened: list[BaseException | None] = []
@@ -2061,6 +2061,62 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
         assert valid() == [True]
     finally:
         blocker.close()
+
+
+def build_session(conninfo: str, schema: str) -> tuple[list[str], list[str]]:
+    """The backends of ``schema``'s store that hold an advisory lock (by application name), and
+    the build connections (``kit-build:<schema>``) still open."""
+    import psycopg
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        holders = [n for (n,) in conn.execute(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+            "WHERE l.locktype = 'advisory' AND a.application_name LIKE %s", (f"%:{schema}",))]
+        builders = [n for (n,) in conn.execute(
+            "SELECT application_name FROM pg_stat_activity WHERE application_name = %s",
+            (f"kit-build:{schema}",))]
+    return holders, builders
+
+
+async def test_postgres_an_index_build_waits_for_no_transaction_past_build_wait(
+        postgres_url, monkeypatch, caplog):
+    """CREATE INDEX CONCURRENTLY waits, with no bound of its own, for every transaction of the
+    database that holds a snapshot older than its own: another program's session idle in a
+    transaction held the open that built ``runs_namespace`` forever. Now each wait of the build
+    is bounded (``kit_pgpool.BUILD_WAIT``, the build session's lock_timeout): the build gives up,
+    is logged once naming the index and why, the store works without the index, the invalid
+    index it leaves is built again by the next open, and nothing of the build (its lock, its
+    setting) stays on a connection of the store."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1", namespace="t")])
+        await store.append([started("r2", namespace="u")])
+    valid = functools.partial(namespace_index_valid, conninfo, schema)
+    monkeypatch.setattr(kit_pgpool, "BUILD_WAIT", 0.5)
+    caplog.set_level("WARNING", logger="kit.pg")
+    idle = psycopg.connect(conninfo, autocommit=True)  # another program's session
+    try:
+        idle.execute(f'DROP INDEX "{schema}".runs_namespace')
+        idle.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        assert idle.execute(f'SELECT count(*) FROM "{schema}".runs').fetchone() == (2,)
+        with anyio.fail_after(30):  # (it waited for ever)
+            async with store_from_url(postgres_url) as store:
+                assert valid() == [False]  # the build gave up halfway (its index invalid)
+                await store.append([started("r3", namespace="t")])
+                assert [r.run_id for r in await store.runs(namespace="t")] == ["r1", "r3"]
+                assert [r.run_id for r in await store.runs(namespace="t", limit=1)] == ["r3"]
+                assert await anyio.to_thread.run_sync(build_session, conninfo, schema) == ([], [])
+        said = [r.getMessage() for r in caplog.records if "runs_namespace" in r.getMessage()]
+        assert len(said) == 1 and "not built" in said[0] and schema in said[0], said
+        assert "LockNotAvailable" in said[0] and "kit_pgpool.BUILD_WAIT = 0.5 s" in said[0], said
+        idle.execute("ROLLBACK")
+        monkeypatch.undo()
+        with anyio.fail_after(30):
+            async with store_from_url(postgres_url) as store:  # the next open builds it
+                assert [r.run_id for r in await store.runs(namespace="u")] == ["r2"]
+        assert valid() == [True]
+    finally:
+        idle.close()
 
 
 async def test_postgres_an_open_that_outwaits_the_setup_lock_says_who_holds_it_and_what_bounds_it(
