@@ -19,7 +19,9 @@ Theory of operation
 One ``PostgresStore`` holds two psycopg pools (autocommit, its schema as ``search_path``): one
 for reads (``kit_pgpool.POOL_MAX`` connections), one for writes (``WRITE_POOL``: commits, lease
 renewals and reaping, control requests), so however many readers wait, a commit or a renewal
-never queues behind them; and one listening connection. Every call is one round trip where it
+never queues behind them; and one listening connection. A store that opens a log an older
+release wrote builds what index it lacks in the background (``_BUILT_CONCURRENTLY``), on a
+connection of its own, for as long as the build lasts or the store stays open. Every call is one round trip where it
 matters: ``append`` is one call of the ``kit_append`` function, created with the schema, which
 takes the claims, inserts the events, indexes the runs, frees or parks leases and sends one
 ``NOTIFY`` per run, in the single transaction of that statement (a round trip costs ~100-170 us
@@ -102,6 +104,10 @@ READ_TIMEOUT = 60.0
 LISTEN_CHECK = 5.0
 #: Reconnection backoff of the listener: doubles from 0.1 s up to this (seconds).
 RECONNECT_MAX = 5.0
+#: How long a close waits for an index build under way to stop (seconds): psycopg asks the server
+#: to cancel it (a wait ends at once), then waits up to 5 s for the answer before it drops the
+#: connection; a build that outlasts this ends on its own, its connection with it.
+_BUILD_STOP = 10.0
 #: Takeovers of lapsed sessions one append tries before calling the session busy.
 _TAKEOVERS = 3
 _CREATES = re.compile(r"IF NOT EXISTS (\w+)(?: ON (\w+))?")  # what a statement of _TABLES makes
@@ -132,13 +138,15 @@ _TABLES = (
 #: an open builds one CONCURRENTLY, after its transaction and after releasing the setup lock
 #: (a build on 10M runs outlasts ``kit_pgpool.SETUP_WAIT``: other replicas' opens would fail),
 #: under a build lock (``kit:build:<schema>``) that it only tries: one replica builds, the others
-#: go on at once and query without the index (correct, slower). The build holds no writer, where
-#: a plain CREATE INDEX holds them all for its length (~0.5 s per 100k runs). Its waits (for the
+#: go on at once and query without the index (correct, slower). So does the one that builds: its
+#: open returns, and the store builds in the background, holding the build lock, until the build
+#: ends or the store closes (which cancels it). The build holds no writer, where a plain CREATE
+#: INDEX holds them all for its length (~0.5 s per 100k runs). Its waits (for the
 #: table's writers, then for every transaction of the database holding an older snapshot: a
 #: session idle in a transaction would hold it for ever) are bounded by ``kit_pgpool.BUILD_WAIT``
 #: each, on a connection of its own (``kit_pgpool.build_concurrently``). A build cut short
 #: leaves its index invalid: the next open that gets the build lock drops it and builds it again;
-#: a build that fails is logged and never fails the open.
+#: a build that fails is logged and never fails the store.
 _BUILT_CONCURRENTLY = frozenset({"runs_namespace"})
 #: What opening an older schema does besides ``_TABLES`` (whose ``IF NOT EXISTS`` add what is
 #: new), by the version it brings the schema to: removing what is gone.
@@ -331,6 +339,7 @@ class PostgresStore(StoreBase):
         self._writes: Any = None  # the writers' (``WRITE_POOL``)
         self._bridge: Bridge | None = None
         self._stop_listening: Callable[[], Any] | None = None
+        self._stop_building: Callable[[], Any] | None = None  # an index build under way: ``_build``
         self._skew = 0.0  # the server's clock less this process's (seconds): ``_clock``
 
     def __repr__(self) -> str:
@@ -343,7 +352,7 @@ class PostgresStore(StoreBase):
             self._bridge = Bridge()
             self._bridge.start()
         try:
-            self._pool = await self._io(self._connect)
+            self._pool, unbuilt = await self._io(self._connect)
             listening, failed = anyio.Event(), []
 
             def ready(error: BaseException | None) -> None:
@@ -354,6 +363,8 @@ class PostgresStore(StoreBase):
             await listening.wait()
             if failed:
                 raise failed[0]
+            if unbuilt:  # in the background: no open waits for a build (minutes on 10M runs)
+                self._stop_building = spawn(lambda: self._build(unbuilt), self._bridge)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._closing()
@@ -361,6 +372,10 @@ class PostgresStore(StoreBase):
 
     async def _closing(self) -> None:
         with anyio.CancelScope(shield=True):
+            if self._stop_building is not None:  # cut short: the next open builds it again
+                stop, self._stop_building = self._stop_building, None
+                with anyio.move_on_after(_BUILD_STOP):
+                    await stop()
             if self._stop_listening is not None:
                 stop, self._stop_listening = self._stop_listening, None
                 await stop()
@@ -389,7 +404,9 @@ class PostgresStore(StoreBase):
         return super()._unstorable(exc) or isinstance(exc, (errors.DataError,
                                                             errors.ProgramLimitExceeded))
 
-    async def _connect(self) -> Any:
+    async def _connect(self) -> tuple[Any, list[str]]:
+        """The readers' pool, the tables set up, and the statements of the indexes to build
+        CONCURRENTLY (``_BUILT_CONCURRENTLY``) once the open is done."""
         pool = await open_pool(self._conninfo, self.schema, create=not self.read_only,
                                setting=self.setting)
         try:
@@ -400,7 +417,7 @@ class PostgresStore(StoreBase):
                     if await self._version(conn) is None:
                         raise ConfigError(f"schema {self.schema!r} holds no kit event log (no "
                                           "kit_meta table); a read-only store creates none")
-                return pool
+                return pool, []
             async with setup_lock(pool, f"kit:setup:{self.schema}") as conn:
                 version = await self._version(conn)
                 if version is None:  # no kit log here yet: is any table of kit's names another's?
@@ -430,25 +447,24 @@ class PostgresStore(StoreBase):
                     await conn.execute("INSERT INTO kit_meta VALUES ('schema_version', %s) "
                                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                                        (str(SCHEMA_VERSION),))
-            if later:  # after the setup lock's release: no other open waits for the build
-                await self._build(later)
             self._writes = await open_pool(self._conninfo, self.schema, max_size=WRITE_POOL,
                                            create=False, name="kit-write")
         except BaseException:
             await pool.close()
             raise
-        return pool
+        return pool, later  # (built after the setup lock's release: no other open waits for it)
 
     async def _build(self, statements: list[str]) -> None:
-        """Build the indexes of ``statements`` (of ``_BUILT_CONCURRENTLY``): ``kit_pgpool.
-        build_concurrently``, each of its waits bounded by ``kit_pgpool.BUILD_WAIT``. Never fails
-        the open: an index not built is logged, once, naming it and the reason; queries work
-        without it, only slower, and the next open builds it."""
+        """Asyncio side, in the background from open to close: build the indexes of
+        ``statements`` (of ``_BUILT_CONCURRENTLY``) with ``kit_pgpool.build_concurrently``, each
+        of its waits bounded by ``kit_pgpool.BUILD_WAIT``. Never fails the store: an index not
+        built is logged, once, naming it and the reason; queries work without it, only slower,
+        and the next open builds it. A close cancels it (``_BUILD_STOP``)."""
         psycopg = psycopg_module()
         named = [(_CREATES.search(s)[1], s) for s in statements]
         try:
             failed = await build_concurrently(self._conninfo, self.schema, named)
-        except psycopg.OperationalError as exc:  # the connection died: the lock went with it
+        except Exception as exc:  # its connection failed (the lock went with it), or worse
             _log.warning("the indexes %s of schema %r were not built (%s); the next open builds "
                          "them", ", ".join(n for n, _ in named), self.schema, type(exc).__name__)
             return

@@ -1529,6 +1529,7 @@ async def test_postgres_a_version_1_schema_is_upgraded_once_at_open(postgres_url
     assert indexes() == {"runs_pkey", "runs_live"}
     async with store_from_url(postgres_url) as store:
         assert [r.run_id for r in await store.runs(session_id="s1", limit=1)] == ["r1"]
+        await namespace_index_built(conninfo, schema)  # (built CONCURRENTLY, after the open)
     assert indexes() == {"runs_pkey", "runs_started", "runs_status", "runs_name", "runs_session",
                          "runs_namespace"}
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -1544,6 +1545,14 @@ def namespace_index_valid(conninfo: str, schema: str) -> list[bool]:
             "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
             "WHERE c.relname = 'runs_namespace' AND c.relnamespace = %s::regnamespace",
             (schema,))]
+
+
+async def namespace_index_built(conninfo: str, schema: str) -> None:
+    """Wait until ``schema``'s runs_namespace index is valid (an open builds it in the
+    background: its build goes on after the open returns, until the store closes)."""
+    with anyio.fail_after(30):
+        while await anyio.to_thread.run_sync(namespace_index_valid, conninfo, schema) != [True]:
+            await anyio.sleep(0.05)
 
 
 async def test_postgres_a_schema_without_runs_namespace_gets_it_holding_no_writer(postgres_url):
@@ -1569,6 +1578,7 @@ async def test_postgres_a_schema_without_runs_namespace_gets_it_holding_no_write
             async with store_from_url(postgres_url) as store:
                 assert [r.run_id for r in await store.runs(namespace="t", limit=5)] == ["r1", "r2"]
                 opened.append(None)
+                await namespace_index_built(conninfo, schema)  # (the store builds it meanwhile)
         except Exception as exc:
             opened.append(exc)
 
@@ -1587,7 +1597,7 @@ async def test_postgres_a_schema_without_runs_namespace_gets_it_holding_no_write
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(open_one)
-                while not opened and not await anyio.to_thread.run_sync(waiting):
+                while not await anyio.to_thread.run_sync(waiting):  # the build waits
                     await anyio.sleep(0.02)
                 await anyio.to_thread.run_sync(
                     writer.execute, "UPDATE runs SET last_seq = 0 WHERE run_id = 'r2'")
@@ -1996,13 +2006,30 @@ async def test_an_unreachable_postgres_or_missing_database_is_a_config_error_nam
     assert "secret" not in err and "Traceback" not in err, err
 
 
+def waiting_builds(conninfo: str, schema: str) -> list[int]:
+    """The backends of ``schema``'s index builds (``kit-build:<schema>``) that wait for a lock."""
+    import psycopg
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return [p for (p,) in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'CREATE INDEX CONCURRENTLY%%' "
+            "AND wait_event_type = 'Lock' AND application_name = %s", (f"kit-build:{schema}",))]
+
+
+async def until_a_build_waits(conninfo: str, schema: str) -> list[int]:
+    """Wait until an index build of ``schema`` waits for a lock; its backends' pids."""
+    with anyio.fail_after(30):
+        while not (pids := await anyio.to_thread.run_sync(waiting_builds, conninfo, schema)):
+            await anyio.sleep(0.02)
+    return pids
+
+
 async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgres_url, caplog):
     """A log without ``runs_namespace`` (as the previous release left it) gets it built at an
     open. That build ran under the setup lock, so on a big log another replica's open waited
     for it past the setup lock's wait (60 s) and failed. Now the build runs after the lock's
-    release, under a build lock only one open takes: another open completes at once, appends,
+    release, under a build lock only one store takes: another open completes at once, appends,
     and lists a namespace correctly without the index; a build that fails is logged naming the
-    index and why, fails no open, and a later open builds it, as it rebuilds an invalid one."""
+    index and why, fails no store, and a later open builds it, as it rebuilds an invalid one."""
     import psycopg
     conninfo, schema = pg_url(postgres_url)
     async with store_from_url(postgres_url) as store:
@@ -2010,55 +2037,48 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
         await store.append([started("r2", namespace="u")])
 
     valid = functools.partial(namespace_index_valid, conninfo, schema)
-
-    def building() -> list[int]:  # the backends whose CREATE INDEX waits for the held lock
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            return [p for (p,) in conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE query LIKE 'CREATE INDEX CONCURRENTLY%%' "
-                "AND wait_event_type = 'Lock' AND application_name = %s", (f"kit-build:{schema}",))]
-
     blocker = psycopg.connect(conninfo, autocommit=True)  # a slow build, simulated
-    opened: list[BaseException | None] = []
     try:
         blocker.execute(f'SET search_path TO "{schema}"')
         blocker.execute("DROP INDEX runs_namespace")
         blocker.execute("BEGIN")  # the build waits for this lock (writers do not)
         blocker.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
         caplog.set_level("WARNING", logger="kit.pg")
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "runs_namespace" in r.getMessage()]
+
         with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(open_into, postgres_url, opened)
-                pids: list[int] = []
-                for _ in range(1000):  # the first open is building (it waits for the lock)
-                    if pids := await anyio.to_thread.run_sync(building):
-                        break
-                    await anyio.sleep(0.02)
-                assert len(pids) == 1 and not opened
+            async with store_from_url(postgres_url) as first:
+                pids = await until_a_build_waits(conninfo, schema)  # the first store builds
+                assert len(pids) == 1
                 with anyio.fail_after(15):  # the setup lock is free: no wait for the build
                     async with store_from_url(postgres_url) as other:
                         await other.append([started("r3", namespace="t")])
                         assert [r.run_id for r in await other.runs(namespace="t")] == ["r1", "r3"]
                         assert [r.run_id for r in await other.runs(namespace="u", limit=5)] == ["r2"]
                         assert [r.run_id for r in await other.runs(namespace="t", limit=1)] == ["r3"]
-                assert valid() == [] and not opened
+                assert valid() == [] and await anyio.to_thread.run_sync(
+                    waiting_builds, conninfo, schema) == pids  # (the other built nothing)
                 with psycopg.connect(conninfo, autocommit=True) as conn:  # the build fails
                     conn.execute("SELECT pg_cancel_backend(%s)", (pids[0],))
-        assert opened == [None]  # the failed build failed no open
-        said = [r.getMessage() for r in caplog.records if "runs_namespace" in r.getMessage()]
-        assert len(said) == 1 and "not built" in said[0] and "QueryCanceled" in said[0], said
-        assert schema in said[0]
+                while not said():
+                    await anyio.sleep(0.02)
+                assert [r.run_id for r in await first.runs(namespace="u")] == ["r2"]  # it works
+        assert len(said()) == 1 and "not built" in said()[0] and "QueryCanceled" in said()[0], said()
+        assert schema in said()[0]
         blocker.execute("ROLLBACK")
         with anyio.fail_after(30):
             async with store_from_url(postgres_url) as store:  # a later open builds it
                 assert [r.run_id for r in await store.runs(namespace="t")] == ["r1", "r3"]
-        assert valid() == [True]
+                await namespace_index_built(conninfo, schema)
         blocker.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = "
                         "'runs_namespace'::regclass")  # a build killed midway leaves one so
         assert valid() == [False]
         with anyio.fail_after(30):
             async with store_from_url(postgres_url) as store:
                 assert [r.run_id for r in await store.runs(namespace="u")] == ["r2"]
-        assert valid() == [True]
+                await namespace_index_built(conninfo, schema)
     finally:
         blocker.close()
 
@@ -2099,22 +2119,93 @@ async def test_postgres_an_index_build_waits_for_no_transaction_past_build_wait(
         idle.execute(f'DROP INDEX "{schema}".runs_namespace')
         idle.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         assert idle.execute(f'SELECT count(*) FROM "{schema}".runs').fetchone() == (2,)
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "runs_namespace" in r.getMessage()]
+
         with anyio.fail_after(30):  # (it waited for ever)
             async with store_from_url(postgres_url) as store:
+                while not said():  # (the build runs in the background)
+                    await anyio.sleep(0.02)
                 assert valid() == [False]  # the build gave up halfway (its index invalid)
                 await store.append([started("r3", namespace="t")])
                 assert [r.run_id for r in await store.runs(namespace="t")] == ["r1", "r3"]
                 assert [r.run_id for r in await store.runs(namespace="t", limit=1)] == ["r3"]
-                assert await anyio.to_thread.run_sync(build_session, conninfo, schema) == ([], [])
-        said = [r.getMessage() for r in caplog.records if "runs_namespace" in r.getMessage()]
-        assert len(said) == 1 and "not built" in said[0] and schema in said[0], said
-        assert "LockNotAvailable" in said[0] and "kit_pgpool.BUILD_WAIT = 0.5 s" in said[0], said
+                while await anyio.to_thread.run_sync(build_session, conninfo, schema) != ([], []):
+                    await anyio.sleep(0.02)  # (the build's connection closes after its log line)
+        assert len(said()) == 1 and "not built" in said()[0] and schema in said()[0], said()
+        assert "LockNotAvailable" in said()[0], said()
+        assert "kit_pgpool.BUILD_WAIT = 0.5 s" in said()[0], said()
         idle.execute("ROLLBACK")
         monkeypatch.undo()
         with anyio.fail_after(30):
             async with store_from_url(postgres_url) as store:  # the next open builds it
                 assert [r.run_id for r in await store.runs(namespace="u")] == ["r2"]
-        assert valid() == [True]
+                await namespace_index_built(conninfo, schema)
+    finally:
+        idle.close()
+
+
+async def test_postgres_an_open_does_not_wait_for_its_own_index_build(postgres_url):
+    """The open that built ``runs_namespace`` returned only once its build ended (on 10M runs,
+    minutes: the deck unusable meanwhile). Now the store builds it in the background, holding
+    the build lock: the open returns while the build waits, the store reads and writes
+    meanwhile (listing a namespace correctly without the index), and the index becomes valid
+    once what the build waits for is gone."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1", namespace="t")])
+        await store.append([started("r2", namespace="u")])
+    blocker = psycopg.connect(conninfo, autocommit=True)  # a slow build, simulated
+    try:
+        blocker.execute(f'SET search_path TO "{schema}"')
+        blocker.execute("DROP INDEX runs_namespace")
+        blocker.execute("BEGIN")  # the build waits for this lock (writers do not)
+        blocker.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
+        with anyio.fail_after(30):  # (it waited for the lock, up to kit_pgpool.BUILD_WAIT)
+            async with store_from_url(postgres_url) as store:
+                assert len(await until_a_build_waits(conninfo, schema)) == 1
+                await store.append([started("r3", namespace="t")])
+                assert [r.run_id for r in await store.runs(namespace="t")] == ["r1", "r3"]
+                assert [r.run_id for r in await store.runs(namespace="t", limit=1)] == ["r3"]
+                assert namespace_index_valid(conninfo, schema) == []
+                blocker.execute("ROLLBACK")
+                await namespace_index_built(conninfo, schema)
+                assert [r.run_id for r in await store.runs(namespace="u", limit=5)] == ["r2"]
+                assert await anyio.to_thread.run_sync(build_session, conninfo, schema) == ([], [])
+    finally:
+        blocker.close()
+
+
+async def test_postgres_a_close_during_an_index_build_stops_it(postgres_url):
+    """A store closed while its index build waits (here for another session's snapshot) stops
+    the build and returns at once: the build's connection is gone, its invalid index stays,
+    and the next open drops it and builds it again."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1", namespace="t")])
+    idle = psycopg.connect(conninfo, autocommit=True)  # another program's session
+    try:
+        idle.execute(f'DROP INDEX "{schema}".runs_namespace')
+        idle.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        idle.execute(f'SELECT count(*) FROM "{schema}".runs')
+        store = store_from_url(postgres_url)
+        with anyio.fail_after(30):
+            await store.__aenter__()
+            try:
+                await until_a_build_waits(conninfo, schema)
+                assert namespace_index_valid(conninfo, schema) == [False]  # built, not valid yet
+            finally:
+                with anyio.fail_after(15):  # (a bound on a hang: it waited up to BUILD_WAIT)
+                    await store.aclose()
+        assert await anyio.to_thread.run_sync(build_session, conninfo, schema) == ([], [])
+        assert namespace_index_valid(conninfo, schema) == [False]
+        idle.execute("ROLLBACK")
+        with anyio.fail_after(30):
+            async with store_from_url(postgres_url) as store:  # the next open builds it
+                await namespace_index_built(conninfo, schema)
+                assert [r.run_id for r in await store.runs(namespace="t")] == ["r1"]
     finally:
         idle.close()
 
