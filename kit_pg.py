@@ -108,6 +108,10 @@ RECONNECT_MAX = 5.0
 #: to cancel it (a wait ends at once), then waits up to 5 s for the answer before it drops the
 #: connection; a build that outlasts this ends on its own, its connection with it.
 _BUILD_STOP = 10.0
+#: While another store holds the build lock (it builds now), a store lacking the index tries the
+#: lock again this often (seconds), in the background: if that build is cut short (its store
+#: closed: a command's, say), this one builds; if it ended, this one finds the index valid.
+_BUILD_RETRY = 5.0
 #: Takeovers of lapsed sessions one append tries before calling the session busy.
 _TAKEOVERS = 3
 _CREATES = re.compile(r"IF NOT EXISTS (\w+)(?: ON (\w+))?")  # what a statement of _TABLES makes
@@ -137,16 +141,16 @@ _TABLES = (
 #: older kit writing beside them keeps them up, so no version marks them). On an existing table
 #: an open builds one CONCURRENTLY, after its transaction and after releasing the setup lock
 #: (a build on 10M runs outlasts ``kit_pgpool.SETUP_WAIT``: other replicas' opens would fail),
-#: under a build lock (``kit:build:<schema>``) that it only tries: one replica builds, the others
-#: go on at once and query without the index (correct, slower). So does the one that builds: its
-#: open returns, and the store builds in the background, holding the build lock, until the build
-#: ends or the store closes (which cancels it). The build holds no writer, where a plain CREATE
-#: INDEX holds them all for its length (~0.5 s per 100k runs). Its waits (for the
-#: table's writers, then for every transaction of the database holding an older snapshot: a
-#: session idle in a transaction would hold it for ever) are bounded by ``kit_pgpool.BUILD_WAIT``
-#: each, on a connection of its own (``kit_pgpool.build_concurrently``). A build cut short
-#: leaves its index invalid: the next open that gets the build lock drops it and builds it again;
-#: a build that fails is logged and never fails the store.
+#: in the background (its open returns at once), until the build ends or the store closes (which
+#: cancels it), under a build lock (``kit:build:<schema>``) that it only tries (again every
+#: ``_BUILD_RETRY``): one store builds, every other goes on, querying without the index (correct,
+#: slower). The build holds no writer, where a plain CREATE INDEX holds them all for its length
+#: (~0.5 s per 100k runs). Its waits (for the table's writers, then for every transaction of the
+#: database holding an older snapshot: a session idle in a transaction would hold it for ever)
+#: are bounded by ``kit_pgpool.BUILD_WAIT`` each, on a connection of its own
+#: (``kit_pgpool.build_concurrently``). A build cut short leaves its index invalid: the next
+#: store that gets the build lock drops it and builds it again; a build that fails is logged and
+#: never fails the store.
 _BUILT_CONCURRENTLY = frozenset({"runs_namespace"})
 #: What opening an older schema does besides ``_TABLES`` (whose ``IF NOT EXISTS`` add what is
 #: new), by the version it brings the schema to: removing what is gone.
@@ -457,21 +461,23 @@ class PostgresStore(StoreBase):
     async def _build(self, statements: list[str]) -> None:
         """Asyncio side, in the background from open to close: build the indexes of
         ``statements`` (of ``_BUILT_CONCURRENTLY``) with ``kit_pgpool.build_concurrently``, each
-        of its waits bounded by ``kit_pgpool.BUILD_WAIT``. Never fails the store: an index not
-        built is logged, once, naming it and the reason; queries work without it, only slower,
+        of its waits bounded by ``kit_pgpool.BUILD_WAIT``, once the build lock is free (tried
+        every ``_BUILD_RETRY``: its holder may close mid-build). Never fails the store: an index
+        not built is logged, once, naming it and the reason; queries work without it, only slower,
         and the next open builds it. A close cancels it (``_BUILD_STOP``)."""
         psycopg = psycopg_module()
         named = [(_CREATES.search(s)[1], s) for s in statements]
         try:
-            failed = await build_concurrently(self._conninfo, self.schema, named)
+            while (failed := await build_concurrently(self._conninfo, self.schema, named)) is None:
+                await anyio.sleep(_BUILD_RETRY)  # another builds: should it stop short, this does
         except Exception as exc:  # its connection failed (the lock went with it), or worse
             _log.warning("the indexes %s of schema %r were not built (%s); the next open builds "
                          "them", ", ".join(n for n, _ in named), self.schema, type(exc).__name__)
             return
         for name, exc in failed or ():
-            waited = (f"; a lock or a transaction it waits for was held past kit_pgpool.BUILD_WAIT "
-                      f"= {kit_pgpool.BUILD_WAIT:g} s" if isinstance(exc, psycopg.errors.LockNotAvailable)
-                      else "")
+            waited = (f"; a lock or a transaction it waits for was held past kit_pgpool."
+                      f"BUILD_WAIT = {kit_pgpool.BUILD_WAIT:g} s"
+                      if isinstance(exc, psycopg.errors.LockNotAvailable) else "")
             _log.warning("index %s of schema %r was not built (%s: %s%s); queries work without "
                          "it, slower, and the next open builds it", name, self.schema,
                          type(exc).__name__, " ".join(str(exc).split())[:500], waited)

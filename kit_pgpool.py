@@ -266,7 +266,7 @@ async def build_concurrently(conninfo: str, schema: str, indexes: Sequence[tuple
                     (name, schema))).fetchone()
                 if row is not None and row[0]:
                     continue
-                if row is not None:  # invalid: a build cut short (no other builds: the lock is ours)
+                if row is not None:  # invalid: cut short (no other builds: the lock is ours)
                     await conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
                         sql.Identifier(name)))
                 await conn.execute(statement.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY"))

@@ -2065,8 +2065,8 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
                 while not said():
                     await anyio.sleep(0.02)
                 assert [r.run_id for r in await first.runs(namespace="u")] == ["r2"]  # it works
-        assert len(said()) == 1 and "not built" in said()[0] and "QueryCanceled" in said()[0], said()
-        assert schema in said()[0]
+        assert len(said()) == 1 and "not built" in said()[0], said()
+        assert "QueryCanceled" in said()[0] and schema in said()[0], said()
         blocker.execute("ROLLBACK")
         with anyio.fail_after(30):
             async with store_from_url(postgres_url) as store:  # a later open builds it
@@ -2206,6 +2206,36 @@ async def test_postgres_a_close_during_an_index_build_stops_it(postgres_url):
             async with store_from_url(postgres_url) as store:  # the next open builds it
                 await namespace_index_built(conninfo, schema)
                 assert [r.run_id for r in await store.runs(namespace="t")] == ["r1"]
+    finally:
+        idle.close()
+
+
+async def test_postgres_a_store_builds_the_index_another_stopped_building(postgres_url):
+    """A store that finds another building the index (it holds the build lock) skipped the
+    build: when that other store closed first (a CLI command's, say), cutting its build short,
+    the index stayed unbuilt until an open, however long the replicas ran. Now the store tries
+    the build lock again in the background, and builds the index once the lock is free."""
+    import psycopg
+    conninfo, schema = pg_url(postgres_url)
+    async with store_from_url(postgres_url) as store:
+        await store.append([started("r1", namespace="t")])
+    idle = psycopg.connect(conninfo, autocommit=True)  # another program's session
+    try:
+        idle.execute(f'DROP INDEX "{schema}".runs_namespace')
+        idle.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        idle.execute(f'SELECT count(*) FROM "{schema}".runs')
+        command, replica = store_from_url(postgres_url), store_from_url(postgres_url)
+        with anyio.fail_after(60):
+            try:
+                async with command:  # a command's store: it builds, then closes
+                    await until_a_build_waits(conninfo, schema)
+                    await replica.__aenter__()  # it finds the command building
+                assert namespace_index_valid(conninfo, schema) == [False]  # cut short
+                idle.execute("ROLLBACK")
+                await namespace_index_built(conninfo, schema)  # the replica built it
+                assert [r.run_id for r in await replica.runs(namespace="t")] == ["r1"]
+            finally:
+                await replica.aclose()
     finally:
         idle.close()
 
