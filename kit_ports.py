@@ -41,6 +41,7 @@ class Claim:
     session_id: str | None = None
     namespace: str | None = None
 
+
 @dataclass(frozen=True, slots=True)
 class ControlRequest:
     """A pause, cancel or resume request recorded for a run (``EventStorePort.request``)."""

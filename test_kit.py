@@ -2380,10 +2380,12 @@ async def test_a_tool_can_read_the_log_through_the_deck_store(store):
         assert done.payload.output == f"COMPLETED glad to help {n}", done.payload.output
 
 
-async def test_a_cancelled_caller_ends_its_tools_stream_not_the_run_streamed(store):
-    """A caller cancelled while its run's tool streams another run through the deck goes on:
-    its run ends cancelled and the stream with it, while the streamed run, the deck's, plays on
-    to its end (under trio the stream is iterated on the kit side, for the tool's run)."""
+@pytest.mark.parametrize("call", ["run", "stream"])
+async def test_a_cancelled_caller_goes_on_once_what_its_tool_called_is_settled(store, call):
+    """A caller cancelled while its run's tool calls the deck: a run the tool started
+    (``deck.run``) ends with the tool's run, its run.cancelled in the log before the caller
+    goes on; a run the tool streams (``deck.stream``) plays on to its end, only the stream
+    ends (under trio the call, or the stream, plays on the kit side, for the tool's run)."""
     entered, release = threading.Event(), threading.Event()
     deck: Deck
 
@@ -2395,6 +2397,8 @@ async def test_a_cancelled_caller_ends_its_tools_stream_not_the_run_streamed(sto
 
     async def ask_helper(question: str) -> str:
         """Ask the helper agent."""
+        if call == "run":
+            return (await deck.run("helper", question)).output
         return "".join([str(e.seq) async for e in deck.stream("helper", question)])
 
     main = Agent("main", tools=[ask_helper],
@@ -2407,46 +2411,15 @@ async def test_a_cancelled_caller_ends_its_tools_stream_not_the_run_streamed(sto
                     tg.start_soon(functools.partial(deck.run, "main", "go", session_id="m"))
                     assert await anyio.to_thread.run_sync(entered.wait, 10)
                     tg.cancel_scope.cancel()
-                [info] = await store.runs(name="main")
-                assert info.status is RunStatus.CANCELLED
+                runs = {r.name: r.status for r in await store.runs()}  # read before anything else
                 release.set()
-                [helped] = await store.runs(name="helper")
-                ends = [e async for e in store.follow(helped.run_id)]
-                assert ends[-1].kind == "run.completed" and ends[-1].payload.output == "helped"
-    finally:
-        release.set()
-
-
-async def test_a_cancelled_caller_goes_on_once_the_run_its_tool_started_is_cancelled(store):
-    """A run a tool starts through the deck ends with the tool's run when that run's caller is
-    cancelled, its run.cancelled in the log before the caller goes on (under trio the call
-    plays on the kit side, so its tool's run waits for it there)."""
-    entered, release = threading.Event(), threading.Event()
-    deck: Deck
-
-    def wait() -> str:
-        """Wait for the test."""
-        entered.set()
-        release.wait(10)
-        return "waited"
-
-    async def ask_helper(question: str) -> str:
-        """Ask the helper agent."""
-        return (await deck.run("helper", question)).output
-
-    main = Agent("main", tools=[ask_helper],
-                 model=ScriptedModel([{"tool": "ask_helper", "args": {"question": "hi"}}, "done"]))
-    helper = Agent("helper", tools=[wait], model=ScriptedModel([{"tool": "wait"}, "helped"]))
-    try:
-        async with Deck([main, helper], store=store) as deck:
-            with anyio.fail_after(20):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(functools.partial(deck.run, "main", "go", session_id="m"))
-                    assert await anyio.to_thread.run_sync(entered.wait, 10)
-                    tg.cancel_scope.cancel()
-            runs = {r.name: r.status for r in await store.runs()}  # read before anything else
-            release.set()
-            assert runs == {"main": RunStatus.CANCELLED, "helper": RunStatus.CANCELLED}, runs
-            assert (await deck.run("helper", "again")).output == "helped"
+                if call == "run":
+                    assert runs == {"main": RunStatus.CANCELLED, "helper": RunStatus.CANCELLED}, runs
+                    assert (await deck.run("helper", "again")).output == "helped"
+                else:
+                    assert runs["main"] is RunStatus.CANCELLED, runs
+                    [helped] = await store.runs(name="helper")
+                    ends = [e async for e in store.follow(helped.run_id)]
+                    assert ends[-1].kind == "run.completed" and ends[-1].payload.output == "helped"
     finally:
         release.set()

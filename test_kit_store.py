@@ -2015,6 +2015,22 @@ def waiting_builds(conninfo: str, schema: str) -> list[int]:
             "AND wait_event_type = 'Lock' AND application_name = %s", (f"kit-build:{schema}",))]
 
 
+@contextlib.contextmanager
+def a_snapshot_held_without_the_index(conninfo: str, schema: str):
+    """Another program's session (yielded; ``ROLLBACK`` ends its transaction) holding a
+    snapshot of ``schema``'s runs table, whose ``runs_namespace`` index is dropped first: a
+    build of that index waits for the session (CONCURRENTLY waits for older snapshots)."""
+    import psycopg
+    idle = psycopg.connect(conninfo, autocommit=True)
+    try:
+        idle.execute(f'DROP INDEX "{schema}".runs_namespace')
+        idle.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        idle.execute(f'SELECT count(*) FROM "{schema}".runs')
+        yield idle
+    finally:
+        idle.close()
+
+
 async def until_a_build_waits(conninfo: str, schema: str) -> list[int]:
     """Wait until an index build of ``schema`` waits for a lock; its backends' pids."""
     with anyio.fail_after(30):
@@ -2106,7 +2122,6 @@ async def test_postgres_an_index_build_waits_for_no_transaction_past_build_wait(
     is logged once naming the index and why, the store works without the index, the invalid
     index it leaves is built again by the next open, and nothing of the build (its lock, its
     setting) stays on a connection of the store."""
-    import psycopg
     conninfo, schema = pg_url(postgres_url)
     async with store_from_url(postgres_url) as store:
         await store.append([started("r1", namespace="t")])
@@ -2114,11 +2129,7 @@ async def test_postgres_an_index_build_waits_for_no_transaction_past_build_wait(
     valid = functools.partial(namespace_index_valid, conninfo, schema)
     monkeypatch.setattr(kit_pgpool, "BUILD_WAIT", 0.5)
     caplog.set_level("WARNING", logger="kit.pg")
-    idle = psycopg.connect(conninfo, autocommit=True)  # another program's session
-    try:
-        idle.execute(f'DROP INDEX "{schema}".runs_namespace')
-        idle.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        assert idle.execute(f'SELECT count(*) FROM "{schema}".runs').fetchone() == (2,)
+    with a_snapshot_held_without_the_index(conninfo, schema) as idle:
         def said() -> list[str]:
             return [r.getMessage() for r in caplog.records if "runs_namespace" in r.getMessage()]
 
@@ -2141,8 +2152,6 @@ async def test_postgres_an_index_build_waits_for_no_transaction_past_build_wait(
             async with store_from_url(postgres_url) as store:  # the next open builds it
                 assert [r.run_id for r in await store.runs(namespace="u")] == ["r2"]
                 await namespace_index_built(conninfo, schema)
-    finally:
-        idle.close()
 
 
 async def test_postgres_an_open_does_not_wait_for_its_own_index_build(postgres_url):
@@ -2181,15 +2190,10 @@ async def test_postgres_a_close_during_an_index_build_stops_it(postgres_url):
     """A store closed while its index build waits (here for another session's snapshot) stops
     the build and returns at once: the build's connection is gone, its invalid index stays,
     and the next open drops it and builds it again."""
-    import psycopg
     conninfo, schema = pg_url(postgres_url)
     async with store_from_url(postgres_url) as store:
         await store.append([started("r1", namespace="t")])
-    idle = psycopg.connect(conninfo, autocommit=True)  # another program's session
-    try:
-        idle.execute(f'DROP INDEX "{schema}".runs_namespace')
-        idle.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        idle.execute(f'SELECT count(*) FROM "{schema}".runs')
+    with a_snapshot_held_without_the_index(conninfo, schema) as idle:
         store = store_from_url(postgres_url)
         with anyio.fail_after(30):
             await store.__aenter__()
@@ -2206,8 +2210,6 @@ async def test_postgres_a_close_during_an_index_build_stops_it(postgres_url):
             async with store_from_url(postgres_url) as store:  # the next open builds it
                 await namespace_index_built(conninfo, schema)
                 assert [r.run_id for r in await store.runs(namespace="t")] == ["r1"]
-    finally:
-        idle.close()
 
 
 async def test_postgres_a_store_builds_the_index_another_stopped_building(postgres_url):
@@ -2215,15 +2217,10 @@ async def test_postgres_a_store_builds_the_index_another_stopped_building(postgr
     build: when that other store closed first (a CLI command's, say), cutting its build short,
     the index stayed unbuilt until an open, however long the replicas ran. Now the store tries
     the build lock again in the background, and builds the index once the lock is free."""
-    import psycopg
     conninfo, schema = pg_url(postgres_url)
     async with store_from_url(postgres_url) as store:
         await store.append([started("r1", namespace="t")])
-    idle = psycopg.connect(conninfo, autocommit=True)  # another program's session
-    try:
-        idle.execute(f'DROP INDEX "{schema}".runs_namespace')
-        idle.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        idle.execute(f'SELECT count(*) FROM "{schema}".runs')
+    with a_snapshot_held_without_the_index(conninfo, schema) as idle:
         command, replica = store_from_url(postgres_url), store_from_url(postgres_url)
         with anyio.fail_after(60):
             try:
@@ -2236,8 +2233,6 @@ async def test_postgres_a_store_builds_the_index_another_stopped_building(postgr
                 assert [r.run_id for r in await replica.runs(namespace="t")] == ["r1"]
             finally:
                 await replica.aclose()
-    finally:
-        idle.close()
 
 
 async def test_postgres_an_open_that_outwaits_the_setup_lock_says_who_holds_it_and_what_bounds_it(
