@@ -70,7 +70,7 @@ class Run(RunHandle):
         self.commit_reader = False  # its reader waits for commits, not for events
         self.over = False  # its play has returned (``finish``)
         self._done: Any = None  # made by the first to wait for it, on its side (``wait_done``)
-        self.scope = anyio.CancelScope()
+        self.scope = writer.cancel_scope()  # (the backend's own: cheaper under trio)
         # Under trio, a run played through ``Bridge.call``: its end (terminal or parking) is
         # posted without a round trip and committed by ``_played`` before its caller hears.
         self.ends_on_kit = False
