@@ -21,7 +21,8 @@ cancels the asyncio task and waits, bounded by ``CANCEL_TIMEOUT``, for it to unw
 records how it ended before its caller goes on). Items travel the other way through a
 mailbox: ``post`` (engine side) appends and wakes the trio side at most once per batch: an
 ordinary item waits up to ``WAKE_DELAY`` so one wake-up carries many (about 0.4 us per item
-instead of 16-70 us per crossing, notes/PERF.md section 5); an urgent one wakes it at once.
+instead of 16-70 us per crossing, notes/PERF.md section 5); an urgent one wakes it at once,
+and none is needed for what a ``call``'s caller takes itself as the call ends.
 ``pump`` (trio side) hands each item to its handler in order. ``post_and_wait`` is ``post`` for
 an item whose handler must finish before the engine goes on. ``call_trio`` is ``call`` the other
 way (a tool on the loop that calls the deck): the loop awaits a future the trio side resolves.
@@ -35,6 +36,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import math
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -80,6 +82,7 @@ class Bridge:
         self._lock = threading.Lock()
         self._armed = 0  # 0: no wake-up pending, 1: a delayed one, 2: an immediate one
         self._taken = 0  # how many times ``take`` emptied the mailbox: a delayed wake-up's batch
+        self._timer: asyncio.TimerHandle | None = None  # the delayed wake-up (loop side)
         self._token: Any = None
         self._wake: Any = None  # a trio.Event: what ``pump`` waits on
 
@@ -111,8 +114,11 @@ class Bridge:
             with anyio.move_on_after(STOP_TIMEOUT):
                 await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
 
-    async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any, takes: bool = False) -> Any:
         """Trio side: ``await fn(*args)`` on the loop; its result, or its exception re-raised.
+        ``takes``: the caller ``take``s the mailbox once the call returns or raises (a run's
+        play, whose end it commits), so a delayed wake-up pending as ``fn`` ends is cancelled
+        (``_unarm``), unless the caller has left already (``CANCEL_TIMEOUT``).
 
         An asyncio cancellation that did not come from this caller (the loop stopping) is a
         ``DeckStateError``: the deck closed under the call. (trio's own primitives, not anyio's:
@@ -128,13 +134,17 @@ class Bridge:
             except BaseException as exc:  # noqa: BLE001 - carried to the trio side
                 box["error"] = exc
             finally:
+                if takes and not box.get("left"):
+                    self._unarm()
                 token.run_sync_soon(done.set)
 
         # A caller cancelled already has its task's cancel sent with its start: sent after it,
         # the cancel came once this thread had the GIL back, which the loop's thread, woken
         # by the start, often held until ``fn`` had run to its end (a run whose caller was
         # cancelled before it began then played to its end, its end recorded as completed).
-        cancelled = trio.current_effective_deadline() <= trio.current_time()
+        # (A deadline of inf, the usual one, needs no clock read.)
+        deadline = trio.current_effective_deadline()
+        cancelled = deadline != math.inf and deadline <= trio.current_time()
 
         def start() -> None:
             task.append(self.loop.create_task(play()))
@@ -154,6 +164,7 @@ class Bridge:
                 self.loop.call_soon_threadsafe(lambda: self.loop.call_soon(task[0].cancel))
             with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_TIMEOUT):
                 await done.wait()  # the engine side records how the run ended before we go on
+            box["left"] = not done.is_set()
             raise
         if "error" in box:
             if isinstance(box["error"], asyncio.CancelledError):
@@ -271,7 +282,19 @@ class Bridge:
         if urgent:
             self._token.run_sync_soon(self._set)
         else:
-            self.loop.call_later(WAKE_DELAY, self._wake_later, batch)
+            self._timer = self.loop.call_later(WAKE_DELAY, self._wake_later, batch)
+
+    def _unarm(self) -> None:
+        """Loop side: cancel the delayed wake-up pending, if any, as a ``call`` whose caller
+        takes the mailbox ends: left to fire, it woke this thread 2 ms later for nothing, in
+        the middle of the next short turn. A post after this arms another, which the caller's
+        ``take`` makes a no-op."""
+        with self._lock:
+            if self._armed != 1:
+                return  # none, or an immediate one on its way
+            self._armed, timer, self._timer = 0, self._timer, None
+        if timer is not None:
+            timer.cancel()
 
     def _wake_later(self, batch: int) -> None:
         """Loop side: the delayed wake-up of the batch that began at ``take`` number ``batch``,

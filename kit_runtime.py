@@ -785,7 +785,7 @@ class Runtime(RunControl):
         run.ends_on_kit = True
         failed: BaseException | None = None
         try:
-            end = await self.bridge.call(_playing, run, job)  # type: ignore[union-attr]
+            end = await self.bridge.call(_playing, run, job, takes=True)  # type: ignore[union-attr]
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:  # a user's BaseException too: its run.failed is posted
