@@ -4,7 +4,8 @@ Owns: SSE framing (``sse_frame``), compact one-line JSON (``dumps``), the transl
 events into frames (``native_frame`` for kit's own wire, ``v1_frame`` and ``v1_workflow_frame``
 for the v1.2.1 wire, ``data_frames`` for bare ``data:`` frames such as the Chat Completions
 chunks), kit's frame that ends a stream before its run ended (``ending_frame``: the server
-stopping, or the run's events failing) and one open SSE response (``Stream``: its reader, writer and disconnect watcher).
+stopping, or the run's events failing) and one open SSE response (``Stream``: its reader, writer
+and disconnect watcher, which keeps its ping timer).
 
 Must never: route, read a request body, answer with JSON or know a deck (kit_http does), hold a
 frame it could send, or end the run it streams: a disconnect ends the stream, never the run.
@@ -13,10 +14,14 @@ Theory of operation
 -------------------
 A ``Stream`` is a *writer* (the only task that sends) and a *disconnect watcher* (Hypercorn
 never raises on a send to a closed connection, only ``receive()`` tells: CONVENTIONS A8); the
-writer is fed by a *reader* of the run's events through a bounded channel (``STREAM_BUFFER``), so
-it sends every frame that is ready in one ``http.response.body`` message (the per-send cost
-dominates, not bytes: notes/PERF.md section 4) and pings every ``PING_INTERVAL`` while a run is
-quiet. Whichever of writer and watcher ends first cancels the rest. ``Stream.stop`` (the server
+writer is fed by a *reader* of the run's events, which appends their frames to the stream's
+``ready`` list (at most ``STREAM_BUFFER``) and wakes the writer once it waits for the next event,
+so the writer sends every frame that is ready in one ``http.response.body`` message (the per-send
+cost dominates, not bytes: notes/PERF.md section 4). The reader is a task of its own because only
+its waiting tells that no more frames are ready (the run's events come through generators with no
+"what is ready" of their own). The watcher also keeps the ping timer, so the writer's waits carry
+none: once the writer sent nothing for ``PING_INTERVAL``, it tells the writer to send ``: ping``.
+Whichever of writer and watcher ends first cancels the rest. ``Stream.stop`` (the server
 shutting down) ends it within ``STOP_GRACE`` with a closing frame naming the run, which the
 client picks up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every frame's ``id`` is its
 event's seq; ``data_frames`` carry none). That frame is the wire's, as every other frame is
@@ -28,7 +33,6 @@ for one more chunk.
 """
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -49,8 +53,9 @@ __all__ = (
 
 #: A comment line every 15 s keeps a quiet stream open through proxies (WHATWG HTML 9.2.7).
 PING_INTERVAL = 15.0
-#: Frames waiting for the writer. A full channel makes the reader wait, never the run: the run
-#: keeps its own live buffer and catches a lagging reader up from the log.
+#: Frames waiting for the writer. A full buffer makes the reader wait, never the run: the run
+#: keeps its own live buffer and catches a lagging reader up from the log. 0 acts as 1: one
+#: frame per send (no coalescing).
 STREAM_BUFFER = 256
 #: On shutdown: how long in-flight requests may take before they are cancelled, and how long a
 #: stream's writer may take to hand its last frame to a slow client.
@@ -156,13 +161,25 @@ def ending_frame(run_id: str, error: Exception | None = None) -> bytes:
 # ====================================================================================== stream ====
 
 class Stream:
-    """One open SSE response: ``play`` it once; ``stop`` it from outside (the server stopping)."""
-    __slots__ = ("reader", "scope", "stopping", "finished")
+    """One open SSE response: ``play`` it once; ``stop`` it from outside (the server stopping).
+
+    Between its reader and its writer, ``ready`` holds the frames made and not yet sent (at most
+    ``STREAM_BUFFER``); ``wake`` is set when the writer waits for frames, ``room`` when the
+    reader waits for the writer to take them, and ``read`` tells the writer nothing more comes.
+    ``sent_at`` is when the writer last sent; the watcher raises ``ping`` once it is
+    ``PING_INTERVAL`` ago (so the writer's waits carry no timer).
+    """
+    __slots__ = ("reader", "scope", "stopping", "finished", "ready", "wake", "room", "read",
+                 "sent_at", "ping")
 
     def __init__(self) -> None:
         self.reader = anyio.CancelScope()  # the reader of the run's events
         self.scope: anyio.CancelScope | None = None  # the whole stream
-        self.stopping = self.finished = False
+        self.stopping = self.finished = self.read = self.ping = False
+        self.sent_at = 0.0
+        self.ready: list[bytes] = []
+        self.wake: anyio.Event | None = None
+        self.room: anyio.Event | None = None
 
     def stop(self) -> None:
         self.stopping = True
@@ -178,7 +195,6 @@ class Stream:
         which ends it with ``ending(run_id, None)`` unless the run had ended; events that fail
         before the run's end end it with ``ending(run_id, error)``. Closes ``events``
         (which ends the stream, never the run)."""
-        send_frames, frames = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": _SSE_HEADERS + run_id_header(run_id)})
@@ -186,79 +202,105 @@ class Stream:
                 self.scope = tg.cancel_scope
                 if self.stopping:  # stopped before it played: the grace bounds it all the same
                     self.scope.deadline = anyio.current_time() + STOP_GRACE
-                tg.start_soon(_watch, receive, tg.cancel_scope)
-                tg.start_soon(_read, first, events, frame_of, send_frames, self,
-                              functools.partial(ending, run_id))
-                await _write(send, frames, self, functools.partial(ending, run_id, None))
+                self.sent_at = anyio.current_time()
+                tg.start_soon(_watch, receive, self)
+                tg.start_soon(_read, first, events, frame_of, self, run_id, ending)
+                await _write(send, self, run_id, ending)
                 tg.cancel_scope.cancel()
         finally:
-            frames.close()
-            send_frames.close()
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
 
 
-async def _watch(receive: Receive, scope: anyio.CancelScope) -> None:
-    """The disconnect watcher: Hypercorn says a client left only through ``receive()``."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
-
-
-async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: FrameOf, out: Any,
-                stream: Stream, failed: Callable[[Exception], bytes]) -> None:
-    """The reader: the frames of the run's events into the writer's channel, until the run ends
-    or parks; closing the channel tells the writer. An error before the run's end becomes the
-    wire's frame for it (``failed``)."""
-    with out, stream.reader:
-        try:
-            if first is not None and (frame := frame_of(first)) is not None:
-                await out.send(frame)
-            async for ev in events:  # left to end by itself: a generator it holds is closed
-                if (frame := frame_of(ev)) is not None:
-                    try:  # no loop pass per frame: the writer wakes once a burst is in
-                        out.send_nowait(frame)
-                    except anyio.WouldBlock:
-                        await out.send(frame)
-                stream.finished = stream.finished or ev.payload.ends is not None
-            stream.finished = True
-        except stops():
-            raise
-        except BaseException as exc:  # a user's BaseException that failed the run, too
-            if not stream.finished:  # Deck.stream raises a failed run's error after run.failed
-                stream.finished = True
-                await out.send(failed(exc))
-
-
-async def _write(send: Send, frames: Any, stream: Stream, closing: Callable[[], bytes]) -> None:
-    """The writer: every frame that is ready goes out in one body message; a ping when quiet;
-    ``closing()`` last if ``stop`` ended the stream before the run ended."""
-    ended = False
-    while not ended:
-        batch: list[bytes] = []
-        with anyio.move_on_after(PING_INTERVAL):
-            try:
-                batch.append(await frames.receive())
-            except anyio.EndOfStream:
+async def _watch(receive: Receive, stream: Stream) -> None:
+    """The disconnect watcher: Hypercorn says a client left only through ``receive()``. It also
+    tells the writer to ping once the writer sent nothing for ``PING_INTERVAL``, cancelling the
+    ``receive()`` it waits in: Hypercorn's is a queue's get (asyncio.Queue, a trio memory
+    channel), which a cancel leaves the message in."""
+    since = stream.sent_at  # quiet since then, as far as the watcher knows
+    while True:
+        with anyio.CancelScope(deadline=since + PING_INTERVAL) as quiet:
+            if (await receive())["type"] == "http.disconnect":
                 break
-        if not batch:
-            await _send(send, _PING, stream)
+        if not quiet.cancelled_caught:
             continue
-        while True:
+        if stream.sent_at > since:  # the writer sent meanwhile: quiet since its last send
+            since = stream.sent_at
+            continue
+        stream.ping, since = True, anyio.current_time()
+        if stream.wake is not None:
+            stream.wake.set()
+            stream.wake = None
+    stream.scope.cancel()  # type: ignore[union-attr]
+
+
+async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: FrameOf,
+                stream: Stream, run_id: str, ending: Ending) -> None:
+    """The reader: the frames of the run's events into ``stream.ready``, until the run ends or
+    parks; ``stream.read`` then tells the writer. An error before the run's end becomes the
+    wire's frame for it (``ending(run_id, error)``)."""
+    limit = max(STREAM_BUFFER, 1)
+    try:
+        with stream.reader:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # stopped before it read
             try:
-                batch.append(frames.receive_nowait())
-            except anyio.WouldBlock:
-                break
-            except anyio.EndOfStream:
-                ended = True
-                break
-        await _send(send, {"type": "http.response.body", "body": b"".join(batch), "more_body": True},
-                    stream)
+                if first is not None and (frame := frame_of(first)) is not None:
+                    await _put(stream, frame, limit)
+                async for ev in events:  # left to end by itself: a generator it holds is closed
+                    if (frame := frame_of(ev)) is not None:
+                        await _put(stream, frame, limit)
+                    stream.finished = stream.finished or ev.payload.ends is not None
+                stream.finished = True
+            except stops():
+                raise
+            except BaseException as exc:  # a user's BaseException that failed the run, too
+                if not stream.finished:  # Deck.stream raises a failed run's error after run.failed
+                    stream.finished = True
+                    await _put(stream, ending(run_id, exc), limit)
+    finally:
+        stream.read = True
+        if stream.wake is not None:
+            stream.wake.set()
+
+
+async def _put(stream: Stream, frame: bytes, limit: int) -> None:
+    """``frame`` for the writer; waits while ``limit`` frames wait for it (never the run: the
+    run keeps its own live buffer). No loop pass per frame: the writer wakes once a burst is in,
+    when the reader waits for the next event."""
+    while len(stream.ready) >= limit:
+        stream.room = room = anyio.Event()
+        await room.wait()
+    stream.ready.append(frame)
+    if stream.wake is not None:
+        stream.wake.set()
+        stream.wake = None
+
+
+async def _write(send: Send, stream: Stream, run_id: str, ending: Ending) -> None:
+    """The writer: every frame that is ready goes out in one body message; a ping when quiet;
+    ``ending(run_id, None)`` last if ``stop`` ended the stream before the run ended."""
+    while True:
+        if stream.ready:
+            batch, stream.ready = stream.ready, []
+            if stream.room is not None:
+                stream.room.set()
+                stream.room = None
+            message = {"type": "http.response.body", "body": b"".join(batch), "more_body": True}
+        elif stream.read:
+            break
+        elif stream.ping:
+            message = _PING
+        else:
+            stream.wake = wake = anyio.Event()
+            await wake.wait()
+            continue
+        await _send(send, message, stream)
+        stream.ping, stream.sent_at = False, anyio.current_time()  # (a ping due meanwhile is not)
     tail = b""
     if stream.stopping and not stream.finished:  # the client picks the run up later
-        tail = closing()
+        tail = ending(run_id, None)
     await _send(send, {"type": "http.response.body", "body": tail, "more_body": False}, stream)
 
 
