@@ -42,9 +42,8 @@ import functools
 import logging
 import os
 import sys
-import typing
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -184,7 +183,7 @@ def classes_in(value: Any) -> set[type]:
                 stack += [getattr(v, f.name, None) for f in dataclasses.fields(v)]
             elif not isinstance(v, enum.Enum):  # a named tuple's items, a pydantic model's fields
                 stack += v if isinstance(v, tuple) else list(getattr(v, "__dict__", {}).values())
-        elif isinstance(v, typing.Mapping):
+        elif isinstance(v, Mapping):
             stack += [*v.keys(), *v.values()]
         elif isinstance(v, (list, tuple, set, frozenset)):
             stack += v

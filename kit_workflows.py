@@ -49,7 +49,7 @@ import inspect
 import json
 import logging
 import typing
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -118,11 +118,11 @@ def _check_data(what: str, value: Any) -> None:
                 if v - v != 0.0:
                     raise ContentError(f"{what} holds {v!r}, which the log cannot write as JSON "
                                        "(it has no NaN nor infinity); send None or a string")
-            elif isinstance(v, (typing.Mapping, list, tuple, set, frozenset)):
+            elif isinstance(v, (Mapping, list, tuple, set, frozenset)):
                 if depth == MAX_DEPTH:  # a container that holds itself ends here too
                     raise ContentError(f"{what} is nested too deep for LangGraph's checkpoints "
                                        f"(more than {MAX_DEPTH} levels)")
-                inner = [*v.keys(), *v.values()] if isinstance(v, typing.Mapping) else v
+                inner = [*v.keys(), *v.values()] if isinstance(v, Mapping) else v
                 stack.append((inner, depth + 1))
 
 
@@ -142,7 +142,7 @@ class WorkflowEngine:
         """The initial state, as the ``DataBlock`` its ``run.started`` records (``.data``: the
         state). Raises ``ContentError`` for a non-mapping or non-JSON input (over the inline
         cap too), or one its checkpoints could not store."""
-        if not isinstance(input, typing.Mapping):
+        if not isinstance(input, Mapping):
             raise ContentError(f"workflow {self.name!r} takes a mapping (its initial "
                                f"state) as input, got {type(input).__name__}")
         what = f"the input of workflow {self.name!r}"
@@ -189,8 +189,9 @@ class WorkflowEngine:
         and the new input is not applied; otherwise the input is applied and LangGraph discards
         whatever tasks the thread stopped at. A run's failure is recorded, then re-raised. A
         cancel asked for while the run's last step was on its way to an interrupt cancels it
-        there instead of parking it. A run that ends gives up its thread (``forget``); one that
-        parks keeps it for the run that resumes it.
+        there instead of parking it. A run that ends gives up its thread (``forget``; a
+        non-durable one's in-memory saver deletes it at once, with no await); one that parks
+        keeps it for the run that resumes it.
         """
         from langgraph.errors import GraphDrained
         from langgraph.runtime import RunControl
@@ -230,7 +231,11 @@ class WorkflowEngine:
             own = run.session_id is None  # its thread is its run id: no later run reaches it
             # A durable run that completed leaves no task: its thread is kept for the next run.
             try:
-                if not parks and not (completed and self.durable and not own):
+                if parks or completed and self.durable and not own:
+                    pass
+                elif not self.durable:  # its in-memory saver's: gone at once, nothing to await
+                    graph.checkpointer.delete_thread(run.thread_key)
+                else:
                     with anyio.CancelScope(shield=True):  # a cancelled run ends too
                         await self.forget(graph, run.thread_key, whole=own)
             finally:
@@ -271,8 +276,11 @@ class WorkflowEngine:
                 inp = None
             else:
                 head = await graph.checkpointer.aget_tuple(config)
-        elif isinstance(inp, dict) and await graph.checkpointer.aget_tuple(config) is not None:
-            await self.forget(graph, run.thread_key)  # a new run starts afresh, whatever was left
+        elif isinstance(inp, dict) and run.session_id is not None and \
+                graph.checkpointer.get_tuple(config) is not None:  # (an in-memory saver's)
+            # A new run starts afresh, whatever was left; one with no session has a thread of
+            # its own (its run id, which the log gives no other run), never played before.
+            await self.forget(graph, run.thread_key)
         elif isinstance(getattr(inp, "resume", None), dict):  # by interrupt id
             inp = await _woken(graph, config, inp)
             if self.durable:
@@ -644,7 +652,7 @@ async def run_headless(graph: Any, name: str, input: Any, thread_id: str | None,
     (a failed ``resume`` keeps it: the caller holds the id and may answer again, and the
     question waits for that answer, not the failed one: ``_unanswer``)."""
     thread = thread_id or new_run_id()
-    if resume is _NO_VALUE and not isinstance(input, typing.Mapping):
+    if resume is _NO_VALUE and not isinstance(input, Mapping):
         raise ContentError(f"workflow {name!r} takes a mapping as input, "
                            f"got {type(input).__name__}")
     ours = thread_id is None or thread_id in own
