@@ -406,10 +406,14 @@ class Event:
     def kind(self) -> str:
         return self.payload.kind
 
-    def to_json(self) -> dict[str, Any]:
-        """The JSON form used by log rows and the native wire (a JSON-ready dict)."""
+    def to_json(self, *, orjson_time: bool = False) -> dict[str, Any]:
+        """The JSON form used by log rows and the native wire (a JSON-ready dict). With
+        ``orjson_time``, a UTC ``at`` stays a datetime, which orjson writes as ``iso_time``
+        would: the text of a row (``kit_store.event_row``) costs one orjson call, not two."""
+        at = self.at
         return {"run_id": self.run_id, "seq": self.seq, "kind": self.payload.kind,
-                "at": iso_time(self.at), "origin": self.origin, "message_id": self.message_id,
+                "at": at if orjson_time and at.tzinfo is timezone.utc else iso_time(at),
+                "origin": self.origin, "message_id": self.message_id,
                 "payload": self.payload.to_json()}
 
     @classmethod

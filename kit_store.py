@@ -47,7 +47,7 @@ import orjson
 
 from kit_core import (Claim, ConfigError, ControlRequest, CorruptEventError, Event,
                       LogConflictError, RunFailed, RunInfo, RunStarted, RunStatus,
-                      SessionBusyError, fold_status, iso_time)
+                      SessionBusyError, iso_time)
 from kit_storebase import NotJSONError, StoreBase
 
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
@@ -92,6 +92,14 @@ def by_run(events: Sequence[Event]) -> dict[str, list[Event]]:
     for e in events:
         out.setdefault(e.run_id, []).append(e)
     return out
+
+
+def _status_after(events: Sequence[Event]) -> RunStatus | None:
+    """``fold_status`` of the events' kinds, read off their payloads (the last that sets one)."""
+    for e in reversed(events):
+        if (status := e.payload.status) is not None:
+            return status
+    return None
 
 
 # ===================================================================================== SQLite ====
@@ -175,13 +183,12 @@ def event_row(e: Event) -> tuple[str, int, str, str]:
     """``(run_id, seq, kind, body)``: an event as the stores keep it, ``body`` its JSON text."""
     # orjson (a dependency of langgraph's): ~5x faster than json here, on every event written.
     try:
-        obj = e.to_json()
         try:
-            body = orjson.dumps(obj).decode()
+            body = orjson.dumps(e.to_json(orjson_time=True)).decode()
         except TypeError:  # a lone surrogate a model or tool produced, an integer past 64 bits:
             # ASCII-escaped JSON keeps them exactly, and a leading space tells ``event_of`` to
             # read it with the stdlib (orjson would refuse the one and make the other a float).
-            body = " " + json.dumps(obj, separators=(",", ":"))
+            body = " " + json.dumps(e.to_json(), separators=(",", ":"))
     except (ValueError, RecursionError) as exc:  # a huge integer; data nested too deep
         raise NotJSONError(f"{e.kind} of run {e.run_id} cannot be written as JSON: "
                            f"{type(exc).__name__}: {str(exc)[:200]}") from None
@@ -455,7 +462,7 @@ class SQLiteStore(StoreBase):
                 db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
                 claimed = {c.run_id for c in claims}
                 for run_id, run_events in by_run(events).items():
-                    status = fold_status(e.kind for e in run_events)
+                    status = _status_after(run_events)
                     last = max(map(_seq, run_events))
                     first = run_events[0]
                     if isinstance(p := first.payload, RunStarted):  # a new run, indexed as it is now
@@ -675,7 +682,7 @@ class MemoryStore(StoreBase):
                                                 p.parent_run_id, e.seq)
                 bisect.insort(self._order, (e.at, e.run_id))  # at the end, as a rule
         for run_id, run_events in by_run(events).items():
-            status, info = fold_status(e.kind for e in run_events), self._index.get(run_id)
+            status, info = _status_after(run_events), self._index.get(run_id)
             if info is not None:  # (a batch's seqs may come in any order, as in SQL's MAX)
                 last = max(info.last_seq or 0, *map(_seq, run_events))
                 self._index[run_id] = replace(info, status=status or info.status, last_seq=last)

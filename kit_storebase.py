@@ -62,6 +62,9 @@ _SCHEME_TYPO = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]*:?/+)?")
 
 def _check_unique(events: Sequence[Event]) -> None:
     """Raise ``LogConflictError`` at the first ``(run_id, seq)`` or ``run.started`` a batch repeats."""
+    started = [e.run_id for e in events if e.payload.kind == "run.started"]
+    if len({(e.run_id, e.seq) for e in events}) == len(events) and len(set(started)) == len(started):
+        return  # (two comprehensions over a batch that repeats nothing; the loop finds the first)
     seen: set[tuple[str, int]] = set()
     for e in events:
         # -1 is no seq: it stands for the run's run.started, which a run has at most once.
@@ -282,9 +285,13 @@ class StoreBase:
                 event.set()
 
     def _committed(self, events: Sequence[Event]) -> None:
-        last: dict[str, int] = {}
-        for e in events:
-            last[e.run_id] = max(e.seq, last.get(e.run_id, -1))
+        """Wake the followers of the runs in a committed batch (each once, its last seq)."""
+        followers, last = self._followers, {}
+        if not followers:
+            return
+        for e in events:  # (most runs have no follower: their events cost a lookup)
+            if e.run_id in followers and e.seq > last.get(e.run_id, -1):
+                last[e.run_id] = e.seq
         for run_id, seq in last.items():
             self._woken(run_id, seq)
 
