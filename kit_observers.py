@@ -10,7 +10,7 @@ caller passes ``env``); print.
 
 Theory of operation
 -------------------
-The Runtime calls ``emit`` with each batch of events *after* the store committed it (observers
+The Runtime calls ``emit_all`` with each batch of events *after* the store committed it (observers
 see only what the log holds, DESIGN 4.6), in each run's order. ``emit`` puts the event in each
 observer's queue (an anyio memory stream of ``queue_size``) with ``send_nowait``: no await, no
 lock, no thread. A full queue drops the event *for that observer only* and counts it, as
@@ -309,6 +309,13 @@ class ObserverHub:
                 slot.thread = _Courier(slot.stats.observer, token)
                 slot.thread.start()
             task_group.start_soon(self._drain, slot, name=f"kit observer drain {slot.stats.observer}")
+
+    def emit_all(self, events: Sequence[Event]) -> None:
+        """``emit`` each of ``events`` in order: a committed batch (nothing per event for a
+        deck with no observer)."""
+        if self._slots:
+            for event in events:
+                self.emit(event)
 
     def emit(self, event: Event) -> None:
         """Queue ``event`` for every observer. Never blocks, never raises: a full queue drops the

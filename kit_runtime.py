@@ -463,8 +463,7 @@ class Runtime(RunControl):
     def _committed(self, events: Sequence[Event]) -> None:
         """The writer committed ``events``: the observers get them, streamed runs' readers may
         send them."""
-        for event in events:
-            self.hub.emit(event)
+        self.hub.emit_all(events)
         if self._streams:  # each streamed run's last seq in the batch, as one wake-up
             for run_id, seq in {event.run_id: event.seq for event in events}.items():
                 run = self._streams.get(run_id)

@@ -158,9 +158,10 @@ class Writer:
             if not batch:
                 return
             claims, self._claims = self._claims, {}
-            for ev in batch:
-                if ev.payload.ends == "terminal":  # its lease would be deleted in the same batch
-                    claims.pop(ev.run_id, None)
+            if claims:
+                for ev in batch:
+                    if ev.payload.ends == "terminal":  # its lease would be deleted in the batch
+                        claims.pop(ev.run_id, None)
             self._in_flight = batch
             try:
                 await self._append(batch, claims)
