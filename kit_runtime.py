@@ -423,7 +423,7 @@ class Runtime(RunControl):
         try:
             for i, event in enumerate(events):
                 self._put(run, event, claim if i == 0 else None)
-            await self._flushed(events[0].run_id)
+            await self._flushed(events[0].run_id, True)
         except BaseException as exc:
             if cancel is not None:
                 cancel.error = exc
@@ -432,8 +432,8 @@ class Runtime(RunControl):
             if cancel is not None:
                 cancel.done.set()
 
-    async def _flushed(self, run_id: str) -> None:
-        held = self.writer.holds(run_id)
+    async def _flushed(self, run_id: str, held: bool = False) -> None:
+        held = held or self.writer.holds(run_id)  # (held: the caller has just put some)
         await self.writer.flush()
         error = self.writer.failed.pop(run_id, None)
         # With nothing to commit, the log refuses nothing: while its lease may have lapsed,
@@ -750,7 +750,7 @@ class Runtime(RunControl):
                                           run.thread_key, run.session_id is None)
 
     async def _play(self, run: Run, job: Callable[[], Any]) -> Event:
-        if self.sessions is not None:  # what it adds to its conversation waits for its end
+        if run.session_id is not None and self.sessions is not None:  # its items wait for its end
             run.session = self.sessions.turn(run.run_id)
         try:
             with run.scope:
@@ -801,7 +801,7 @@ class Runtime(RunControl):
         _check_ids(session_id, run_id)
         run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False,
                                         history=history)
-        return await self._finish(run, job)
+        return result_of(run, await self._play(run, job))  # (``_finish``, one await less)
 
     async def _finish(self, run: Run, job: Callable[[], Any]) -> Any:
         """Play ``run`` to its end; what it returns to its caller."""
