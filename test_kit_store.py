@@ -2016,6 +2016,23 @@ def waiting_builds(conninfo: str, schema: str) -> list[int]:
 
 
 @contextlib.contextmanager
+def a_build_blocked(conninfo: str, schema: str):
+    """A slow build, simulated: another session (yielded; ``ROLLBACK`` lets the build go on)
+    holding a lock on ``schema``'s runs table that a build of ``runs_namespace``, dropped first,
+    waits for (the table's writers do not)."""
+    import psycopg
+    blocker = psycopg.connect(conninfo, autocommit=True)
+    try:
+        blocker.execute(f'SET search_path TO "{schema}"')
+        blocker.execute("DROP INDEX runs_namespace")
+        blocker.execute("BEGIN")
+        blocker.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
+        yield blocker
+    finally:
+        blocker.close()
+
+
+@contextlib.contextmanager
 def a_snapshot_held_without_the_index(conninfo: str, schema: str):
     """Another program's session (yielded; ``ROLLBACK`` ends its transaction) holding a
     snapshot of ``schema``'s runs table, whose ``runs_namespace`` index is dropped first: a
@@ -2053,12 +2070,7 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
         await store.append([started("r2", namespace="u")])
 
     valid = functools.partial(namespace_index_valid, conninfo, schema)
-    blocker = psycopg.connect(conninfo, autocommit=True)  # a slow build, simulated
-    try:
-        blocker.execute(f'SET search_path TO "{schema}"')
-        blocker.execute("DROP INDEX runs_namespace")
-        blocker.execute("BEGIN")  # the build waits for this lock (writers do not)
-        blocker.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
+    with a_build_blocked(conninfo, schema) as blocker:
         caplog.set_level("WARNING", logger="kit.pg")
 
         def said() -> list[str]:
@@ -2095,8 +2107,6 @@ async def test_postgres_an_open_never_waits_on_another_opens_index_build(postgre
             async with store_from_url(postgres_url) as store:
                 assert [r.run_id for r in await store.runs(namespace="u")] == ["r2"]
                 await namespace_index_built(conninfo, schema)
-    finally:
-        blocker.close()
 
 
 def build_session(conninfo: str, schema: str) -> tuple[list[str], list[str]]:
@@ -2160,17 +2170,11 @@ async def test_postgres_an_open_does_not_wait_for_its_own_index_build(postgres_u
     the build lock: the open returns while the build waits, the store reads and writes
     meanwhile (listing a namespace correctly without the index), and the index becomes valid
     once what the build waits for is gone."""
-    import psycopg
     conninfo, schema = pg_url(postgres_url)
     async with store_from_url(postgres_url) as store:
         await store.append([started("r1", namespace="t")])
         await store.append([started("r2", namespace="u")])
-    blocker = psycopg.connect(conninfo, autocommit=True)  # a slow build, simulated
-    try:
-        blocker.execute(f'SET search_path TO "{schema}"')
-        blocker.execute("DROP INDEX runs_namespace")
-        blocker.execute("BEGIN")  # the build waits for this lock (writers do not)
-        blocker.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
+    with a_build_blocked(conninfo, schema) as blocker:
         with anyio.fail_after(30):  # (it waited for the lock, up to kit_pgpool.BUILD_WAIT)
             async with store_from_url(postgres_url) as store:
                 assert len(await until_a_build_waits(conninfo, schema)) == 1
@@ -2182,8 +2186,6 @@ async def test_postgres_an_open_does_not_wait_for_its_own_index_build(postgres_u
                 await namespace_index_built(conninfo, schema)
                 assert [r.run_id for r in await store.runs(namespace="u", limit=5)] == ["r2"]
                 assert await anyio.to_thread.run_sync(build_session, conninfo, schema) == ([], [])
-    finally:
-        blocker.close()
 
 
 async def test_postgres_a_close_during_an_index_build_stops_it(postgres_url):
