@@ -354,6 +354,20 @@ class _CountingApp(kit_http.App):
         await super().__call__(scope, receive, counted)
 
 
+#: Seconds a bench client keeps an idle keep-alive connection: less than Hypercorn's
+#: ``keep_alive_timeout`` (5 s), which closes it; at httpx's default (5 s too) a request sent on a
+#: connection idle that long raced the server's close ("Server disconnected without sending a
+#: response"), as a server sat idle while the others played their batches.
+CLIENT_KEEPALIVE = 2.0
+
+
+def _client(port: int) -> Any:
+    """An httpx client of the server on ``port`` (the test extra: only the HTTP rows need it)."""
+    import httpx
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                        limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -574,7 +588,7 @@ def surfaces_cpu(repeats: int, turns: int) -> dict[str, list[float]]:
             cwd=Path(__file__).parent, env=dict(os.environ, KIT_STORE=f"sqlite:///{tmp}/kit.db"),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            with _client(port) as client:
                 deadline = time.monotonic() + 60
                 while True:
                     try:
@@ -916,7 +930,7 @@ def server_cpu(repeats: int, n: int) -> dict[tuple[str, str], list[list[float]]]
                 port = _free_port()
                 proc = _child([f"import bench_kit; bench_kit.serve_share({kind!r}, {port})"],
                               {"KIT_WORKER": worker, "KIT_STORE": f"sqlite:///{tmp}/{server}.db"}, port)
-                procs[server] = proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+                procs[server] = proc, _client(port)
             batches = [(s, r) for s in procs for r in SHARE_ROUTES]
 
             def batch(server: str, route: str, k: int) -> float:
@@ -1157,7 +1171,7 @@ def cold_start(tries: int = 3) -> tuple[float, float, float]:
                                     env={**env, "PYTHONPATH": path}, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
             try:
-                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                with _client(port) as client:
                     while True:
                         try:
                             if client.get("/health").status_code == 200:
