@@ -68,10 +68,10 @@ import sniffio
 
 from kit_bridge import Bridge, spawn
 from kit_core import (Claim, ConfigError, ControlRequest, Event, LogConflictError, RunInfo,
-                      RunStarted, RunStatus, SessionBusyError, fold_status)
+                      RunStarted, RunStatus, SessionBusyError)
 from kit_store import (CONTROLS_INDEX, KIT_COLUMNS, LAST_EVENTS, RUN_COLUMNS, RUN_INDEXES,
                        MemoryStore, SQLiteStore, abandoned, by_run, event_of, event_row,
-                       foreign_table, run_row, runs_query)
+                       foreign_table, run_row, runs_query, status_after)
 import kit_pgpool  # BUILD_WAIT is read there at each build: a test may shorten it
 from kit_pgpool import bounded, build_concurrently, open_pool, pg_url, psycopg_module, setup_lock
 from kit_storebase import StoreBase, masked
@@ -283,7 +283,7 @@ def _append_args(events: list[Event], claims: Sequence[Claim], now: float,
     updated: list[list[Any]] = [[], [], []]
     free, park, notes = [], [], []
     for run_id, run_events in by_run(events).items():
-        status = fold_status(e.kind for e in run_events)
+        status = status_after(run_events)
         last = max(e.seq for e in run_events)
         head = run_events[0]
         if isinstance(p := head.payload, RunStarted):

@@ -181,6 +181,12 @@ class Stream:
         self.wake: anyio.Event | None = None
         self.room: anyio.Event | None = None
 
+    def nudge(self) -> None:
+        """Wake the writer if it waits for frames (its ``wake``)."""
+        if self.wake is not None:
+            self.wake.set()
+            self.wake = None
+
     def stop(self) -> None:
         self.stopping = True
         self.reader.cancel()
@@ -230,9 +236,7 @@ async def _watch(receive: Receive, stream: Stream) -> None:
             since = stream.sent_at
             continue
         stream.ping, since = True, anyio.current_time()
-        if stream.wake is not None:
-            stream.wake.set()
-            stream.wake = None
+        stream.nudge()
     stream.scope.cancel()  # type: ignore[union-attr]
 
 
@@ -261,8 +265,7 @@ async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: Fra
                     await _put(stream, ending(run_id, exc), limit)
     finally:
         stream.read = True
-        if stream.wake is not None:
-            stream.wake.set()
+        stream.nudge()
 
 
 async def _put(stream: Stream, frame: bytes, limit: int) -> None:
@@ -273,9 +276,7 @@ async def _put(stream: Stream, frame: bytes, limit: int) -> None:
         stream.room = room = anyio.Event()
         await room.wait()
     stream.ready.append(frame)
-    if stream.wake is not None:
-        stream.wake.set()
-        stream.wake = None
+    stream.nudge()
 
 
 async def _write(send: Send, stream: Stream, run_id: str, ending: Ending) -> None:

@@ -3,7 +3,7 @@
 Owns: ``SQLiteStore`` (one file, shared by every process that opens it; ``read_only_log`` opens
 one to read only), ``MemoryStore`` (one process, no persistence), the rows and run-index queries
 the SQL stores share with ``kit_pg`` (``event_row``, ``event_of``, ``runs_query``, ``run_row``,
-``RUN_INDEXES``), the shape of kit's tables that both check a database against
+``status_after``, ``RUN_INDEXES``), the shape of kit's tables that both check a database against
 (``KIT_COLUMNS``, ``foreign_table``), ``ENDED`` (the statuses of a run that takes no more
 events, in every store) and ``project_log_url`` (where a project's log lives); ``kit_pg`` holds the
 Postgres store and ``store_from_url``. Every store keeps the same three things: the log (events
@@ -53,7 +53,7 @@ from kit_storebase import NotJSONError, StoreBase
 __all__ = ("SQLiteStore", "MemoryStore", "project_log_url", "read_only_log", "event_row",
            "event_of", "run_row", "runs_query", "abandoned", "by_run", "RUN_COLUMNS",
            "RUN_INDEXES", "CONTROLS_INDEX", "LAST_EVENTS", "WAL_LIMIT", "ENDED", "KIT_COLUMNS",
-           "foreign_table")
+           "foreign_table", "status_after")
 
 #: WAL checkpoints run on a thread of their own, after this many commits: on the event loop, a
 #: checkpoint (page copies and an fsync) stalls every stream for milliseconds, and costs ~12 us
@@ -94,8 +94,9 @@ def by_run(events: Sequence[Event]) -> dict[str, list[Event]]:
     return out
 
 
-def _status_after(events: Sequence[Event]) -> RunStatus | None:
-    """``fold_status`` of the events' kinds, read off their payloads (the last that sets one)."""
+def status_after(events: Sequence[Event]) -> RunStatus | None:
+    """A run's status after ``events`` (``fold_status`` of their kinds, read off their payloads:
+    the last that sets one), as every store indexes it."""
     for e in reversed(events):
         if (status := e.payload.status) is not None:
             return status
@@ -462,7 +463,7 @@ class SQLiteStore(StoreBase):
                 db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
                 claimed = {c.run_id for c in claims}
                 for run_id, run_events in by_run(events).items():
-                    status = _status_after(run_events)
+                    status = status_after(run_events)
                     last = max(map(_seq, run_events))
                     first = run_events[0]
                     if isinstance(p := first.payload, RunStarted):  # a new run, indexed as it is now
@@ -682,7 +683,7 @@ class MemoryStore(StoreBase):
                                                 p.parent_run_id, e.seq)
                 bisect.insort(self._order, (e.at, e.run_id))  # at the end, as a rule
         for run_id, run_events in by_run(events).items():
-            status, info = _status_after(run_events), self._index.get(run_id)
+            status, info = status_after(run_events), self._index.get(run_id)
             if info is not None:  # (a batch's seqs may come in any order, as in SQL's MAX)
                 last = max(info.last_seq or 0, *map(_seq, run_events))
                 self._index[run_id] = replace(info, status=status or info.status, last_seq=last)
