@@ -26,7 +26,10 @@ context (``context=``), never in state or config, so it never reaches a checkpoi
 stopped. Durable runs use ``durability="sync"``: a checkpoint is on disk before the next
 superstep starts, and is written only once the run's log holds what came before it
 (``kit_threads.PLAYING``), so a run reaped while its process stalled writes none. A non-durable
-run's thread lives only while the run does: when the run ends (completed, failed, cancelled) its
+run uses ``durability="exit"``: it writes its thread once, as it stops (parks, is drained, ends),
+no checkpoint a step (those of a run that completes were deleted at once, for most of kit's cost
+of a run; nothing reads a thread while its run plays). Its thread lives only while the run does:
+when the run ends (completed, failed, cancelled) its
 checkpoints are deleted (a durable run's too when its thread is its own run id: a child run's, which
 no later run reaches); while it is parked (waiting for a human, asleep, paused) they stay, for the
 run that resumes it, so only the process that parked it can (``holds_thread``). A durable run that
@@ -346,7 +349,7 @@ class WorkflowEngine:
         played = run.seq > 0
         async for mode, chunk in graph.astream(
                 inp, config, context=run.data, control=control,
-                stream_mode=["updates", "values"], durability="sync" if self.durable else "async"):
+                stream_mode=["updates", "values"], durability="sync" if self.durable else "exit"):
             if not seen:
                 seen.append(mode)
             self._updated(run, empty)

@@ -864,6 +864,30 @@ async def test_a_paused_non_durable_run_keeps_its_thread_and_a_stopped_one_does_
             assert saved(deck, "w") == ([], False)
 
 
+async def test_a_non_durable_run_checkpoints_only_when_it_stops(store):
+    """LangGraph's ``durability="exit"``: a step writes no checkpoint (one per step, each
+    deleted when the run ended, was most of kit's own cost of a run); a run that parks writes
+    its thread as it stops, and the run that resumes it carries it on."""
+    gate = Gate()
+    g = StateGraph(State)
+    for name, node in (("plan", plan), ("gate", gate.node), ("ask", ask), ("done", done)):
+        g.add_node(name, node)
+    g.add_edge(START, "plan").add_edge("plan", "gate").add_edge("gate", "ask")
+    g.add_edge("ask", "done").add_edge("done", END)
+    async with Deck(workflows=[Workflow("w", g)], store=store) as deck:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(deck.run, "w", {"log": []}, session_id="q"))
+                await gate.until_entered()  # two steps played: none of them saved
+                assert saved(deck, "w") == ([], False)
+                gate.release.set()
+        [parked] = await deck.pending()
+        assert saved(deck, "w")[0] == ["w::q"]
+        assert (await deck.answer(parked.run_id, "yes"))["log"] == [
+            "plan", "gate", "answer=yes", "done"]
+        assert saved(deck, "w") == ([], False)
+
+
 async def test_a_child_workflow_run_leaves_no_checkpoint(store):
     model = ScriptedModel([{"tool": "w", "args": {"log": []}}, "It ran."])
     async with Deck([Agent("a", model=model, workflows=["w"])], [Workflow("w", graph(plan, done))],
