@@ -21,7 +21,10 @@ cost dominates, not bytes: notes/PERF.md section 4). The reader is a task of its
 its waiting tells that no more frames are ready (the run's events come through generators with no
 "what is ready" of their own). The watcher also keeps the ping timer, so the writer's waits carry
 none: once the writer sent nothing for ``PING_INTERVAL``, it tells the writer to send ``: ping``.
-Whichever of writer and watcher ends first cancels the rest. ``Stream.stop`` (the server
+Whichever of writer and watcher ends first cancels the rest, except that the watcher ends
+by itself after the body's end (``receive()`` then says ``http.disconnect``: ASGI), the writer
+cancelling it only if it does not; the frames ready when the reader is done go out with the
+body's end, in its last message. ``Stream.stop`` (the server
 shutting down) ends it within ``STOP_GRACE`` with a closing frame naming the run, which the
 client picks up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every frame's ``id`` is its
 event's seq; ``data_frames`` carry none). That frame is the wire's, as every other frame is
@@ -118,7 +121,7 @@ def v1_frame(ev: Event, agent: bool = True) -> bytes | None:
     p = ev.payload
     if type(p) is TextDelta:  # the frame per token: sse_frame's bytes, made at once
         try:  # orjson's JSON is one line (it escapes CR and LF) and a seq is digits
-            return b"id: %d\ndata: %s\n\n" % (ev.seq, orjson.dumps({"delta": p.text}))
+            return b'id: %d\ndata: {"delta":%s}\n\n' % (ev.seq, orjson.dumps(p.text))
         except TypeError:  # a lone surrogate: dumps' stdlib fallback
             return sse_frame(dumps({"delta": p.text}), id=str(ev.seq))
     seq = str(ev.seq)
@@ -167,15 +170,16 @@ class Stream:
     ``STREAM_BUFFER``); ``wake`` is set when the writer waits for frames, ``room`` when the
     reader waits for the writer to take them, and ``read`` tells the writer nothing more comes.
     ``sent_at`` is when the writer last sent; the watcher raises ``ping`` once it is
-    ``PING_INTERVAL`` ago (so the writer's waits carry no timer).
+    ``PING_INTERVAL`` ago (so the writer's waits carry no timer). ``over``: the writer sent the
+    body's end; ``left``: the watcher heard ``http.disconnect``.
     """
     __slots__ = ("reader", "scope", "stopping", "finished", "ready", "wake", "room", "read",
-                 "sent_at", "ping")
+                 "sent_at", "ping", "over", "left")
 
     def __init__(self) -> None:
-        self.reader = anyio.CancelScope()  # the reader of the run's events
+        self.reader: anyio.CancelScope | None = None  # the reader of the run's events, once it reads
         self.scope: anyio.CancelScope | None = None  # the whole stream
-        self.stopping = self.finished = self.read = self.ping = False
+        self.stopping = self.finished = self.read = self.ping = self.over = self.left = False
         self.sent_at = 0.0
         self.ready: list[bytes] = []
         self.wake: anyio.Event | None = None
@@ -189,7 +193,8 @@ class Stream:
 
     def stop(self) -> None:
         self.stopping = True
-        self.reader.cancel()
+        if self.reader is not None:
+            self.reader.cancel()
         if self.scope is not None:
             self.scope.deadline = anyio.current_time() + STOP_GRACE
 
@@ -212,18 +217,26 @@ class Stream:
                 tg.start_soon(_watch, receive, self)
                 tg.start_soon(_read, first, events, frame_of, self, run_id, ending)
                 await _write(send, self, run_id, ending)
-                tg.cancel_scope.cancel()
+                if not self.left:
+                    # The response is complete, so receive() says http.disconnect now (ASGI;
+                    # Hypercorn queues it within the last send): one pass lets the watcher take
+                    # it and end, which costs less than cancelling its wait, the fallback.
+                    await anyio.lowlevel.checkpoint()
+                    if not self.left:
+                        tg.cancel_scope.cancel()
         finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
+            if getattr(events, "ag_frame", True) is not None:  # (an async generator at its end: closed)
+                aclose = getattr(events, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
 
 
 async def _watch(receive: Receive, stream: Stream) -> None:
-    """The disconnect watcher: Hypercorn says a client left only through ``receive()``. It also
-    tells the writer to ping once the writer sent nothing for ``PING_INTERVAL``, cancelling the
-    ``receive()`` it waits in: Hypercorn's is a queue's get (asyncio.Queue, a trio memory
+    """The disconnect watcher: Hypercorn says a client left only through ``receive()``, which
+    says so too once the response is complete (then it ends the watcher, not the stream). It
+    also tells the writer to ping once the writer sent nothing for ``PING_INTERVAL``, cancelling
+    the ``receive()`` it waits in: Hypercorn's is a queue's get (asyncio.Queue, a trio memory
     channel), which a cancel leaves the message in."""
     since = stream.sent_at  # quiet since then, as far as the watcher knows
     while True:
@@ -237,25 +250,36 @@ async def _watch(receive: Receive, stream: Stream) -> None:
             continue
         stream.ping, since = True, anyio.current_time()
         stream.nudge()
-    stream.scope.cancel()  # type: ignore[union-attr]
+    stream.left = True
+    if not stream.over:  # the client left
+        stream.scope.cancel()  # type: ignore[union-attr]
 
 
 async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: FrameOf,
                 stream: Stream, run_id: str, ending: Ending) -> None:
     """The reader: the frames of the run's events into ``stream.ready``, until the run ends or
     parks; ``stream.read`` then tells the writer. An error before the run's end becomes the
-    wire's frame for it (``ending(run_id, error)``)."""
+    wire's frame for it (``ending(run_id, error)``). A frame waits while ``STREAM_BUFFER`` wait
+    for the writer (never the run: the run keeps its own live buffer). No loop pass per frame:
+    the writer wakes once a burst is in, when the reader waits for the next event."""
     limit = max(STREAM_BUFFER, 1)
     try:
-        with stream.reader:
-            await anyio.lowlevel.checkpoint_if_cancelled()  # stopped before it read
+        if stream.stopping:  # stopped before it read
+            return
+        with anyio.CancelScope() as stream.reader:
             try:
                 if first is not None and (frame := frame_of(first)) is not None:
                     await _put(stream, frame, limit)
                 async for ev in events:  # left to end by itself: a generator it holds is closed
                     if (frame := frame_of(ev)) is not None:
-                        await _put(stream, frame, limit)
-                    stream.finished = stream.finished or ev.payload.ends is not None
+                        if len(ready := stream.ready) < limit:  # (_put, with no coroutine)
+                            ready.append(frame)
+                            if stream.wake is not None:
+                                stream.nudge()
+                        else:
+                            await _put(stream, frame, limit)
+                    if ev.payload.ends is not None:
+                        stream.finished = True
                 stream.finished = True
             except stops():
                 raise
@@ -269,9 +293,7 @@ async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: Fra
 
 
 async def _put(stream: Stream, frame: bytes, limit: int) -> None:
-    """``frame`` for the writer; waits while ``limit`` frames wait for it (never the run: the
-    run keeps its own live buffer). No loop pass per frame: the writer wakes once a burst is in,
-    when the reader waits for the next event."""
+    """``frame`` for the writer, once fewer than ``limit`` frames wait for it."""
     while len(stream.ready) >= limit:
         stream.room = room = anyio.Event()
         await room.wait()
@@ -282,12 +304,16 @@ async def _put(stream: Stream, frame: bytes, limit: int) -> None:
 async def _write(send: Send, stream: Stream, run_id: str, ending: Ending) -> None:
     """The writer: every frame that is ready goes out in one body message; a ping when quiet;
     ``ending(run_id, None)`` last if ``stop`` ended the stream before the run ended."""
+    tail = b""
     while True:
         if stream.ready:
             batch, stream.ready = stream.ready, []
             if stream.room is not None:
                 stream.room.set()
                 stream.room = None
+            if stream.read:  # the last frames: they end the body (one send less)
+                tail = b"".join(batch)
+                break
             message = {"type": "http.response.body", "body": b"".join(batch), "more_body": True}
         elif stream.read:
             break
@@ -299,9 +325,9 @@ async def _write(send: Send, stream: Stream, run_id: str, ending: Ending) -> Non
             continue
         await _send(send, message, stream)
         stream.ping, stream.sent_at = False, anyio.current_time()  # (a ping due meanwhile is not)
-    tail = b""
     if stream.stopping and not stream.finished:  # the client picks the run up later
-        tail = ending(run_id, None)
+        tail += ending(run_id, None)
+    stream.over = True
     await _send(send, {"type": "http.response.body", "body": tail, "more_body": False}, stream)
 
 
