@@ -4,8 +4,9 @@ Owns: ``Bridge`` (one asyncio loop in a daemon thread, or another bridge's, the 
 the mailbox out of it, and the calls and iterators the loop has played on the trio side),
 ``shared`` (the bridge whose loop a trio run's callers share),
 ``on_asyncio`` (await an engine coroutine from asyncio or trio alike; under trio on that shared
-loop) and ``spawn`` (a background asyncio task that outlives the call that starts it). This is
-the only kit module that touches asyncio directly.
+loop), ``clock`` (the running loop's own clock, read without a backend lookup) and ``spawn`` (a
+background asyncio task that outlives the call that starts it). This is the only kit module that
+touches asyncio directly.
 
 Must never: know what a run, an event or a store is (it carries opaque items), block the trio
 side, or wake the trio side once per item.
@@ -47,8 +48,8 @@ import sniffio
 
 from kit_core import DeckStateError
 
-__all__ = ("Bridge", "shared", "on_asyncio", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT", "STOP_TIMEOUT",
-           "CROSS_BATCH")
+__all__ = ("Bridge", "shared", "on_asyncio", "clock", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT",
+           "STOP_TIMEOUT", "CROSS_BATCH")
 
 #: Ordinary items wait up to this long before waking the trio side, so one wake-up carries many
 #: (PERF.md section 5, strategy D); urgent items wake it at once.
@@ -458,6 +459,16 @@ async def on_asyncio(fn: Callable[[], Awaitable[Any]]) -> Any:
     if sniffio.current_async_library() == "asyncio":
         return await fn()
     return await shared().call(fn)
+
+
+def clock() -> Callable[[], float]:
+    """The running event loop's clock, the one ``anyio.current_time`` reads, as a plain callable
+    (the asyncio loop's ``time``, trio's ``current_time``): anyio's looks the backend up through
+    sniffio at each call, about 1 us, and the write path reads the clock every turn."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+        return trio.current_time
+    return asyncio.get_running_loop().time
 
 
 async def _hold(token: Any, bridge: Bridge) -> None:

@@ -59,7 +59,7 @@ import sniffio
 
 import kit_observers
 import kit_threads
-from kit_bridge import Bridge, shared
+from kit_bridge import Bridge, clock, shared
 from kit_control import RunControl
 from kit_core import (
     Claim, ConfigError, DeckStateError, Event, InvocableSpec, LogConflictError, NewRunId,
@@ -245,7 +245,7 @@ class Runtime(RunControl):
         observers = kit_observers.resolve_observers(self._observers, env)
         self.hub = kit_observers.ObserverHub(observers, run_info=self.store.run_info)
         self.writer = Writer(self.store, self._committed, self._give_up, down_limit=self.down_limit,
-                             refused=self._refused)
+                             refused=self._refused, clock=clock())
         self._renewed, self._doubted = anyio.current_time(), set()  # leases, for _flushed
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -438,7 +438,7 @@ class Runtime(RunControl):
         error = self.writer.failed.pop(run_id, None)
         # With nothing to commit, the log refuses nothing: while its lease may have lapsed,
         # ask whether another process has ended the run (what a checkpoint write waits on).
-        if error is None and not held and (run_id in self._doubted or anyio.current_time()
+        if error is None and not held and (run_id in self._doubted or self.writer.now()
                                            - self._renewed > self.lease / 2):
             info = await self.store.run_info(run_id)
             if info is None or info.status not in ENDED:
@@ -514,8 +514,9 @@ class Runtime(RunControl):
         if event is not None and event.payload.ends and getattr(run, "session", None) is not None:
             event = await self._to_session(run, event)  # type: ignore[arg-type]
         if self.bridge is None:
-            await (self._flushed(run.run_id) if event is None
-                   else self._write(run, [event], claim))  # type: ignore[arg-type]
+            if event is not None:  # (``_write``, one await less: a run's own event)
+                self._put(run, event, claim)  # type: ignore[arg-type]
+            await self._flushed(run.run_id, event is not None)
         elif event and event.payload.ends is not None and getattr(run, "ends_on_kit", False):
             self.bridge.post(((run, event, claim), None))  # the engine returns next: _played
         else:
@@ -585,9 +586,10 @@ class Runtime(RunControl):
                  namespace: str | None, streaming: bool = False) -> Run:
         if self._closing:  # a stream made while open, iterated after: refused before any write
             raise DeckStateError("CLOSED", "start or resume a run")
-        run = Run(spec, run_id, data, session_id, namespace, streaming, deliver=self._deliver,
-                   commit=self._commit, pace=self._pace, read=self._read_committed,
-                   writer=self.writer)
+        run = Run(spec, run_id, data, session_id, namespace, streaming,  # (no bridge: an emit is
+                  deliver=self._put if self.bridge is None else self._deliver,  # a _put itself)
+                  commit=self._commit, pace=self._pace, read=self._read_committed,
+                  writer=self.writer)
         run.start_child = self._child
         if spec.kind == "workflow":
             run.thread_id = session_id or run_id

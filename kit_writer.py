@@ -72,13 +72,14 @@ _log = logging.getLogger("kit.writer")
 
 
 def _backend() -> tuple[Callable[[], float], Callable[..., Any]]:
-    """The running backend's clock and cancel scope: trio's own under trio, where anyio's look
-    the backend up through sniffio at each call and wrap trio's scope in one of their own (about
-    2 us more per scope, the same scope underneath); anyio's under asyncio."""
+    """The running backend's clock and cancel-scope class, looked up once: anyio's own look the
+    backend up through sniffio at each call (~2 us a scope), and every turn makes two scopes.
+    Trio's own under trio (anyio's wraps it: the same scope underneath); under asyncio the class
+    ``anyio.CancelScope()`` builds there, called directly (the same constructor and scope)."""
     if sniffio.current_async_library() == "trio":
         import trio
         return trio.current_time, trio.CancelScope
-    return anyio.current_time, anyio.CancelScope
+    return anyio.current_time, type(anyio.CancelScope())
 
 
 class Writer:
@@ -87,13 +88,15 @@ class Writer:
     ``committed(events)`` is called with every batch once it is durable, in order (led by the
     ``run.failed`` of the runs its claims abandoned, which ``append`` returns); ``give_up(
     run_ids, error, seconds)`` once per outage that lasts ``down_limit``; ``refused(run_id,
-    error)`` when the store refuses a run's events. Kit side only.
+    error)`` when the store refuses a run's events; ``clock`` (default: anyio's) is the
+    running loop's clock (``kit_bridge.clock``). Kit side only.
     """
 
     def __init__(self, store: Any, committed: Callable[[Sequence[Event]], None],
                  give_up: Callable[[set[str], BaseException, float], None], *,
                  down_limit: float = STORE_DOWN_LIMIT,
-                 refused: Callable[[str, BaseException], None] | None = None) -> None:
+                 refused: Callable[[str, BaseException], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.store, self._committed, self._give_up = store, committed, give_up
         self._refused = refused
         self.down_limit = down_limit
@@ -101,14 +104,17 @@ class Writer:
         self._first_at = 0.0  # when the oldest buffered event arrived
         self._claims: dict[str, Claim] = {}
         self._in_flight: list[Event] = []
-        self._lock = anyio.Lock(fast_acquire=True)  # uncontended: no loop pass per flush
+        self._lock = anyio.Lock(fast_acquire=True)  # (``flush``: free, taken without a checkpoint)
         self._wake = anyio.Event()  # something to write
         self._hurry = anyio.Event()  # someone waits for it: write now
         self._drained = anyio.Event()  # the backlog went below BACKLOG_MAX
         self.failed: dict[str, BaseException] = {}
-        # ``now()`` and ``cancel_scope`` are the running backend's (``_backend``): the commit's
-        # shield and each run's scope (``kit_runs.Run.scope``) are entered every turn.
+        # ``now()`` and ``cancel_scope`` are the running backend's (``_backend``; ``clock``, the
+        # loop's own, saves a backend lookup per read): the commit's shield and each run's scope
+        # (``kit_runs.Run.scope``) are entered every turn.
         self.now, self.cancel_scope = _backend()
+        if clock is not None:
+            self.now = clock
         self.down_since: float | None = None  # when the store stopped taking writes
         self._told: set[str] = set()  # runs give_up was told of during this outage
 
@@ -152,8 +158,16 @@ class Writer:
 
     async def flush(self) -> None:
         """Commit everything buffered (and what arrives while an earlier flush runs). Returns
-        once it is durable, or refused for its runs (``failed``); waits out an outage."""
-        async with self._lock:
+        once it is durable, or refused for its runs (``failed``); waits out an outage. One flush
+        at a time: the lock, free as a rule, is taken without a checkpoint (an await of
+        ``acquire`` costs a backend lookup and a cancellation check per commit); a cancellation
+        lands in the backoff while the store is down, or at the caller's next checkpoint."""
+        lock = self._lock
+        try:
+            lock.acquire_nowait()
+        except anyio.WouldBlock:
+            await lock.acquire()
+        try:
             batch, self._buf = self._buf, []
             if not batch:
                 return
@@ -176,6 +190,8 @@ class Writer:
                 self._in_flight = []
                 if self.pending < BACKLOG_MAX:
                     self._drained.set()
+        finally:
+            lock.release()
 
     async def _append(self, batch: list[Event], claims: dict[str, Claim]) -> None:
         """Append ``batch`` for good, removing from it (and its runs' ``claims``) what is done
