@@ -4,8 +4,9 @@ Owns: ``Bridge`` (one asyncio loop in a daemon thread, or another bridge's, the 
 the mailbox out of it, and the calls and iterators the loop has played on the trio side),
 ``shared`` (the bridge whose loop a trio run's callers share),
 ``on_asyncio`` (await an engine coroutine from asyncio or trio alike; under trio on that shared
-loop), ``clock`` (the running loop's own clock, read without a backend lookup) and ``spawn`` (a
-background asyncio task that outlives the call that starts it). This is the only kit module that
+loop), ``clock`` (the running loop's own clock, read without a backend lookup), ``later`` (a
+timer no task waits on, where the loop has one) and ``spawn`` (a background asyncio task that
+outlives the call that starts it). This is the only kit module that
 touches asyncio directly.
 
 Must never: know what a run, an event or a store is (it carries opaque items), block the trio
@@ -48,7 +49,7 @@ import sniffio
 
 from kit_core import DeckStateError
 
-__all__ = ("Bridge", "shared", "on_asyncio", "clock", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT",
+__all__ = ("Bridge", "shared", "on_asyncio", "clock", "later", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT",
            "STOP_TIMEOUT", "CROSS_BATCH")
 
 #: Ordinary items wait up to this long before waking the trio side, so one wake-up carries many
@@ -469,6 +470,16 @@ def clock() -> Callable[[], float]:
         import trio
         return trio.current_time
     return asyncio.get_running_loop().time
+
+
+def later() -> Callable[[float, Callable[[], None]], Any] | None:
+    """The running asyncio loop's ``call_later``: ``later(seconds, fn)`` calls ``fn()`` on the
+    loop that long after, and returns a handle whose ``cancel()`` stops it. No task waits for it:
+    a timer that finds nothing to do costs no task's wake-up (the writer's timer, armed for every
+    turn's first event). None under trio, which has no such call."""
+    if sniffio.current_async_library() == "trio":
+        return None
+    return asyncio.get_running_loop().call_later
 
 
 async def _hold(token: Any, bridge: Bridge) -> None:

@@ -59,7 +59,7 @@ import sniffio
 
 import kit_observers
 import kit_threads
-from kit_bridge import Bridge, clock, shared
+from kit_bridge import Bridge, clock, later, shared
 from kit_control import RunControl
 from kit_core import (
     Claim, ConfigError, DeckStateError, Event, InvocableSpec, LogConflictError, NewRunId,
@@ -245,7 +245,7 @@ class Runtime(RunControl):
         observers = kit_observers.resolve_observers(self._observers, env)
         self.hub = kit_observers.ObserverHub(observers, run_info=self.store.run_info)
         self.writer = Writer(self.store, self._committed, self._give_up, down_limit=self.down_limit,
-                             refused=self._refused, clock=clock())
+                             refused=self._refused, clock=clock(), later=later())
         self._renewed, self._doubted = anyio.current_time(), set()  # leases, for _flushed
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()

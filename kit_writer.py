@@ -12,9 +12,13 @@ cancellation, block the event loop, or know what a run or an engine is.
 
 Theory of operation
 -------------------
-``put`` appends to the buffer and never awaits. ``flush`` takes the whole buffer as one batch and
-appends it in one store transaction (PERF.md section 3: ~5 us per event in batches against ~31 us
-per single-event commit), with the claims of the runs starting in it. Then ``committed`` gets the
+``put`` appends to the buffer and never awaits; a batch's first event arms the loop's timer
+(``kit_bridge.later``), which wakes the writer task only if the batch still waits FLUSH_DELAY
+later: a turn that commits its own end first (every short one) costs the task no wake-up, where
+two, a cancel scope and a timeout's cancellation were ~0.2 ms a turn between idle gaps (a loop
+with no such timer, trio, has the task wait out the delay itself). ``flush`` takes the whole
+buffer as one batch and appends it in one store transaction (PERF.md section 3: ~5 us per event
+in batches against ~31 us per single-event commit), with the claims of the runs starting in it. Then ``committed`` gets the
 batch: the observers and the live readers of the runs learn only what is durable (DESIGN 4.6).
 
 Two kinds of failure. A ``KitError`` from the store is a *refusal* (``SessionBusyError``,
@@ -89,14 +93,16 @@ class Writer:
     ``run.failed`` of the runs its claims abandoned, which ``append`` returns); ``give_up(
     run_ids, error, seconds)`` once per outage that lasts ``down_limit``; ``refused(run_id,
     error)`` when the store refuses a run's events; ``clock`` (default: anyio's) is the
-    running loop's clock (``kit_bridge.clock``). Kit side only.
+    running loop's clock (``kit_bridge.clock``), ``later`` its timer (``kit_bridge.later``;
+    None: the writer task waits out FLUSH_DELAY itself). Kit side only.
     """
 
     def __init__(self, store: Any, committed: Callable[[Sequence[Event]], None],
                  give_up: Callable[[set[str], BaseException, float], None], *,
                  down_limit: float = STORE_DOWN_LIMIT,
                  refused: Callable[[str, BaseException], None] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 later: Callable[[float, Callable[[], None]], Any] | None = None) -> None:
         self.store, self._committed, self._give_up = store, committed, give_up
         self._refused = refused
         self.down_limit = down_limit
@@ -115,6 +121,10 @@ class Writer:
         self.now, self.cancel_scope = _backend()
         if clock is not None:
             self.now = clock
+        # The loop's timer (``kit_bridge.later``), when it has one: the first event of a batch
+        # arms it (``_due``), and the writer task wakes only when a batch is due, not for every
+        # turn whose own durable write commits its events before FLUSH_DELAY.
+        self._later, self._timer = later, None
         self.down_since: float | None = None  # when the store stopped taking writes
         self._told: set[str] = set()  # runs give_up was told of during this outage
 
@@ -136,17 +146,34 @@ class Writer:
         self._buf.append(event)
         if claim is not None:
             self._claims[claim.run_id] = claim
-        if len(self._buf) == 1:
+        n = len(self._buf)
+        if n == 1:
             self._first_at = self.now()
+            if self._later is None:
+                self._wake.set()
+            elif self._timer is None:
+                self._timer = self._later(FLUSH_DELAY, self._due)
+        elif n >= FLUSH_MAX:
             self._wake.set()
-        elif len(self._buf) >= FLUSH_MAX:
-            self._wake.set()
+
+    def _due(self) -> None:
+        """The timer: wake the writer task if the oldest buffered event is FLUSH_DELAY old, or
+        run again when it will be; with nothing buffered (a run committed its own), nothing."""
+        self._timer = None
+        if self._buf:
+            left = self._first_at + FLUSH_DELAY - self.now()
+            if left > 0:
+                self._timer = self._later(left, self._due)  # type: ignore[misc]
+            else:
+                self._wake.set()
 
     def hurry(self) -> None:
         """A reader waits for what is buffered: commit it HURRY_DELAY after its oldest event
         arrived, not at the next FLUSH_DELAY tick (events that arrive during that commit ride
         the next one: classic group commit)."""
         self._hurry.set()
+        if self._later is not None:  # (the writer task may be waiting for the timer's wake-up)
+            self._wake.set()
 
     async def room(self) -> None:
         """Wait while the backlog is full (while the store is down, until it is back or the
@@ -246,7 +273,18 @@ class Writer:
     async def run(self) -> None:
         """The writer task: flush when FLUSH_MAX events wait, or FLUSH_DELAY (HURRY_DELAY when
         hurried) after the oldest buffered one arrived. A run's durable write (``flush``) that
-        empties the buffer meanwhile restarts the clock: a short turn is not cut in two."""
+        empties the buffer meanwhile restarts the clock: a short turn is not cut in two. With
+        the loop's timer (``later``) the task is woken when a batch is due (``_due``), hurried,
+        full, or put back by a cancelled flush."""
+        try:
+            await self._run()
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._later = None  # (the task is gone: a batch's first event wakes it no more)
+
+    async def _run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()

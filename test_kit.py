@@ -1752,6 +1752,38 @@ async def test_a_run_id_from_new_run_id_costs_no_extra_commit_and_a_callers_own_
                                                    "model.completed", "run.completed"]
 
 
+class GatedModel(ScriptedModel):
+    """A model whose call waits until ``gate`` is set (a threading.Event: under trio the model
+    plays on the bridge's asyncio loop)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate = threading.Event()
+
+    async def get_response(self, *args, **kw):
+        while not self.gate.is_set():
+            await anyio.sleep(0.005)
+        return await super().get_response(*args, **kw)
+
+
+async def test_a_runs_buffered_start_commits_within_flush_delay_while_it_plays(store):
+    """A new run's run.started rides in its first group commit; while its model call lasts,
+    the writer commits it on its own FLUSH_DELAY after it was buffered (the loop's timer under
+    asyncio, the writer task's wait under trio), not only at the run's end."""
+    model = GatedModel(["done"])
+    async with Deck([Agent("a", model=model)], store=store) as deck:
+        run_id = kit.new_run_id()  # (no caller's id to check first: the start is buffered)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(deck.run, "a", "go", run_id=run_id))
+            with anyio.fail_after(10):
+                while not await store.read(run_id):
+                    await anyio.sleep(0.005)
+            assert kinds(await store.read(run_id)) == ["run.started"]
+            assert await deck.status(run_id) is kit.RunStatus.RUNNING
+            model.gate.set()
+        assert kinds(await store.read(run_id))[-1] == "run.completed"
+
+
 async def test_the_warm_up_at_open_leaves_nothing_in_the_log_or_with_observers(tmp_path):
     from test_kit_observers import Recorder
     seen = Recorder()
