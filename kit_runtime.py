@@ -406,9 +406,14 @@ class Runtime(RunControl):
         """Kit side: the one way an event enters the log: the writer's next batch (observers and
         committed readers get it once it is durable), and the run's live buffer at once."""
         self.writer.put(event, claim)
-        if run is not None:
+        if run is None:
+            if event.payload.ends == "terminal" and self.sessions is not None:
+                self.sessions.release(event.run_id)
+            return
+        if run.live is not None:  # (streamed, and read)
             run.feed(event)
-        if event.payload.ends == "terminal" and self.sessions is not None:
+        if run.session_id is not None and event.payload.ends == "terminal" and (
+                self.sessions is not None):  # (only a run with a session id holds one)
             self.sessions.release(event.run_id)  # its conversation is evictable again
 
     async def _write(self, run: Run | None, events: Sequence[Event], claim: Claim | None = None) -> None:
@@ -800,7 +805,8 @@ class Runtime(RunControl):
     async def run(self, spec: InvocableSpec, input: Any, *, context: Any = None,
                   session_id: str | None = None, namespace: str | None = None,
                   run_id: str | None = None, history: Any = None) -> Any:
-        _check_ids(session_id, run_id)
+        if session_id is not None or run_id is not None:
+            _check_ids(session_id, run_id)
         run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id, False,
                                         history=history)
         return result_of(run, await self._play(run, job))  # (``_finish``, one await less)
