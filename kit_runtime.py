@@ -406,15 +406,13 @@ class Runtime(RunControl):
         """Kit side: the one way an event enters the log: the writer's next batch (observers and
         committed readers get it once it is durable), and the run's live buffer at once."""
         self.writer.put(event, claim)
-        if run is None:
-            if event.payload.ends == "terminal" and self.sessions is not None:
-                self.sessions.release(event.run_id)
-            return
-        if run.live is not None:  # (streamed, and read)
+        if run is not None and run.live is not None:  # (streamed)
             run.feed(event)
-        if run.session_id is not None and event.payload.ends == "terminal" and (
-                self.sessions is not None):  # (only a run with a session id holds one)
-            self.sessions.release(event.run_id)  # its conversation is evictable again
+        # Its conversation is evictable again: only a run with a session id holds one (a parked
+        # run's end comes with no Run: run None).
+        if (run is None or run.session_id is not None) and self.sessions is not None and \
+                event.payload.ends == "terminal":
+            self.sessions.release(event.run_id)
 
     async def _write(self, run: Run | None, events: Sequence[Event], claim: Claim | None = None) -> None:
         """Kit side: ``_put`` the events (the claim with the first), then commit now. Raises what
