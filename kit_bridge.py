@@ -6,8 +6,7 @@ the mailbox out of it, and the calls and iterators the loop has played on the tr
 ``on_asyncio`` (await an engine coroutine from asyncio or trio alike; under trio on that shared
 loop), ``clock`` (the running loop's own clock, read without a backend lookup), ``later`` (a
 timer no task waits on, where the loop has one) and ``spawn`` (a background asyncio task that
-outlives the call that starts it). This is the only kit module that
-touches asyncio directly.
+outlives the call that starts it). This is the only kit module that touches asyncio directly.
 
 Must never: know what a run, an event or a store is (it carries opaque items), block the trio
 side, or wake the trio side once per item.
@@ -49,8 +48,8 @@ import sniffio
 
 from kit_core import DeckStateError
 
-__all__ = ("Bridge", "shared", "on_asyncio", "clock", "later", "spawn", "WAKE_DELAY", "CANCEL_TIMEOUT",
-           "STOP_TIMEOUT", "CROSS_BATCH")
+__all__ = ("Bridge", "shared", "on_asyncio", "clock", "later", "spawn", "WAKE_DELAY",
+           "CANCEL_TIMEOUT", "STOP_TIMEOUT", "CROSS_BATCH")
 
 #: Ordinary items wait up to this long before waking the trio side, so one wake-up carries many
 #: (PERF.md section 5, strategy D); urgent items wake it at once.

@@ -177,7 +177,7 @@ class Stream:
                  "sent_at", "ping", "over", "left")
 
     def __init__(self) -> None:
-        self.reader: anyio.CancelScope | None = None  # the reader of the run's events, once it reads
+        self.reader: anyio.CancelScope | None = None  # the events' reader, once it reads
         self.scope: anyio.CancelScope | None = None  # the whole stream
         self.stopping = self.finished = self.read = self.ping = self.over = self.left = False
         self.sent_at = 0.0
@@ -225,7 +225,8 @@ class Stream:
                     if not self.left:
                         tg.cancel_scope.cancel()
         finally:
-            if getattr(events, "ag_frame", True) is not None:  # (an async generator at its end: closed)
+            # (an async generator that ran to its end is closed: no shielded aclose for it)
+            if getattr(events, "ag_frame", True) is not None:
                 aclose = getattr(events, "aclose", None)
                 if aclose is not None:
                     with anyio.CancelScope(shield=True):

@@ -18,8 +18,9 @@ later: a turn that commits its own end first (every short one) costs the task no
 two, a cancel scope and a timeout's cancellation were ~0.2 ms a turn between idle gaps (a loop
 with no such timer, trio, has the task wait out the delay itself). ``flush`` takes the whole
 buffer as one batch and appends it in one store transaction (PERF.md section 3: ~5 us per event
-in batches against ~31 us per single-event commit), with the claims of the runs starting in it. Then ``committed`` gets the
-batch: the observers and the live readers of the runs learn only what is durable (DESIGN 4.6).
+in batches against ~31 us per single-event commit), with the claims of the runs starting in it.
+Then ``committed`` gets the batch: the observers and the live readers of the runs learn only
+what is durable (DESIGN 4.6).
 
 Two kinds of failure. A ``KitError`` from the store is a *refusal* (``SessionBusyError``,
 ``LogConflictError``): the batch is split by run and each run retried alone, so one run's refusal
