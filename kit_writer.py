@@ -76,15 +76,15 @@ STORE_DOWN_LIMIT = 30.0
 _log = logging.getLogger("kit.writer")
 
 
-def _backend() -> tuple[Callable[[], float], Callable[..., Any]]:
-    """The running backend's clock and cancel-scope class, looked up once: anyio's own look the
-    backend up through sniffio at each call (~2 us a scope), and every turn makes two scopes.
-    Trio's own under trio (anyio's wraps it: the same scope underneath); under asyncio the class
+def _cancel_scope() -> Callable[..., Any]:
+    """The running backend's cancel-scope class, looked up once: anyio's looks the backend up
+    through sniffio at each call (~2 us a scope), and every turn makes two scopes. Trio's own
+    under trio (anyio's wraps it: the same scope underneath); under asyncio the class
     ``anyio.CancelScope()`` builds there, called directly (the same constructor and scope)."""
     if sniffio.current_async_library() == "trio":
         import trio
-        return trio.current_time, trio.CancelScope
-    return anyio.current_time, type(anyio.CancelScope())
+        return trio.CancelScope
+    return type(anyio.CancelScope())
 
 
 class Writer:
@@ -116,12 +116,10 @@ class Writer:
         self._hurry = anyio.Event()  # someone waits for it: write now
         self._drained = anyio.Event()  # the backlog went below BACKLOG_MAX
         self.failed: dict[str, BaseException] = {}
-        # ``now()`` and ``cancel_scope`` are the running backend's (``_backend``; ``clock``, the
-        # loop's own, saves a backend lookup per read): the commit's shield and each run's scope
-        # (``kit_runs.Run.scope``) are entered every turn.
-        self.now, self.cancel_scope = _backend()
-        if clock is not None:
-            self.now = clock
+        # ``now()`` is the loop's clock (``clock``: anyio's looks the backend up at each read)
+        # and ``cancel_scope`` its scope class (``_cancel_scope``): the commit's shield and each
+        # run's scope (``kit_runs.Run.scope``) are entered every turn.
+        self.now, self.cancel_scope = clock or anyio.current_time, _cancel_scope()
         # The loop's timer (``kit_bridge.later``), when it has one: the first event of a batch
         # arms it (``_due``), and the writer task wakes only when a batch is due, not for every
         # turn whose own durable write commits its events before FLUSH_DELAY.
