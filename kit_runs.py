@@ -3,7 +3,8 @@
 Owns: ``Run`` (the engine's ``RunHandle`` for one run, plus what the kit side keeps of it: its
 spec, its cancel scope and end, the parent it ends with, the view of its conversation whose
 items wait for its end, and the live buffer a stream of it reads), the live reader
-(``Run.events``), ``LIVE_MAX`` (how far behind a reader may fall) and ``result_of`` (what a
+(``Run.events``), the iterator a stream of a run is (``RunEvents``: its events, and whether the
+next is ready), ``LIVE_MAX`` (how far behind a reader may fall) and ``result_of`` (what a
 run returns to its caller, from its last event).
 
 Must never: write an event or a claim (every event reaches the log through the Runtime's one
@@ -21,12 +22,14 @@ neither buffering its events nor hurrying the writer for nobody. A reader that f
 ``LIVE_MAX`` events behind costs no memory: its buffer is dropped and it reads the rest from the
 log (``read``, which commits what is buffered first), which has every event: a page
 (``READ_PAGE``) at a time, each yielded before the next is read, then the live buffer again
-from where the last page ended.
+from where the last page ended. A committed reader can tell whether its next event is ready
+(``Run.ready``: the run committed past what it read), so a consumer that coalesces its sends
+(kit_sse) sends what it holds only before it would wait.
 """
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -38,7 +41,7 @@ from kit_core import (
 from kit_storebase import READ_PAGE
 from kit_writer import Writer
 
-__all__ = ("Run", "LIVE_MAX", "result_of")
+__all__ = ("Run", "RunEvents", "LIVE_MAX", "result_of")
 
 #: A stream's live buffer. A consumer that falls this far behind is not allowed to grow memory:
 #: its buffer is dropped and it catches up from the log (which has every event) instead.
@@ -65,6 +68,8 @@ class Run(RunHandle):
         self.session: Any = None
         self.live: deque[Event] | None = deque() if streaming else None
         self.committed = -1
+        self.read_seq = -1  # the seq its reader yielded last (``events``) ...
+        self.read_all = False  # ... and whether that was its last (terminal or parking)
         self.wake: Any = None  # made by the reader when it waits (``events``)
         self.lagged = False
         self.commit_reader = False  # its reader waits for commits, not for events
@@ -86,6 +91,14 @@ class Run(RunHandle):
             self._writer.hurry()  # the reader waits for this one: HURRY_DELAY, not FLUSH_DELAY
         elif self.wake is not None:
             self.wake.set()
+
+    def ready(self) -> bool:
+        """Kit side: whether its committed reader's next step waits for nothing: its next
+        event is committed and in hand (the live buffer, or the batch the reader took from it),
+        or, after its last, the run's play has returned. False for any other reader, or one
+        that catches up from the log."""
+        return self.commit_reader and not self.lagged and (
+            self.over if self.read_all else self.committed > self.read_seq)
 
     def on_commit(self, seq: int) -> None:
         self.committed = seq
@@ -114,6 +127,7 @@ class Run(RunHandle):
         with ``committed``, each only once it is durable. Once the reader leaves, the run keeps
         no live buffer (its events go to the log alone)."""
         last, self.commit_reader = after, committed
+        self.read_seq = after
 
         def ready() -> int:
             live = self.live
@@ -147,12 +161,37 @@ class Run(RunHandle):
                 for ev in backlog:
                     if ev.seq <= last:
                         continue
-                    last = ev.seq
+                    last = self.read_seq = ev.seq
+                    self.read_all = ev.payload.ends is not None
                     yield ev
-                    if ev.payload.ends:
+                    if self.read_all:
                         return
         finally:  # its reader left, or read to the end: nothing is kept, nor hurried, for it
             self.live, self.commit_reader, self.wake = None, False, None
+
+
+class RunEvents:
+    """A stream of a run's events (what ``Deck.stream``, ``stream_answer`` and
+    ``stream_resume`` return): an async iterator over ``events(self)``, which sets ``run`` once
+    it started or took over its run; ``ready`` tells whether the next event comes without
+    waiting (``Run.ready``), so a consumer that coalesces sends what it holds first."""
+    __slots__ = ("run", "_events")
+
+    def __init__(self, events: Callable[[RunEvents], AsyncIterator[Event]]) -> None:
+        self.run: Run | None = None
+        self._events = events(self)
+
+    def __aiter__(self) -> RunEvents:
+        return self
+
+    def __anext__(self) -> Awaitable[Event]:
+        return self._events.__anext__()
+
+    def aclose(self) -> Awaitable[None]:
+        return self._events.aclose()
+
+    def ready(self) -> bool:
+        return self.run is not None and self.run.ready()
 
 
 def _count_upto(live: deque[Event], seq: int) -> int:

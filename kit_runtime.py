@@ -67,7 +67,7 @@ from kit_core import (
     check_id, check_name, count_setting, new_run_id, stops,
 )
 from kit_pg import store_from_url
-from kit_runs import Run, result_of
+from kit_runs import Run, RunEvents, result_of
 from kit_store import ENDED
 from kit_storebase import READ_PAGE, pages
 from kit_writer import BACKLOG_MAX, STORE_DOWN_LIMIT, Writer
@@ -813,18 +813,16 @@ class Runtime(RunControl):
         """Play ``run`` to its end; what it returns to its caller."""
         return result_of(run, await self._play(run, job))
 
-    async def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
-                     session_id: str | None = None, namespace: str | None = None,
-                     run_id: str | None = None, committed: bool = False,
-                     history: Any = None) -> AsyncIterator[Event]:
+    def stream(self, spec: InvocableSpec, input: Any, *, context: Any = None,
+               session_id: str | None = None, namespace: str | None = None,
+               run_id: str | None = None, committed: bool = False,
+               history: Any = None) -> RunEvents:
         async def begin() -> tuple[Run, Callable[[], Any], int]:
             _check_ids(session_id, run_id)
             run, job, _ = await self._begin(spec, input, context, session_id, namespace, run_id,
                                             True, history=history)
             return run, job, -1  # from its run.started on
-        async with contextlib.aclosing(self._streamed(begin, committed)) as events:
-            async for event in events:
-                yield event
+        return self._streamed(begin, committed)
 
     async def _play_in_background(self, run: Run, job: Callable[[], Any]) -> None:
         try:
@@ -834,25 +832,28 @@ class Runtime(RunControl):
         except BaseException:  # a failure, of any type, reaches the stream's consumer
             pass  # (run.error), never the deck's task group: that would cancel every run
 
-    async def _streamed(self, take: Callable[[], Any], committed: bool) -> AsyncIterator[Event]:
+    def _streamed(self, take: Callable[[], Any], committed: bool) -> RunEvents:
         """Play the run ``take()`` started or took over in the deck's task group, yielding its
         events live after the seq it continues from (nothing when ``take()`` gives None); with
         ``committed``, each once it is durable. A failed run's error is raised after its
         ``run.failed``. Leaving early ends the stream, never the run."""
-        taken = await take()
-        if taken is None:
+        return RunEvents(functools.partial(self._stream_events, take, committed))
+
+    async def _stream_events(self, take: Callable[[], Any], committed: bool,
+                             into: RunEvents) -> AsyncIterator[Event]:
+        if (taken := await take()) is None:
             return
         run, job, after = taken
+        into.run = run  # (its ``ready`` asks the run)
         try:
             self._tg.start_soon(self._play_in_background, run, job)
             async with contextlib.aclosing(run.events(after, committed)) as events:
                 async for event in events:
                     yield event
             await run.wait_done()
-            if run.error is not None:
-                raise run.error
-            if run.abort_error is not None:
-                raise run.abort_error
+            error = run.error if run.error is not None else run.abort_error  # (the first)
+            if error is not None:
+                raise error
         finally:
             self._unstream(run)
 

@@ -18,9 +18,14 @@ writer is fed by a *reader* of the run's events, which appends their frames to t
 ``ready`` list (at most ``STREAM_BUFFER``) and wakes the writer once it waits for the next event,
 so the writer sends every frame that is ready in one ``http.response.body`` message (the per-send
 cost dominates, not bytes: notes/PERF.md section 4). The reader is a task of its own because only
-its waiting tells that no more frames are ready (the run's events come through generators with no
-"what is ready" of their own). The watcher also keeps the ping timer, so the writer's waits carry
-none: once the writer sent nothing for ``PING_INTERVAL``, it tells the writer to send ``: ping``.
+its waiting tells that no more frames are ready (events that come through generators have no
+"what is ready" of their own), except at first: events that can tell (a ``ready()`` saying the
+next comes without waiting: a deck's run streams, ``kit_runs.RunEvents``) are read by the
+handler itself for as long as they are ready, and the reader and the watcher start only if the
+stream would then wait, so a short run whose events are all committed is one task and one send
+(which needs no watcher: nothing waits). The watcher also keeps the ping timer, so the writer's
+waits carry none: once the writer sent nothing for ``PING_INTERVAL``, it tells the writer to send
+``: ping``.
 Whichever of writer and watcher ends first cancels the rest, except that the watcher ends
 by itself after the body's end (``receive()`` then says ``http.disconnect``: ASGI), the writer
 cancelling it only if it does not; the frames ready when the reader is done go out with the
@@ -165,6 +170,8 @@ def ending_frame(run_id: str, error: Exception | None = None) -> bytes:
 
 class Stream:
     """One open SSE response: ``play`` it once; ``stop`` it from outside (the server stopping).
+    The handler that plays it is its writer; its reader and watcher are tasks of their own once
+    it has to wait for events.
 
     Between its reader and its writer, ``ready`` holds the frames made and not yet sent (at most
     ``STREAM_BUFFER``); ``wake`` is set when the writer waits for frames, ``room`` when the
@@ -214,10 +221,16 @@ class Stream:
                 if self.stopping:  # stopped before it played: the grace bounds it all the same
                     self.scope.deadline = anyio.current_time() + STOP_GRACE
                 self.sent_at = anyio.current_time()
-                tg.start_soon(_watch, receive, self)
-                tg.start_soon(_read, first, events, frame_of, self, run_id, ending)
+                ready = getattr(events, "ready", None)  # (Deck.stream's: kit_runs.RunEvents)
+                if ready is not None:  # what is ready first, in this task: no task for it
+                    await _read(first, events, frame_of, self, run_id, ending, ready)
+                    first = None
+                tasks = not self.read
+                if tasks:  # the rest comes later: the reader and the watcher wait for it
+                    tg.start_soon(_watch, receive, self)
+                    tg.start_soon(_read, first, events, frame_of, self, run_id, ending)
                 await _write(send, self, run_id, ending)
-                if not self.left:
+                if tasks and not self.left:
                     # The response is complete, so receive() says http.disconnect now (ASGI;
                     # Hypercorn queues it within the last send): one pass lets the watcher take
                     # it and end, which costs less than cancelling its wait, the fallback.
@@ -256,31 +269,41 @@ async def _watch(receive: Receive, stream: Stream) -> None:
         stream.scope.cancel()  # type: ignore[union-attr]
 
 
-async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: FrameOf,
-                stream: Stream, run_id: str, ending: Ending) -> None:
-    """The reader: the frames of the run's events into ``stream.ready``, until the run ends or
-    parks; ``stream.read`` then tells the writer. An error before the run's end becomes the
-    wire's frame for it (``ending(run_id, error)``). A frame waits while ``STREAM_BUFFER`` wait
-    for the writer (never the run: the run keeps its own live buffer). No loop pass per frame:
-    the writer wakes once a burst is in, when the reader waits for the next event."""
-    limit = max(STREAM_BUFFER, 1)
+async def _read(ev: Event | None, events: AsyncIterator[Event], frame_of: FrameOf,
+                stream: Stream, run_id: str, ending: Ending,
+                ready: Callable[[], bool] | None = None) -> None:
+    """The reader: the frames of ``ev`` and the run's events into ``stream.ready``, until the
+    run ends or parks; ``stream.read`` then tells the writer. An error before the run's end
+    becomes the wire's frame for it (``ending(run_id, error)``). A frame waits while
+    ``STREAM_BUFFER`` wait for the writer (never the run: the run keeps its own live buffer). No
+    loop pass per frame: the writer wakes once a burst is in, when the reader waits for the next
+    event. With ``ready`` (the handler, before the stream's tasks start) it reads only while
+    ``ready()`` says the next event comes without waiting and the buffer has room, leaving
+    ``stream.read`` unset if it stops short (its task reads on)."""
+    limit, short = max(STREAM_BUFFER, 1), False
     try:
         if stream.stopping:  # stopped before it read
             return
         with anyio.CancelScope() as stream.reader:
             try:
-                if first is not None and (frame := frame_of(first)) is not None:
-                    await _put(stream, frame, limit)
-                async for ev in events:  # left to end by itself: a generator it holds is closed
-                    if (frame := frame_of(ev)) is not None:
-                        if len(ready := stream.ready) < limit:  # (_put, with no coroutine)
-                            ready.append(frame)
-                            if stream.wake is not None:
-                                stream.nudge()
-                        else:
-                            await _put(stream, frame, limit)
-                    if ev.payload.ends is not None:
-                        stream.finished = True
+                while True:
+                    if ev is not None:
+                        if (frame := frame_of(ev)) is not None:
+                            if len(frames := stream.ready) < limit:  # (_put, with no coroutine)
+                                frames.append(frame)
+                                if stream.wake is not None:
+                                    stream.nudge()
+                            else:
+                                await _put(stream, frame, limit)
+                        if ev.payload.ends is not None:
+                            stream.finished = True
+                    if ready is not None and (len(stream.ready) >= limit or not ready()):
+                        short = True
+                        return
+                    try:  # left to end by itself: a generator it holds is closed
+                        ev = await events.__anext__()
+                    except StopAsyncIteration:
+                        break
                 stream.finished = True
             except stops():
                 raise
@@ -289,8 +312,9 @@ async def _read(first: Event | None, events: AsyncIterator[Event], frame_of: Fra
                     stream.finished = True
                     await _put(stream, ending(run_id, exc), limit)
     finally:
-        stream.read = True
-        stream.nudge()
+        if not short:
+            stream.read = True
+            stream.nudge()
 
 
 async def _put(stream: Stream, frame: bytes, limit: int) -> None:

@@ -995,6 +995,27 @@ async def test_native_routes_stream_raw_envelopes():
         assert body.count(b"\nevent: ") == 3 and body.endswith(b"}\n\n")
 
 
+
+async def test_a_stream_sends_what_its_run_committed_while_the_run_waits():
+    """What a run committed is on the wire while the run waits (here in a tool held by a gate),
+    not held back for the frames after it: the handler sends what is ready before the stream
+    starts waiting for the rest, then the rest as it comes."""
+    gate, worker = gated("finished")
+    async with served(catalog(worker), native=True) as (client, _):
+        async with aconnect_sse(client, "POST", "/v2/invocables/worker/chat",
+                                json={"input": "go"}) as es:
+            frames, kinds = es.aiter_sse(), []
+            with anyio.fail_after(5):  # the gate holds the tool for 10 s
+                async for s in frames:
+                    kinds.append(s.event)
+                    if s.event == "tool.started":  # durable before the tool runs
+                        break
+            gate.release.set()
+            kinds += [s.event async for s in frames]
+        assert kinds[0] == "run.started" and kinds[-1] == "run.completed"
+        assert kinds.index("tool.started") < kinds.index("tool.completed")
+
+
 # ------------------------------------------------------------------------------ shutdown ----
 
 async def test_shutdown_ends_open_streams_itself():
