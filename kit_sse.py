@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import nullcontext
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -175,18 +176,20 @@ class Stream:
 
     Between its reader and its writer, ``ready`` holds the frames made and not yet sent (at most
     ``STREAM_BUFFER``); ``wake`` is set when the writer waits for frames, ``room`` when the
-    reader waits for the writer to take them, and ``read`` tells the writer nothing more comes.
+    reader waits for the writer to take them, and ``read`` tells the writer nothing more comes
+    (``drained``: the events ran to their end).
     ``sent_at`` is when the writer last sent; the watcher raises ``ping`` once it is
     ``PING_INTERVAL`` ago (so the writer's waits carry no timer). ``over``: the writer sent the
     body's end; ``left``: the watcher heard ``http.disconnect``.
     """
     __slots__ = ("reader", "scope", "stopping", "finished", "ready", "wake", "room", "read",
-                 "sent_at", "ping", "over", "left")
+                 "drained", "sent_at", "ping", "over", "left")
 
     def __init__(self) -> None:
-        self.reader: anyio.CancelScope | None = None  # the events' reader, once it reads
+        self.reader: anyio.CancelScope | None = None  # the reader task's, once it reads
         self.scope: anyio.CancelScope | None = None  # the whole stream
         self.stopping = self.finished = self.read = self.ping = self.over = self.left = False
+        self.drained = False
         self.sent_at = 0.0
         self.ready: list[bytes] = []
         self.wake: anyio.Event | None = None
@@ -216,30 +219,29 @@ class Stream:
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": _SSE_HEADERS + run_id_header(run_id)})
-            async with anyio.create_task_group() as tg:
-                self.scope = tg.cancel_scope
+            ready = getattr(events, "ready", None)  # (Deck.stream's: kit_runs.RunEvents)
+            if ready is not None:  # what is ready first, in this task (it never waits)
+                await _read(first, events, frame_of, self, run_id, ending, ready)
+                first = None
+            with anyio.CancelScope() as self.scope:
                 if self.stopping:  # stopped before it played: the grace bounds it all the same
                     self.scope.deadline = anyio.current_time() + STOP_GRACE
                 self.sent_at = anyio.current_time()
-                ready = getattr(events, "ready", None)  # (Deck.stream's: kit_runs.RunEvents)
-                if ready is not None:  # what is ready first, in this task: no task for it
-                    await _read(first, events, frame_of, self, run_id, ending, ready)
-                    first = None
-                tasks = not self.read
-                if tasks:  # the rest comes later: the reader and the watcher wait for it
+                if self.read:  # all of it was ready: no task
+                    return await _write(send, self, run_id, ending)
+                async with anyio.create_task_group() as tg:  # the rest comes later
                     tg.start_soon(_watch, receive, self)
                     tg.start_soon(_read, first, events, frame_of, self, run_id, ending)
-                await _write(send, self, run_id, ending)
-                if tasks and not self.left:
-                    # The response is complete, so receive() says http.disconnect now (ASGI;
-                    # Hypercorn queues it within the last send): one pass lets the watcher take
-                    # it and end, which costs less than cancelling its wait, the fallback.
-                    await anyio.lowlevel.checkpoint()
+                    await _write(send, self, run_id, ending)
                     if not self.left:
-                        tg.cancel_scope.cancel()
+                        # The response is complete, so receive() says http.disconnect now (ASGI;
+                        # Hypercorn queues it within the last send): one pass lets the watcher
+                        # take it and end, which costs less than cancelling its wait, the fallback.
+                        await anyio.lowlevel.checkpoint()
+                        if not self.left:
+                            tg.cancel_scope.cancel()
         finally:
-            # (an async generator that ran to its end is closed: no shielded aclose for it)
-            if getattr(events, "ag_frame", True) is not None:
+            if not self.drained:  # (events that ran to their end need no shielded aclose)
                 aclose = getattr(events, "aclose", None)
                 if aclose is not None:
                     with anyio.CancelScope(shield=True):
@@ -284,7 +286,8 @@ async def _read(ev: Event | None, events: AsyncIterator[Event], frame_of: FrameO
     try:
         if stream.stopping:  # stopped before it read
             return
-        with anyio.CancelScope() as stream.reader:
+        # (the handler's reading never waits: nothing for ``stop`` to cancel)
+        with anyio.CancelScope() if ready is None else nullcontext() as stream.reader:
             try:
                 while True:
                     if ev is not None:
@@ -303,6 +306,7 @@ async def _read(ev: Event | None, events: AsyncIterator[Event], frame_of: FrameO
                     try:  # left to end by itself: a generator it holds is closed
                         ev = await events.__anext__()
                     except StopAsyncIteration:
+                        stream.drained = True
                         break
                 stream.finished = True
             except stops():
