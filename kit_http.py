@@ -28,10 +28,11 @@ notes/CONVENTIONS.md A7) and parsed strictly: bad UTF-8, deep nesting, huge inte
 400s, never 500s. Errors are answered from one table, ``ERROR_STATUS``, as ``{"error": <exception
 type name>, "message": ...}``.
 
-An SSE response is a ``kit_sse.Stream`` (a writer, a reader of the run's events and a disconnect
-watcher) that the app keeps while it is open. The run belongs to the deck: a disconnect ends the
-stream, never the run, and the client picks the run up with ``GET /runs/{id}/events`` and
-``Last-Event-ID`` (every frame's ``id`` is its event's seq; OpenAI's wire has no ``id``).
+An SSE response is a ``kit_sse.Stream`` (the handler, its writer, sends what is ready; a reader of
+the run's events and a disconnect watcher join it once it waits for more) that the app keeps
+while it is open. The run belongs to the deck: a disconnect ends the stream, never the run, and
+the client picks the run up with ``GET /runs/{id}/events`` and ``Last-Event-ID`` (every frame's
+``id`` is its event's seq; OpenAI's wire has no ``id``).
 
 ``App.shutdown()`` (``serve``'s trigger on SIGINT/SIGTERM, and the lifespan) ends every open stream
 itself with its wire's closing frame (``event: server.shutdown`` on kit's own; OpenAI's error
