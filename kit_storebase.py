@@ -182,6 +182,15 @@ class StoreBase:
         self._overtaken: list[Event] = []
 
     @property
+    def commits_inline(self) -> bool:
+        """True when ``append`` never pauses inside a commit: kit's own ``append``, its hooks
+        run inline (``_retrying``: a cancellation lands before an attempt or between two, never
+        within one). False for a store whose hooks await their I/O (``kit_pg``'s) or whose
+        ``append`` is its own; the writer shields only such a store's commits (``kit_writer``)."""
+        cls = type(self)
+        return cls._run_hook is StoreBase._retrying and cls.append is StoreBase.append
+
+    @property
     def opened(self) -> bool:
         """True between ``async with store:`` (or ``__aenter__``) and ``aclose``."""
         return self._followers is not None

@@ -32,13 +32,16 @@ connection, a full disk): the same batch is retried with backoff (``RETRY_FIRST`
 that, ``give_up`` is told which runs are stuck, once per outage, so their callers learn it (the
 runs stop; their ends are written with the rest when the store returns).
 
-The append itself is shielded from cancellation (SQLite's is synchronous anyway; a networked
-store's commit must not be abandoned half-way); a cancellation while backing off puts the batch
-back at the front of the buffer. ``room`` is how runs wait while ``pending`` (buffered plus in
-flight) is at ``BACKLOG_MAX``: a run never runs more than about a batch ahead of its log.
+The append itself is shielded from cancellation (a networked store's commit must not be
+abandoned half-way), unless the store ``commits_inline`` (SQLite's, memory's: no pause within a
+commit, so nothing to shield, and a scope less per commit); a cancellation while backing off
+puts the batch back at the front of the buffer. ``room`` is how runs wait while ``pending``
+(buffered plus in flight) is at ``BACKLOG_MAX``: a run never runs more than about a batch ahead
+of its log.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,6 +77,8 @@ RETRY_MAX = 2.0
 STORE_DOWN_LIMIT = 30.0
 
 _log = logging.getLogger("kit.writer")
+#: What a store that ``commits_inline`` is appended in, in place of a shield (reusable).
+_UNSHIELDED = contextlib.nullcontext()
 
 
 def _cancel_scope() -> Callable[..., Any]:
@@ -120,6 +125,7 @@ class Writer:
         # and ``cancel_scope`` its scope class (``_cancel_scope``): the commit's shield and each
         # run's scope (``kit_runs.Run.scope``) are entered every turn.
         self.now, self.cancel_scope = clock or anyio.current_time, _cancel_scope()
+        self._shielded = not getattr(store, "commits_inline", False)  # (``_append``)
         # The loop's timer (``kit_bridge.later``), when it has one: the first event of a batch
         # arms it (``_due``), and the writer task wakes only when a batch is due, not for every
         # turn whose own durable write commits its events before FLUSH_DELAY.
@@ -227,7 +233,7 @@ class Writer:
         delay = RETRY_FIRST
         while True:
             try:
-                with self.cancel_scope(shield=True):
+                with self.cancel_scope(shield=True) if self._shielded else _UNSHIELDED:
                     overtaken = await self.store.append(batch, claims=list(claims.values()))
             except KitError as exc:  # refused: split by run, so it costs only the refused run
                 runs = sorted({e.run_id for e in batch})
