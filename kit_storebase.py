@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Self
 
 import anyio
-import anyio.lowlevel
 
 from kit_core import (Claim, ConfigError, ControlRequest, Event, KitError, LogConflictError,
                       RunInfo, RunStatus, UnknownRunError, check_limit, quoted)
@@ -184,9 +183,9 @@ class StoreBase:
     @property
     def commits_inline(self) -> bool:
         """True when ``append`` never pauses inside a commit: kit's own ``append``, its hooks
-        run inline (``_retrying``: a cancellation lands before an attempt or between two, never
-        within one). False for a store whose hooks await their I/O (``kit_pg``'s) or whose
-        ``append`` is its own; the writer shields only such a store's commits (``kit_writer``)."""
+        run inline (``_retrying``: a cancellation lands between two attempts, never within
+        one). False for a store whose hooks await their I/O (``kit_pg``'s) or whose ``append``
+        is its own; the writer shields only such a store's commits (``kit_writer``)."""
         cls = type(self)
         return cls._run_hook is StoreBase._retrying and cls.append is StoreBase.append
 
@@ -246,12 +245,13 @@ class StoreBase:
         process holds SQLite's write lock), for up to ``BUSY_WAIT``; then the busy error
         propagates. The hook itself never waits for a lock: the event loop stays free.
 
-        A cancellation lands between attempts, never inside a write. Only a pending cancellation
-        is delivered: yielding to the loop on every call would cost a loop pass per commit.
+        A cancellation lands between attempts (in the back-off's sleep), never inside a write;
+        a call that succeeds at once is no checkpoint, and a cancellation pending meanwhile lands
+        at the caller's next one (a checkpoint per call, even one that never yields, cost a
+        backend lookup and a task lookup per commit; yielding, a loop pass).
         """
         delay, deadline = BUSY_FIRST_SLEEP, None
         while True:
-            await anyio.lowlevel.checkpoint_if_cancelled()
             try:
                 return fn(*args)
             except Exception as exc:
