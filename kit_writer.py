@@ -116,7 +116,10 @@ class Writer:
         self._first_at = 0.0  # when the oldest buffered event arrived
         self._claims: dict[str, Claim] = {}
         self._in_flight: list[Event] = []
-        self._lock = anyio.Lock(fast_acquire=True)  # (``flush``: free, taken without a checkpoint)
+        # ``flush``'s, free as a rule, taken without a checkpoint: a semaphore of one, a lock
+        # with no owner to look up (anyio's Lock looks the current task up to take it and again
+        # to release it: ~1 us a commit, two getpid calls under asyncio).
+        self._lock = anyio.Semaphore(1, max_value=1, fast_acquire=True)
         self._wake = anyio.Event()  # something to write
         self._hurry = anyio.Event()  # someone waits for it: write now
         self._drained = anyio.Event()  # the backlog went below BACKLOG_MAX
