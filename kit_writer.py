@@ -14,7 +14,8 @@ Theory of operation
 -------------------
 ``put`` appends to the buffer and never awaits; a batch's first event arms the loop's timer
 (``kit_bridge.later``), which wakes the writer task only if the batch still waits FLUSH_DELAY
-later: a turn that commits its own end first (every short one) costs the task no wake-up, where
+later (HURRY_DELAY once a reader waits for it: ``hurry`` brings the timer forward): a turn that
+commits its own end first (every short one, streamed or not) costs the task no wake-up, where
 two, a cancel scope and a timeout's cancellation were ~0.2 ms a turn between idle gaps (a loop
 with no such timer, trio, has the task wait out the delay itself). ``flush`` takes the whole
 buffer as one batch and appends it in one store transaction (PERF.md section 3: ~5 us per event
@@ -160,16 +161,20 @@ class Writer:
             if self._later is None:
                 self._wake.set()
             elif self._timer is None:
-                self._timer = self._later(FLUSH_DELAY, self._due)
+                self._timer = self._later(self._delay(), self._due)
         elif n >= FLUSH_MAX:
             self._wake.set()
 
+    def _delay(self) -> float:
+        """How long after its oldest event the buffered batch is due."""
+        return HURRY_DELAY if self._hurry.is_set() else FLUSH_DELAY
+
     def _due(self) -> None:
-        """The timer: wake the writer task if the oldest buffered event is FLUSH_DELAY old, or
+        """The timer: wake the writer task if the oldest buffered event is due (``_delay``), or
         run again when it will be; with nothing buffered (a run committed its own), nothing."""
         self._timer = None
         if self._buf:
-            left = self._first_at + FLUSH_DELAY - self.now()
+            left = self._first_at + self._delay() - self.now()
             if left > 0:
                 self._timer = self._later(left, self._due)  # type: ignore[misc]
             else:
@@ -178,10 +183,17 @@ class Writer:
     def hurry(self) -> None:
         """A reader waits for what is buffered: commit it HURRY_DELAY after its oldest event
         arrived, not at the next FLUSH_DELAY tick (events that arrive during that commit ride
-        the next one: classic group commit)."""
+        the next one: classic group commit). With the loop's timer, the timer is brought
+        forward: a run that commits its own end sooner (a short streamed turn) costs the task no
+        wake-up, where waking it to wait out the delay cost two."""
+        if self._hurry.is_set():  # (once a batch: a stream hurries at every event)
+            return
         self._hurry.set()
-        if self._later is not None:  # (the writer task may be waiting for the timer's wake-up)
-            self._wake.set()
+        if self._later is not None and self._buf:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._later(max(0.0, self._first_at + HURRY_DELAY - self.now()),
+                                      self._due)
 
     async def room(self) -> None:
         """Wait while the backlog is full (while the store is down, until it is back or the
@@ -206,6 +218,8 @@ class Writer:
             batch, self._buf = self._buf, []
             if not batch:
                 return
+            if self._hurry.is_set():  # the next batch is hurried only if a reader waits for it
+                self._hurry = anyio.Event()
             claims, self._claims = self._claims, {}
             if claims:
                 for ev in batch:

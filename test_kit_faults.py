@@ -25,6 +25,7 @@ from agents.memory import OpenAIConversationsSession
 from langgraph.graph import END, START, StateGraph
 
 import kit
+import kit_bridge
 import kit_runs
 import kit_threads
 import kit_writer
@@ -335,13 +336,17 @@ async def test_a_cancelled_flush_puts_back_only_the_claims_of_what_it_puts_back(
         assert await store.session_holder("s") == "holder"
 
 
-async def test_a_hurried_batch_takes_what_the_run_makes_meanwhile(tmp_path):
+async def test_a_hurried_batch_takes_what_the_run_makes_meanwhile(tmp_path, monkeypatch):
     """A reader waiting for an event hurries the writer: the commit comes within HURRY_DELAY,
-    and the events the run makes in the loop passes before it ride along (a short streamed turn
-    is one commit and one send, not one per token)."""
+    not at the batch's FLUSH_DELAY (an hour here: the loop's timer, under asyncio, is brought
+    forward; the writer task's wait, under trio, is cut short), and the events the run makes in
+    the loop passes before it ride along (a short streamed turn is one commit and one send, not
+    one per token)."""
+    monkeypatch.setattr(kit_writer, "FLUSH_DELAY", 3600.0)
     committed: list[Event] = []
     async with CountingStore(tmp_path / "kit.db") as store:
-        writer = kit_writer.Writer(store, committed.extend, lambda *a: None)
+        writer = kit_writer.Writer(store, committed.extend, lambda *a: None,
+                                   later=kit_bridge.later())
         async with anyio.create_task_group() as tg:
             tg.start_soon(writer.run)
             for seq in range(6):
