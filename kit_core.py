@@ -81,6 +81,35 @@ count_setting, switch_setting, printable = (kit_checks.count_setting, kit_checks
 MAX_ID_CHARS, HTTP_TOKEN = kit_checks.MAX_ID_CHARS, kit_checks.HTTP_TOKEN
 
 
+_UNSET: Any = object()  # a field with a default factory, not given
+
+
+def _value(cls: type) -> type:
+    """``cls`` as a frozen, slotted dataclass whose ``__init__`` (same parameters and defaults;
+    a default factory is called when its field is not given) sets each field through its
+    slot's setter: a frozen dataclass's own sets each with object.__setattr__, ~0.7k
+    instructions a field more (callgrind), and each turn builds a dozen values."""
+    cls = dataclass(frozen=True, slots=True)(cls)
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__}: a value's __init__ calls no __post_init__")
+    names, params, sets = {"_UNSET": _UNSET}, [], []
+    for f in fields(cls):
+        names[f"set_{f.name}"], value = cls.__dict__[f.name].__set__, f.name
+        if f.default is not MISSING:
+            names[f"d_{f.name}"] = f.default
+            params.append(f"{f.name}=d_{f.name}")
+        elif f.default_factory is not MISSING:
+            names[f"f_{f.name}"] = f.default_factory
+            params.append(f"{f.name}=_UNSET")
+            value = f"f_{f.name}() if {f.name} is _UNSET else {f.name}"
+        else:
+            params.append(f.name)
+        sets.append(f"\n    set_{f.name}(self, {value})")
+    exec(f"def __init__(self, {', '.join(params)}):{''.join(sets) or ' pass'}", names)
+    cls.__init__ = names["__init__"]  # type: ignore[misc]
+    return cls
+
+
 # ===================================================================================== events ====
 
 class RunStatus(str, enum.Enum):
@@ -94,7 +123,7 @@ class RunStatus(str, enum.Enum):
     CANCELLED = "CANCELLED"
 
 
-@dataclass(frozen=True, slots=True)
+@_value
 class Usage:
     """Tokens and estimated cost of a run or model call; ``usd`` is None when no price is known."""
     input_tokens: int = 0
@@ -196,7 +225,7 @@ def jsonable(v: Any) -> Any:
 def _payload(kind: str, *, ends: str | None = None, status: RunStatus | None = None):
     """A frozen, slotted payload dataclass of ``kind``, registered in ``KINDS``."""
     def wrap(cls):
-        cls = dataclass(frozen=True, slots=True)(cls)
+        cls = _value(cls)
         cls.kind, cls.ends, cls.status = kind, ends, status
         cls._fields = tuple(f.name for f in fields(cls))
         _KINDS[kind] = cls
@@ -347,7 +376,7 @@ class RunCancelled(Payload):
     reason: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@_value
 class UnknownEvent(Payload):
     """The payload of a kind this version does not know; ``data`` is the raw JSON payload, any
     JSON value (a newer kit's, or a hand-written row's), written back exactly as it was read."""
@@ -371,10 +400,7 @@ def iso_time(at: datetime) -> str:
     return at.isoformat()
 
 
-_NOW: Any = object()  # ``Event``'s ``at`` not given: now
-
-
-@dataclass(frozen=True, slots=True, init=False)
+@_value
 class Event:
     """The one envelope of the log. ``payload`` is typed; ``kind`` is its string discriminator.
 
@@ -389,18 +415,6 @@ class Event:
     origin: str = ""
     message_id: str | None = None
     at: datetime = field(default_factory=utcnow)
-
-    def __init__(self, run_id: str, seq: int, payload: Payload, origin: str = "",
-                 message_id: str | None = None, at: datetime = _NOW) -> None:
-        # The dataclass's own __init__, through the slots' setters (a frozen dataclass's sets
-        # each field with object.__setattr__): ~5.8k instructions an event against ~10k
-        # (callgrind), and every event made or read pays it.
-        _set_run_id(self, run_id)
-        _set_seq(self, seq)
-        _set_payload(self, payload)
-        _set_origin(self, origin)
-        _set_message_id(self, message_id)
-        _set_at(self, utcnow() if at is _NOW else at)
 
     @property
     def kind(self) -> str:
@@ -486,10 +500,6 @@ def _envelope_fault(obj: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-_set_run_id, _set_seq, _set_payload, _set_origin, _set_message_id, _set_at = (
-    Event.__dict__[f.name].__set__ for f in fields(Event))
-
-
 def fold_status(kinds: Iterable[str]) -> RunStatus | None:
     """The status after a sequence of event kinds (None if no kind sets one)."""
     status = None
@@ -517,7 +527,7 @@ def control_refusal(action: str, status: RunStatus) -> str | None:
 
 # ==================================================================================== results ====
 
-@dataclass(frozen=True, slots=True)
+@_value
 class TurnResult:
     """What an agent turn returns, built from the run's own ``run.completed`` event."""
     output: Any
@@ -526,7 +536,7 @@ class TurnResult:
     session_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@_value
 class InterruptResult:
     """A workflow run that parked on ``interrupt()`` (or ``sleep_until``).
 
@@ -539,7 +549,7 @@ class InterruptResult:
     run_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@_value
 class Pending:
     """A workflow run waiting for a human (``deck.pending()``), read off the log."""
     run_id: str
@@ -551,7 +561,7 @@ class Pending:
     namespace: str | None = None  # the tenant's whose run it is (``run(namespace=)``)
 
 
-@dataclass(frozen=True, slots=True)
+@_value
 class Due:
     """A sleeping workflow thread whose wake time has passed (``deck.due_resumes()``).
 
@@ -563,7 +573,7 @@ class Due:
     run_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@_value
 class Ticked:
     """One thread ``deck.tick()`` resumed, and what its run returned."""
     workflow: str
@@ -571,7 +581,7 @@ class Ticked:
     result: Any
 
 
-@dataclass(frozen=True, slots=True)
+@_value
 class RunInfo:
     """One row of the store's run index (``EventStorePort.runs``). ``last_seq`` is the seq of
     the run's last event in the log (its end, for a run that ended; its parking event, for a
@@ -634,7 +644,7 @@ class Context:
         return f"Context(data=<{type(self.data).__name__}>)"
 
 
-@dataclass(frozen=True, slots=True)
+@_value
 class InvocableSpec:
     """The compiled form of an agent or workflow, produced by ``Deck.build()``.
 
