@@ -106,6 +106,7 @@ def _value(cls: type) -> type:
             params.append(f.name)
         sets.append(f"\n    set_{f.name}(self, {value})")
     exec(f"def __init__(self, {', '.join(params)}):{''.join(sets) or ' pass'}", names)
+    names["__init__"].__qualname__ = f"{cls.__qualname__}.__init__"  # (its errors name it)
     cls.__init__ = names["__init__"]  # type: ignore[misc]
     return cls
 
