@@ -160,10 +160,16 @@ class Writer:
             self._first_at = self.now()
             if self._later is None:
                 self._wake.set()
-            elif self._timer is None:
-                self._timer = self._later(self._delay(), self._due)
+            elif self._timer is None or self._hurry.is_set():  # (not a past batch's timer)
+                self._arm(self._delay())
         elif n >= FLUSH_MAX:
             self._wake.set()
+
+    def _arm(self, delay: float) -> None:
+        """The loop's timer, to call ``_due`` ``delay`` from now (a timer armed before, off)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._later(delay, self._due)  # type: ignore[misc]
 
     def _delay(self) -> float:
         """How long after its oldest event the buffered batch is due."""
@@ -190,10 +196,7 @@ class Writer:
             return
         self._hurry.set()
         if self._later is not None and self._buf:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._later(max(0.0, self._first_at + HURRY_DELAY - self.now()),
-                                      self._due)
+            self._arm(max(0.0, self._first_at + HURRY_DELAY - self.now()))
 
     async def room(self) -> None:
         """Wait while the backlog is full (while the store is down, until it is back or the

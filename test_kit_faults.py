@@ -361,6 +361,29 @@ async def test_a_hurried_batch_takes_what_the_run_makes_meanwhile(tmp_path, monk
     assert store.batches == [["run.started"] + ["text.delta"] * 5]  # one commit, in order
 
 
+async def test_a_batch_hurried_before_it_began_is_not_left_to_an_earlier_batchs_timer(
+        tmp_path, monkeypatch):
+    """A reader hurries the writer while nothing is buffered (what it waits for is being
+    committed); the next batch is then due HURRY_DELAY after its first event, not when the timer
+    an earlier batch armed (its FLUSH_DELAY, an hour here) would fire."""
+    monkeypatch.setattr(kit_writer, "FLUSH_DELAY", 3600.0)
+    committed: list[Event] = []
+    async with CountingStore(tmp_path / "kit.db") as store:
+        writer = kit_writer.Writer(store, committed.extend, lambda *a: None,
+                                   later=kit_bridge.later())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer.run)
+            writer.put(Event("r1", 0, kit.RunStarted("a", "agent")))  # arms the hour's timer
+            await writer.flush()  # the run's own durable write: that timer is left armed
+            writer.hurry()
+            writer.put(Event("r1", 1, TextDelta("t1")))
+            with anyio.fail_after(5):
+                while len(committed) < 2:
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+    assert store.batches == [["run.started"], ["text.delta"]]
+
+
 # ------------------------------------------------------------------- input, cancel, control ----
 
 async def test_input_that_cannot_be_stored_is_refused_before_anything_is_written(tmp_path):

@@ -995,7 +995,6 @@ async def test_native_routes_stream_raw_envelopes():
         assert body.count(b"\nevent: ") == 3 and body.endswith(b"}\n\n")
 
 
-
 async def test_a_stream_sends_what_its_run_committed_while_the_run_waits():
     """What a run committed is on the wire while the run waits (here in a tool held by a gate),
     not held back for the frames after it: the handler sends what is ready before the stream
