@@ -336,12 +336,11 @@ async def test_a_cancelled_flush_puts_back_only_the_claims_of_what_it_puts_back(
         assert await store.session_holder("s") == "holder"
 
 
-async def test_a_hurried_batch_takes_what_the_run_makes_meanwhile(tmp_path, monkeypatch):
-    """A reader waiting for an event hurries the writer: the commit comes within HURRY_DELAY,
-    not at the batch's FLUSH_DELAY (an hour here: the loop's timer, under asyncio, is brought
-    forward; the writer task's wait, under trio, is cut short), and the events the run makes in
-    the loop passes before it ride along (a short streamed turn is one commit and one send, not
-    one per token)."""
+@contextlib.asynccontextmanager
+async def hurried_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A writer playing on a CountingStore with the loop's timer (under asyncio; trio has
+    none) and an hour's FLUSH_DELAY, so only a hurry commits a batch within a test's bound;
+    yields the store, the writer and the events it committed."""
     monkeypatch.setattr(kit_writer, "FLUSH_DELAY", 3600.0)
     committed: list[Event] = []
     async with CountingStore(tmp_path / "kit.db") as store:
@@ -349,15 +348,29 @@ async def test_a_hurried_batch_takes_what_the_run_makes_meanwhile(tmp_path, monk
                                    later=kit_bridge.later())
         async with anyio.create_task_group() as tg:
             tg.start_soon(writer.run)
-            for seq in range(6):
-                if seq:
-                    await anyio.lowlevel.checkpoint()  # the engine's loop pass between tokens
-                writer.put(Event("r1", seq, TextDelta(f"t{seq}") if seq else kit.RunStarted("a", "agent")))
-                writer.hurry()
-            with anyio.fail_after(5):
-                while len(committed) < 6:
-                    await anyio.sleep(0.001)
+            yield store, writer, committed
             tg.cancel_scope.cancel()
+
+
+async def until_committed(committed: list[Event], n: int) -> None:
+    with anyio.fail_after(5):
+        while len(committed) < n:
+            await anyio.sleep(0.001)
+
+
+async def test_a_hurried_batch_takes_what_the_run_makes_meanwhile(tmp_path, monkeypatch):
+    """A reader waiting for an event hurries the writer: the commit comes within HURRY_DELAY,
+    not at the batch's FLUSH_DELAY (the loop's timer, under asyncio, is brought forward; the
+    writer task's wait, under trio, is cut short), and the events the run makes in the loop
+    passes before it ride along (a short streamed turn is one commit and one send, not one per
+    token)."""
+    async with hurried_writer(tmp_path, monkeypatch) as (store, writer, committed):
+        for seq in range(6):
+            if seq:
+                await anyio.lowlevel.checkpoint()  # the engine's loop pass between tokens
+            writer.put(Event("r1", seq, TextDelta(f"t{seq}") if seq else kit.RunStarted("a", "agent")))
+            writer.hurry()
+        await until_committed(committed, 6)
     assert store.batches == [["run.started"] + ["text.delta"] * 5]  # one commit, in order
 
 
@@ -365,22 +378,13 @@ async def test_a_batch_hurried_before_it_began_is_not_left_to_an_earlier_batchs_
         tmp_path, monkeypatch):
     """A reader hurries the writer while nothing is buffered (what it waits for is being
     committed); the next batch is then due HURRY_DELAY after its first event, not when the timer
-    an earlier batch armed (its FLUSH_DELAY, an hour here) would fire."""
-    monkeypatch.setattr(kit_writer, "FLUSH_DELAY", 3600.0)
-    committed: list[Event] = []
-    async with CountingStore(tmp_path / "kit.db") as store:
-        writer = kit_writer.Writer(store, committed.extend, lambda *a: None,
-                                   later=kit_bridge.later())
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(writer.run)
-            writer.put(Event("r1", 0, kit.RunStarted("a", "agent")))  # arms the hour's timer
-            await writer.flush()  # the run's own durable write: that timer is left armed
-            writer.hurry()
-            writer.put(Event("r1", 1, TextDelta("t1")))
-            with anyio.fail_after(5):
-                while len(committed) < 2:
-                    await anyio.sleep(0.001)
-            tg.cancel_scope.cancel()
+    an earlier batch armed (its FLUSH_DELAY) would fire."""
+    async with hurried_writer(tmp_path, monkeypatch) as (store, writer, committed):
+        writer.put(Event("r1", 0, kit.RunStarted("a", "agent")))  # arms the hour's timer
+        await writer.flush()  # the run's own durable write: that timer is left armed
+        writer.hurry()
+        writer.put(Event("r1", 1, TextDelta("t1")))
+        await until_committed(committed, 2)
     assert store.batches == [["run.started"], ["text.delta"]]
 
 
