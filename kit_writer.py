@@ -182,7 +182,7 @@ class Writer:
         if self._buf:
             left = self._first_at + self._delay() - self.now()
             if left > 0:
-                self._timer = self._later(left, self._due)  # type: ignore[misc]
+                self._arm(left)
             else:
                 self._wake.set()
 
@@ -299,8 +299,8 @@ class Writer:
         """The writer task: flush when FLUSH_MAX events wait, or FLUSH_DELAY (HURRY_DELAY when
         hurried) after the oldest buffered one arrived. A run's durable write (``flush``) that
         empties the buffer meanwhile restarts the clock: a short turn is not cut in two. With
-        the loop's timer (``later``) the task is woken when a batch is due (``_due``), hurried,
-        full, or put back by a cancelled flush."""
+        the loop's timer (``later``) the task is woken when a batch is due (``_due``; HURRY_DELAY
+        once hurried), full, or put back by a cancelled flush."""
         try:
             await self._run()
         finally:
